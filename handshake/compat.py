@@ -1,0 +1,107 @@
+"""What must match between two peers, as a hash and as a field-by-field diff.
+
+The hash covers the protocol version, the model identity (name, dtype, layer count, KV
+heads, head size) and the group structure (kinds, layer names, specs without block size
+or page size, which negotiation may bridge). Equal hashes are the fast path; on a
+mismatch :func:`check_compatible` names every differing field with both values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from handshake.description import WorkerIdentity
+from handshake.errors import IncompatiblePeerError
+from handshake.messages import PROTOCOL_VERSION, WorkerDescription
+from layouts.groups import KVCacheConfig
+
+
+class _HashInput(msgspec.Struct, array_like=True):
+    protocol_version: int
+    model_name: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    groups: list[tuple[str, list[str], list[object]]]
+
+
+def _group_fingerprints(config: KVCacheConfig) -> list[tuple[str, list[str], list[object]]]:
+    out = []
+    for g in config.groups:
+        spec = g.spec
+        fields: list[object] = [
+            str(getattr(spec, name))
+            for name in ("num_kv_heads", "head_size", "dtype", "sliding_window", "shapes", "dtypes")
+            if hasattr(spec, name)
+        ]
+        out.append((spec.kind.value, list(g.layer_names), fields))
+    return out
+
+
+def compat_hash(identity: WorkerIdentity, config: KVCacheConfig) -> str:
+    """A short hex digest of everything that must be equal on both sides."""
+    payload = msgspec.msgpack.encode(
+        _HashInput(
+            protocol_version=PROTOCOL_VERSION,
+            model_name=identity.model_name,
+            dtype=identity.dtype,
+            num_layers=identity.num_layers,
+            num_kv_heads=identity.num_kv_heads,
+            head_size=identity.head_size,
+            groups=_group_fingerprints(config),
+        )
+    )
+    return hashlib.sha256(payload).hexdigest()[:32]
+
+
+_IDENTITY_FIELDS = (
+    "protocol_version",
+    "model_name",
+    "dtype",
+    "num_layers",
+    "num_kv_heads",
+    "head_size",
+)
+
+
+def check_compatible(
+    local: WorkerDescription, remote: WorkerDescription, *, peer: str = ""
+) -> None:
+    """Raise :class:`IncompatiblePeerError` listing every field that must match but does not."""
+    diffs: list[tuple[str, object, object]] = []
+    for name in _IDENTITY_FIELDS:
+        a, b = getattr(local, name), getattr(remote, name)
+        if a != b:
+            diffs.append((name, a, b))
+    if len(local.groups) != len(remote.groups):
+        diffs.append(("num_groups", len(local.groups), len(remote.groups)))
+    for lg, rg in zip(local.groups, remote.groups, strict=False):
+        prefix = f"groups[{lg.group_id}]"
+        if lg.layer_names != rg.layer_names:
+            diffs.append((f"{prefix}.layer_names", lg.layer_names, rg.layer_names))
+        for name in ("kind", "num_kv_heads", "head_size", "dtype", "sliding_window"):
+            a, b = getattr(lg.spec, name), getattr(rg.spec, name)
+            if a != b:
+                diffs.append((f"{prefix}.spec.{name}", a, b))
+        if (lg.spec.state_shapes, lg.spec.state_dtypes) != (
+            rg.spec.state_shapes,
+            rg.spec.state_dtypes,
+        ):
+            diffs.append(
+                (
+                    f"{prefix}.spec.state",
+                    (lg.spec.state_shapes, lg.spec.state_dtypes),
+                    (rg.spec.state_shapes, rg.spec.state_dtypes),
+                )
+            )
+    if not diffs and local.compat_hash != remote.compat_hash:
+        diffs.append(("compat_hash", local.compat_hash, remote.compat_hash))
+    if diffs:
+        raise IncompatiblePeerError(
+            diffs,
+            peer=peer or f"{remote.engine_id}/rank{remote.rank}",
+            hint="both sides must serve the same model with the same KV-cache groups",
+        )

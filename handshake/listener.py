@@ -1,0 +1,280 @@
+"""The side-channel listener: a ZMQ ROUTER in one background thread.
+
+A worker publishes its self-description through ``describe``; any number of peers may ask
+at once (ROUTER queues them, one thread answers in turn; an answer is microseconds).
+
+    peer DEALER --[KVB1|hdr|MetadataRequest]--> ROUTER --describe()--> WorkerDescription
+                <--[KVB1|hdr|reply]-------------
+
+Bad input never kills the thread: every message that can be routed back gets a typed
+``ErrorReply``, and ``stats()`` counts what was served, refused (by code) and dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+
+import zmq
+
+from handshake.errors import (
+    AuthenticationError,
+    HandshakeError,
+    MessageTooLargeError,
+    ProtocolError,
+    UnknownRequestError,
+    UnsupportedVersionError,
+)
+from handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
+from handshake.messages import (
+    ErrorCode,
+    ErrorReply,
+    MetadataRequest,
+    WorkerDescription,
+    decode_request,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_PORT = 5600
+_MAX_BATCH = 64  # messages handled per wake-up before the stop flag is looked at again
+
+# Most specific first: the first matching class gives the reply code.
+_ERROR_CODES: tuple[tuple[type[HandshakeError], ErrorCode], ...] = (
+    (MessageTooLargeError, ErrorCode.TOO_LARGE),
+    (UnsupportedVersionError, ErrorCode.UNSUPPORTED_VERSION),
+    (UnknownRequestError, ErrorCode.UNKNOWN_REQUEST),
+    (ProtocolError, ErrorCode.MALFORMED),
+    (AuthenticationError, ErrorCode.UNAUTHENTICATED),
+)
+
+
+def default_port(rank: int) -> int:
+    """The conventional side-channel port of a rank: ``DEFAULT_BASE_PORT + rank``."""
+    return DEFAULT_BASE_PORT + rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListenerConfig:
+    """Where the listener binds and how it behaves; ``port=0`` picks a free port."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_BASE_PORT
+    security: HandshakeSecurity = field(default_factory=HandshakeSecurity)
+    poll_interval_s: float = 0.05
+    rcvhwm: int = 1000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise HandshakeError(f"ListenerConfig: port={self.port} must be in 0..65535")
+        if not 0 < self.poll_interval_s <= 1.0:
+            raise HandshakeError(
+                f"ListenerConfig: poll_interval_s={self.poll_interval_s} must be in (0, 1]"
+            )
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name or "*": assume it is reachable from outside
+            return False
+
+
+@dataclass(frozen=True)
+class ListenerStats:
+    """A snapshot of what the listener did since it started."""
+
+    served: int
+    dropped: int
+    errors: Mapping[ErrorCode, int]
+
+    @property
+    def num_errors(self) -> int:
+        return sum(self.errors.values())
+
+
+class HandshakeListener:
+    """Serves ``describe()`` to peers over ZMQ until :meth:`close`."""
+
+    def __init__(self, config: ListenerConfig, describe: Callable[[], WorkerDescription]) -> None:
+        self.config = config
+        self._describe = describe
+        self._codec = FrameCodec(config.security)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._port: int | None = None
+        self._stats_lock = threading.Lock()
+        self._served = 0
+        self._dropped = 0
+        self._errors: collections.Counter[ErrorCode] = collections.Counter()
+        self._cached: tuple[WorkerDescription, bytes] | None = None
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive else ("closed" if self._stop.is_set() else "new")
+        return f"HandshakeListener({self.config.host}:{self._port or self.config.port}, {state})"
+
+    @property
+    def port(self) -> int:
+        """The bound port (the picked one when configured with ``port=0``)."""
+        if self._port is None:
+            raise HandshakeError(f"{self!r}: port is known only after start()")
+        return self._port
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> HandshakeListener:
+        """Bind (errors raise here, in the caller) and start serving in a daemon thread."""
+        if self._thread is not None:
+            raise HandshakeError(f"{self!r}: start() called twice")
+        cfg = self.config
+        if not cfg.is_loopback and cfg.security.secret is None:
+            logger.warning(
+                "handshake listener binds %s without a shared secret: anyone who can reach "
+                "it can read this worker's memory layout; set HandshakeSecurity.secret",
+                cfg.host,
+            )
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.security.socket_max_bytes)
+            sock.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+            sock.setsockopt(zmq.SNDHWM, cfg.rcvhwm)
+            if ":" in cfg.host:
+                sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+            if cfg.port == 0:
+                self._port = sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                sock.bind(f"tcp://{host}:{cfg.port}")
+                self._port = cfg.port
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._ctx.term()
+            self._ctx = None
+            raise HandshakeError(
+                f"cannot bind handshake listener to {cfg.host}:{cfg.port}: {exc}; "
+                "is another worker using this port?"
+            ) from exc
+        # The socket moves to the serving thread here and is used only there from now on.
+        self._thread = threading.Thread(
+            target=self._serve, args=(sock,), name=f"kvbridge-handshake-{self._port}", daemon=True
+        )
+        self._thread.start()
+        logger.info("handshake listener serving on %s:%d", cfg.host, self._port)
+        return self
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop serving and release the socket; prompt (one poll interval). Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise HandshakeError(f"{self!r}: serving thread did not stop in {timeout_s} s")
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> HandshakeListener:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def stats(self) -> ListenerStats:
+        with self._stats_lock:
+            errors = MappingProxyType(dict(self._errors))
+            return ListenerStats(served=self._served, dropped=self._dropped, errors=errors)
+
+    # -- serving thread ------------------------------------------------------------------
+
+    def _serve(self, sock: zmq.Socket[bytes]) -> None:
+        timeout_ms = max(1, int(self.config.poll_interval_s * 1000))
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(timeout_ms, zmq.POLLIN):
+                    continue
+                for _ in range(_MAX_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(sock, frames)
+                    except Exception:  # last resort: one bad message must not stop serving
+                        logger.exception("handshake listener: dropped a message")
+                        self._count_dropped()
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        if len(frames) < 2:  # no routing identity or no message: nobody to answer
+            self._count_dropped()
+            return
+        identity, body = frames[0], frames[1:]
+        nonce = b""
+        try:
+            opened = self._codec.open(body)
+            nonce = opened.nonce
+            request = decode_request(opened.payload)
+            payload = self._answer(request)
+            code = None
+        except HandshakeError as exc:
+            code = next(c for cls, c in _ERROR_CODES if isinstance(exc, cls))
+            payload = encode(ErrorReply(code=code, reason=str(exc)))
+        except Exception as exc:  # describe() failed: the owner's bug, not the peer's
+            logger.exception("handshake listener: internal error while answering")
+            code = ErrorCode.INTERNAL
+            payload = encode(ErrorReply(code=code, reason=f"{type(exc).__name__}: {exc}"))
+        if nonce or self.config.security.secret is None:
+            reply, _ = self._codec.seal(payload, in_reply_to=nonce)
+        else:
+            # The request failed authentication (code is set): the requester may not hold
+            # the secret, and an error reply reveals nothing worth protecting.
+            reply = [MAGIC, payload]
+        with self._stats_lock:  # counted before sending: a peer that sees the reply sees it
+            if code is None:
+                self._served += 1
+            else:
+                self._errors[code] += 1
+        try:
+            sock.send_multipart([identity, *reply], zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full: it is not reading; drop
+            self._count_dropped()
+
+    def _answer(self, request: MetadataRequest) -> bytes:
+        match request:
+            case MetadataRequest():
+                description = self._describe()
+                cached = self._cached
+                if cached is not None and cached[0] is description:
+                    return cached[1]
+                payload = encode(description)
+                self._cached = (description, payload)
+                return payload
+        raise UnknownRequestError(f"no handler for {type(request).__name__}")
+
+    def _count_dropped(self) -> None:
+        with self._stats_lock:
+            self._dropped += 1

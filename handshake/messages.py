@@ -1,0 +1,193 @@
+"""The handshake's wire messages: typed msgspec Structs, encoded as MessagePack.
+
+One request, two replies::
+
+    decode worker                          prefill worker (HandshakeListener)
+        MetadataRequest   ------------->
+                          <-------------   WorkerDescription | ErrorReply
+
+Top-level messages are tagged (``"type": "<ClassName>"``) so one typed decoder tells them
+apart; nested structs are untagged.
+
+Schema evolution: a new field goes *last* in its Struct and has a default. Old decoders
+ignore fields they do not know, new decoders fill in the default for fields an old peer did
+not send. Anything else (removing, renaming, reordering or retyping a field, a new required
+field) is a new ``PROTOCOL_VERSION``.
+
+Protocol history:
+    1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeAlias
+
+import msgspec
+
+from handshake.errors import ProtocolError, UnknownRequestError, UnsupportedVersionError
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(enum.Enum):
+    """Why a listener refused a request; travels as its string value."""
+
+    MALFORMED = "malformed"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_REQUEST = "unknown_request"
+    TOO_LARGE = "too_large"
+    UNAUTHENTICATED = "unauthenticated"
+    INTERNAL = "internal"
+
+
+class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
+    """Ask a worker to describe itself; ``requester_*`` only serve the peer's logs."""
+
+    protocol_version: int
+    requester_engine_id: str = ""
+    requester_rank: int = 0
+
+
+class WireSpec(msgspec.Struct, frozen=True):
+    """A KV-cache spec on the wire (``kind`` is a ``layouts.specs.KVCacheKind`` value)."""
+
+    kind: str
+    block_size: int
+    num_kv_heads: int = 0
+    head_size: int = 0
+    dtype: str = ""
+    sliding_window: int = 0
+    state_shapes: list[list[int]] = msgspec.field(default_factory=list)
+    state_dtypes: list[str] = msgspec.field(default_factory=list)
+    page_size_bytes: int = 0
+
+
+class WireGroup(msgspec.Struct, frozen=True):
+    """One KV-cache group: the layers that share a block table, and their spec."""
+
+    group_id: int
+    layer_names: list[str]
+    spec: WireSpec
+
+
+class WireRegion(msgspec.Struct, frozen=True):
+    """A registered memory region and where it belongs.
+
+    ``group_id`` / ``layer_index`` / ``kv_part`` are -1 where they do not apply: a
+    canonical cross-layer buffer holds every layer (``layer_index=-1``), a packed block
+    holds K and V together (``kv_part=-1``).
+    """
+
+    name: str
+    base_addr: int
+    block_bytes: int
+    block_stride_bytes: int
+    num_blocks: int
+    memory_kind: str
+    device_id: int = 0
+    group_id: int = -1
+    layer_index: int = -1
+    kv_part: int = -1
+
+
+class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
+    """A worker's self-description: model shape, cache layout, regions, NIXL metadata.
+
+    ``kv_layout`` is ``"NHD"`` or ``"HND"``; ``kv_packing`` is ``"kv_split"`` or
+    ``"blocks_first"``. They travel as strings and are checked by negotiation, so that an
+    unknown value becomes an ``IncompatiblePeerError`` naming it, not a decode failure.
+    """
+
+    protocol_version: int
+    engine_id: str
+    agent_name: str
+    rank: int
+    tp_size: int
+    model_name: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    compat_hash: str
+    block_size: int
+    kernel_block_size: int
+    kv_layout: str
+    kv_packing: str
+    cross_layer: bool
+    groups: list[WireGroup]
+    regions: list[WireRegion]
+    nixl_metadata: bytes
+    side_channel_host: str = ""
+    side_channel_port: int = 0
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
+    """A listener's refusal: a machine-readable code and a sentence for humans."""
+
+    code: ErrorCode
+    reason: str
+
+
+# A union as soon as a second request exists; the tag keeps them apart on the wire.
+Request: TypeAlias = MetadataRequest
+Reply: TypeAlias = WorkerDescription | ErrorReply
+
+
+class _Envelope(msgspec.Struct):
+    """What every top-level message shares: peeked first to pick the right error."""
+
+    type: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+
+
+_REQUEST_TYPES = ("MetadataRequest",)
+_REPLY_TYPES = ("WorkerDescription", "ErrorReply")
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
+_REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
+_REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """MessagePack bytes of a request or reply (tag included)."""
+    return _ENCODER.encode(msg)
+
+
+def _peek(data: bytes, what: str, known: tuple[str, ...]) -> _Envelope:
+    try:
+        envelope = _ENVELOPE_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {what} ({len(data)} bytes): {exc}") from None
+    if not envelope.type:
+        raise ProtocolError(f"malformed {what} ({len(data)} bytes): no 'type' tag")
+    if envelope.type not in known:
+        raise UnknownRequestError(
+            f"unknown {what} type {envelope.type!r}; expected one of {list(known)}"
+        )
+    # An ErrorReply is version-less on purpose: it is how a peer says "wrong version".
+    if envelope.type != "ErrorReply" and envelope.protocol_version != PROTOCOL_VERSION:
+        raise UnsupportedVersionError(
+            f"{envelope.type} speaks protocol version {envelope.protocol_version}, "
+            f"this process speaks {PROTOCOL_VERSION}; upgrade one side"
+        )
+    return envelope
+
+
+def decode_request(data: bytes) -> Request:
+    """Decode a request; raises :class:`ProtocolError` (or a subclass) naming the problem."""
+    _peek(data, "request", _REQUEST_TYPES)
+    try:
+        return _REQUEST_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed request ({len(data)} bytes): {exc}") from None
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decode a reply; raises :class:`ProtocolError` (or a subclass) naming the problem."""
+    _peek(data, "reply", _REPLY_TYPES)
+    try:
+        return _REPLY_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed reply ({len(data)} bytes): {exc}") from None

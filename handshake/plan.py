@@ -1,0 +1,464 @@
+"""Negotiation: (local description, remote description) -> TransferPlan.
+
+The local side is the reader (decode), the remote side the sender (prefill). Per KV-cache
+group the plan fixes:
+
+* the *wire chunk*: ``u = min(remote block, local block)`` tokens, laid out like the
+  reader wants (its layout, its kernel sub-blocks where they fit in ``u``);
+* the sender transform (after save): rewrite each of its blocks as ``B_remote / u``
+  wire chunks, unless its native bytes already are that;
+* the receiver transform (after load): when a local block holds several wire chunks
+  whose bytes differ from the local native arrangement (cross-layer merge, kernel
+  sub-blocks larger than ``u``, K/V order), rewrite it;
+* the *pieces* a chunk is cut into so that every piece is contiguous on both sides: one
+  per chunk when both sides are cross-layer, one per layer against a per-layer peer, one
+  per (layer, K/V) against a kv-split peer; state groups move ``state_bytes`` per layer.
+
+Token chunk ``q`` (tokens ``q*u .. q*u+u-1``) lives in local block ``q // r_local`` at
+chunk ``q % r_local`` and in remote block ``q // r_remote`` at chunk ``q % r_remote``.
+Descriptor tables list ``block x chunk x piece`` rows; :meth:`GroupPlan.indices` picks
+rows for given chunks with numpy, no per-block loops.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from handshake.description import PeerLayout
+from handshake.errors import IncompatiblePeerError
+from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
+from layouts.errors import LayoutError
+from layouts.groups import KVCacheGroup
+from layouts.layout import KVPacking
+from layouts.specs import AttentionSpec, KVCacheKind, StateSpec
+
+
+class Granularity(enum.IntEnum):
+    """How much of a block one region row holds; lower is finer."""
+
+    PART = 0  # one layer, one of K/V
+    LAYER = 1  # one layer, K and V
+    GROUP = 2  # every layer of the group (cross-layer)
+
+
+class TransformSide(enum.Enum):
+    NONE = "none"
+    SENDER = "sender after save"
+    RECEIVER = "receiver after load"
+    BOTH = "sender after save + receiver after load"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rewrite:
+    """An in-place rewrite of a group's blocks from ``src`` to ``dst`` arrangement."""
+
+    src: BlockArrangement
+    dst: BlockArrangement
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PieceStream:
+    """Pieces that go from one remote region to one local region, per chunk."""
+
+    local_region: int  # index into the local PeerLayout.regions
+    remote_region: int
+    local_offsets: tuple[int, ...]  # per piece, inside one wire chunk of the local unit
+    remote_offsets: tuple[int, ...]
+    length: int
+    local_chunk_bytes: int  # distance between chunks inside a local unit
+    remote_chunk_bytes: int
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.local_offsets)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """How one KV-cache group moves."""
+
+    group_id: int
+    kind: KVCacheKind
+    wire_tokens: int  # u; for state groups the state granularity (one chunk per block)
+    local_chunks_per_block: int
+    remote_chunks_per_block: int
+    sender: Rewrite | None
+    receiver: Rewrite | None
+    streams: tuple[PieceStream, ...]
+
+    @property
+    def descriptors_per_chunk(self) -> int:
+        return sum(s.num_pieces for s in self.streams)
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return sum(s.num_pieces * s.length for s in self.streams)
+
+    def local_offsets(self, stream: PieceStream) -> np.ndarray:
+        """Offsets, inside a local unit, of every (chunk, piece) row of the table."""
+        return _offsets(self.local_chunks_per_block, stream.local_chunk_bytes, stream.local_offsets)
+
+    def remote_offsets(self, stream: PieceStream) -> np.ndarray:
+        return _offsets(
+            self.remote_chunks_per_block, stream.remote_chunk_bytes, stream.remote_offsets
+        )
+
+    def chunks_for_tokens(self, start: int, end: int) -> np.ndarray:
+        """Wire chunks covering tokens ``[start, end)``."""
+        if end <= start:
+            return np.zeros(0, dtype=np.int64)
+        return np.arange(start // self.wire_tokens, -(-end // self.wire_tokens), dtype=np.int64)
+
+    def indices(
+        self,
+        stream: PieceStream,
+        chunk_ids: np.ndarray,
+        local_block_ids: np.ndarray,
+        remote_block_ids: np.ndarray,
+        *,
+        local_first_block: int = 0,
+        remote_first_block: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of the local and remote descriptor tables (block x chunk x piece) that move
+        ``chunk_ids``. ``*_block_ids[i]`` is the id of logical block ``*_first_block + i``."""
+        q = np.asarray(chunk_ids, dtype=np.int64)
+        lpos = q // self.local_chunks_per_block - local_first_block
+        rpos = q // self.remote_chunks_per_block - remote_first_block
+        lids = np.asarray(local_block_ids, dtype=np.int64)
+        rids = np.asarray(remote_block_ids, dtype=np.int64)
+        if q.size and (lpos.min() < 0 or lpos.max() >= lids.size):
+            raise LayoutError(
+                f"group {self.group_id}: chunks {q.tolist()} need local logical blocks "
+                f"{sorted(set((lpos + local_first_block).tolist()))} but only "
+                f"{local_first_block}..{local_first_block + lids.size - 1} were given"
+            )
+        if q.size and (rpos.min() < 0 or rpos.max() >= rids.size):
+            raise LayoutError(
+                f"group {self.group_id}: chunks {q.tolist()} need remote logical blocks "
+                f"{sorted(set((rpos + remote_first_block).tolist()))} but only "
+                f"{remote_first_block}..{remote_first_block + rids.size - 1} were given"
+            )
+        m = stream.num_pieces
+        piece = np.arange(m, dtype=np.int64)[None, :]
+        lrow = lids[lpos] * self.local_chunks_per_block + q % self.local_chunks_per_block
+        rrow = rids[rpos] * self.remote_chunks_per_block + q % self.remote_chunks_per_block
+        local_idx = (lrow[:, None] * m + piece).reshape(-1)
+        remote_idx = (rrow[:, None] * m + piece).reshape(-1)
+        return local_idx, remote_idx
+
+    def __str__(self) -> str:
+        side = _side(self.sender, self.receiver)
+        piece_bytes = self.bytes_per_chunk // max(1, self.descriptors_per_chunk)
+        return (
+            f"group {self.group_id} ({self.kind.value}): chunk {self.wire_tokens} tok, "
+            f"{self.remote_chunks_per_block}/remote block, {self.local_chunks_per_block}/local "
+            f"block, {self.descriptors_per_chunk} desc x {piece_bytes} B "
+            f"per chunk; transform: {side.value}"
+            + (f" [sender {self.sender}]" if self.sender else "")
+            + (f" [receiver {self.receiver}]" if self.receiver else "")
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferPlan:
+    """The agreed way to move KV blocks from ``remote`` (sender) to ``local`` (reader)."""
+
+    local_engine_id: str
+    remote_engine_id: str
+    remote_agent_name: str
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def transform_side(self) -> TransformSide:
+        sender = any(g.sender for g in self.groups)
+        receiver = any(g.receiver for g in self.groups)
+        return _side(sender, receiver)
+
+    def sender_rewrites(self) -> dict[int, Rewrite]:
+        return {g.group_id: g.sender for g in self.groups if g.sender}
+
+    def __str__(self) -> str:
+        lines = [
+            f"TransferPlan {self.remote_engine_id} -> {self.local_engine_id} "
+            f"({self.transform_side.value})"
+        ]
+        lines += [f"  {g}" for g in self.groups]
+        return "\n".join(lines)
+
+
+def negotiate(local: PeerLayout, remote: PeerLayout) -> TransferPlan:
+    """The plan for reading ``remote``'s blocks into ``local``'s, or
+    :class:`IncompatiblePeerError` naming what cannot be bridged."""
+    peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
+    if local.identity.tp_size != remote.identity.tp_size:
+        raise IncompatiblePeerError(
+            [("tp_size", local.identity.tp_size, remote.identity.tp_size)],
+            peer=peer,
+            hint="different tensor-parallel sizes are not supported yet; run both sides "
+            "with the same TP size",
+        )
+    if len(local.config.groups) != len(remote.config.groups):
+        raise IncompatiblePeerError(
+            [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
+        )
+    plans = []
+    for lg, rg in zip(local.config.groups, remote.config.groups, strict=True):
+        if lg.kind != rg.kind or lg.layer_names != rg.layer_names:
+            raise IncompatiblePeerError(
+                [
+                    (
+                        f"groups[{lg.group_id}]",
+                        (lg.kind.value, lg.layer_names),
+                        (rg.kind.value, rg.layer_names),
+                    )
+                ],
+                peer=peer,
+            )
+        try:
+            if isinstance(lg.spec, StateSpec):
+                plans.append(_state_plan(local, remote, lg, rg))
+            else:
+                plans.append(_attention_plan(local, remote, lg, rg))
+        except LayoutError as exc:
+            raise IncompatiblePeerError(
+                [(f"groups[{lg.group_id}]", str(local.format), str(remote.format))],
+                peer=peer,
+                hint=f"cannot bridge the block formats: {exc}",
+            ) from None
+    return TransferPlan(
+        local_engine_id=local.identity.engine_id,
+        remote_engine_id=remote.identity.engine_id,
+        remote_agent_name=remote.identity.agent_name,
+        groups=tuple(plans),
+    )
+
+
+# -- attention groups ------------------------------------------------------------------
+
+
+def _granularity(side: PeerLayout, spec: AttentionSpec) -> Granularity:
+    if side.format.cross_layer:
+        return Granularity.GROUP
+    if side.format.packing is KVPacking.KV_SPLIT and spec.num_kv_parts == 2:
+        return Granularity.PART
+    return Granularity.LAYER
+
+
+def _attention_plan(
+    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+) -> GroupPlan:
+    lspec, rspec = lg.spec, rg.spec
+    assert isinstance(lspec, AttentionSpec) and isinstance(rspec, AttentionSpec)
+    b_local, b_remote = lspec.block_size, rspec.block_size
+    if max(b_local, b_remote) % min(b_local, b_remote):
+        raise LayoutError(
+            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
+        )
+    u = min(b_local, b_remote)
+    kb_local = local.format.kernel_block_size_for(b_local)
+    grain = min(_granularity(local, lspec), _granularity(remote, rspec))
+    parts_outer = grain is Granularity.PART
+    wire = BlockArrangement(
+        layout=local.format.layout,
+        sub_blocks_per_chunk=u // kb_local if u % kb_local == 0 else 1,
+        parts_outer=parts_outer,
+    )
+    r_local, r_remote = b_local // u, b_remote // u
+
+    def on_side(c: int) -> BlockArrangement:
+        return BlockArrangement(
+            layout=wire.layout,
+            num_chunks=c,
+            sub_blocks_per_chunk=wire.sub_blocks_per_chunk,
+            parts_outer=wire.parts_outer,
+        )
+
+    sender_dst, receiver_src = on_side(r_remote), on_side(r_local)
+    r_native = remote.format.native_arrangement(b_remote)
+    l_native = local.format.native_arrangement(b_local)
+    sender = None
+    if not all(
+        same_bytes(geo, r_native, sender_dst) for geo in _geometries(remote, rg.group_id, rspec)
+    ):
+        sender = Rewrite(src=r_native, dst=sender_dst)
+    receiver = None
+    if not all(
+        same_bytes(geo, receiver_src, l_native) for geo in _geometries(local, lg.group_id, lspec)
+    ):
+        receiver = Rewrite(src=receiver_src, dst=l_native)
+    streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
+    return GroupPlan(
+        group_id=lg.group_id,
+        kind=lg.kind,
+        wire_tokens=u,
+        local_chunks_per_block=r_local,
+        remote_chunks_per_block=r_remote,
+        sender=sender,
+        receiver=receiver,
+        streams=streams,
+    )
+
+
+def _geometries(side: PeerLayout, group_id: int, spec: AttentionSpec) -> list[UnitGeometry]:
+    """Unit geometries of a side's regions for a group (what its rows hold)."""
+    out = []
+    grain = _granularity(side, spec)
+    num_layers = len(side.config.groups[group_id].layer_names) if grain is Granularity.GROUP else 1
+    parts = 1 if grain is Granularity.PART else spec.num_kv_parts
+    out.append(
+        UnitGeometry(
+            num_layers=num_layers,
+            num_kv_parts=parts,
+            block_size=spec.block_size,
+            num_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            itemsize=spec.itemsize,
+        )
+    )
+    return out
+
+
+def _pieces(
+    side: PeerLayout,
+    group: KVCacheGroup,
+    spec: AttentionSpec,
+    grain: Granularity,
+    chunks_per_block: int,
+) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """(layer in group, part or -1) -> (region index, offset inside a chunk, chunk bytes)."""
+    side_grain = _granularity(side, spec)
+    out: dict[tuple[int, int], tuple[int, int, int]] = {}
+    page = spec.page_size_bytes
+    for idx, info in enumerate(side.regions):
+        if info.group_id != group.group_id:
+            continue
+        layers = range(group.num_layers) if info.layer_index < 0 else [info.layer_index]
+        num_layers = len(layers)
+        parts_here = 1 if side_grain is Granularity.PART else spec.num_kv_parts
+        expect = num_layers * (page if parts_here == spec.num_kv_parts else page // 2)
+        if info.region.block_bytes != expect:
+            raise LayoutError(
+                f"region {info.region.name!r} holds {info.region.block_bytes} bytes per block, "
+                f"expected {expect}"
+            )
+        chunk = info.region.block_bytes // chunks_per_block
+        layer_bytes = chunk // num_layers
+        for i, layer in enumerate(layers):
+            if grain is Granularity.PART:
+                if side_grain is Granularity.PART:
+                    out[(layer, info.kv_part)] = (idx, i * layer_bytes, chunk)
+                else:
+                    part_bytes = layer_bytes // spec.num_kv_parts
+                    for p in range(spec.num_kv_parts):
+                        out[(layer, p)] = (idx, i * layer_bytes + p * part_bytes, chunk)
+            elif grain is Granularity.LAYER:
+                out[(layer, -1)] = (idx, i * layer_bytes, chunk)
+            else:
+                out[(-1, -1)] = (idx, 0, chunk)
+    return out
+
+
+def _attention_streams(
+    local: PeerLayout,
+    remote: PeerLayout,
+    group: KVCacheGroup,
+    lspec: AttentionSpec,
+    rspec: AttentionSpec,
+    grain: Granularity,
+    r_local: int,
+    r_remote: int,
+) -> tuple[PieceStream, ...]:
+    lp = _pieces(local, group, lspec, grain, r_local)
+    rp = _pieces(remote, group, rspec, grain, r_remote)
+    if set(lp) != set(rp):
+        raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
+    chunk_bytes = lspec.page_size_bytes * group.num_layers // r_local
+    pieces_per_chunk = len(lp)
+    length = chunk_bytes // pieces_per_chunk
+    return _group_streams(lp, rp, length)
+
+
+def _group_streams(
+    lp: dict[tuple[int, int], tuple[int, int, int]],
+    rp: dict[tuple[int, int], tuple[int, int, int]],
+    length: int,
+) -> tuple[PieceStream, ...]:
+    by_pair: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for key in sorted(lp):
+        li, loff, lchunk = lp[key]
+        ri, roff, rchunk = rp[key]
+        by_pair.setdefault((li, ri), []).append((loff, roff, lchunk, rchunk))
+    streams = []
+    for (li, ri), rows in by_pair.items():
+        streams.append(
+            PieceStream(
+                local_region=li,
+                remote_region=ri,
+                local_offsets=tuple(r[0] for r in rows),
+                remote_offsets=tuple(r[1] for r in rows),
+                length=length,
+                local_chunk_bytes=rows[0][2],
+                remote_chunk_bytes=rows[0][3],
+            )
+        )
+    return tuple(streams)
+
+
+# -- state groups -----------------------------------------------------------------------
+
+
+def _state_plan(
+    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+) -> GroupPlan:
+    lspec, rspec = lg.spec, rg.spec
+    assert isinstance(lspec, StateSpec) and isinstance(rspec, StateSpec)
+    if lspec.state_bytes != rspec.state_bytes:
+        raise LayoutError(f"state sizes differ: {lspec.state_bytes} vs {rspec.state_bytes} bytes")
+
+    def pieces(side: PeerLayout, spec: StateSpec) -> dict[tuple[int, int], tuple[int, int, int]]:
+        out = {}
+        for idx, info in enumerate(side.regions):
+            if info.group_id != lg.group_id:
+                continue
+            layers = range(lg.num_layers) if info.layer_index < 0 else [info.layer_index]
+            for i, layer in enumerate(layers):
+                out[(layer, -1)] = (idx, i * spec.page_size_bytes, info.region.block_bytes)
+        return out
+
+    lp, rp = pieces(local, lspec), pieces(remote, rspec)
+    if set(lp) != set(rp):
+        raise LayoutError(f"state layers do not correspond: {sorted(lp)} vs {sorted(rp)}")
+    # A state block holds the state after its last token; both sides keep one per block.
+    granularity = math.lcm(lspec.block_size, rspec.block_size)
+    return GroupPlan(
+        group_id=lg.group_id,
+        kind=lg.kind,
+        wire_tokens=granularity,
+        local_chunks_per_block=1,
+        remote_chunks_per_block=1,
+        sender=None,
+        receiver=None,
+        streams=_group_streams(lp, rp, lspec.state_bytes),
+    )
+
+
+def _offsets(chunks: int, chunk_bytes: int, piece_offsets: tuple[int, ...]) -> np.ndarray:
+    base = np.arange(chunks, dtype=np.int64)[:, None] * chunk_bytes
+    return (base + np.asarray(piece_offsets, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def _side(sender: object, receiver: object) -> TransformSide:
+    if sender and receiver:
+        return TransformSide.BOTH
+    if sender:
+        return TransformSide.SENDER
+    if receiver:
+        return TransformSide.RECEIVER
+    return TransformSide.NONE

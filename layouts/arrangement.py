@@ -1,0 +1,198 @@
+"""How the bytes of one block are ordered inside a *unit*, and views that read them.
+
+A unit is the contiguous run of bytes one region holds for one block (see
+``allocation.py``): a cross-layer buffer holds ``num_layers`` layer pages per unit, a
+blocks-first layer tensor one page (K and V), a kv-split layer tensor one part (K or V).
+
+Inside a unit the tokens of a ``block_size``-token block are ordered by an arrangement::
+
+    unit = [chunk 0][chunk 1] ... [chunk c-1]              c = num_chunks
+    chunk = [layer 0][layer 1] ... [layer L-1]              L = layers in the unit
+    layer = [sub 0][sub 1] ... [sub n-1]                    n = sub-blocks per chunk
+    sub   = [part 0 (K)][part 1 (V)]                        parts in the unit
+    (parts_outer: layer = [part 0: sub 0 .. sub n-1][part 1: ...], so K and V of a
+    layer are each contiguous, which per-part (kv-split) peers need)
+    part  = NHD [t, H, D] or HND [H, t, D]                  t = sub_block_size tokens
+
+token index = (chunk * n + sub) * t + slot
+
+The *native* arrangement of a side has one chunk and kernel-block sub-blocks. A sender
+whose blocks are ``r`` times larger than the receiver's rewrites a block as ``r`` chunks,
+each laid out exactly like one receiver block (split); a receiver whose blocks are larger
+reads ``r`` sender blocks into the chunks of one block and rewrites it (merge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from layouts.errors import LayoutError
+from layouts.layout import KVLayout
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitGeometry:
+    """What one unit holds: layers x parts x block_size tokens x heads x head_size."""
+
+    num_layers: int
+    num_kv_parts: int
+    block_size: int
+    num_heads: int
+    head_size: int
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_parts", "block_size", "num_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"UnitGeometry.{name}={getattr(self, name)} must be positive")
+        if self.itemsize not in _INT_OF_SIZE:
+            raise LayoutError(f"itemsize={self.itemsize} must be one of {sorted(_INT_OF_SIZE)}")
+
+    @property
+    def elems_per_token(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def unit_elems(self) -> int:
+        return self.num_layers * self.num_kv_parts * self.block_size * self.elems_per_token
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.unit_elems * self.itemsize
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        """An integer dtype of the element size: moves bits without float semantics."""
+        return _INT_OF_SIZE[self.itemsize]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockArrangement:
+    """``num_chunks`` chunks of ``sub_blocks_per_chunk`` sub-blocks, each in ``layout``."""
+
+    layout: KVLayout
+    num_chunks: int = 1
+    sub_blocks_per_chunk: int = 1
+    parts_outer: bool = False  # (part, sub-block) instead of (sub-block, part) in a layer
+
+    def __post_init__(self) -> None:
+        if self.num_chunks <= 0 or self.sub_blocks_per_chunk <= 0:
+            raise LayoutError(
+                f"BlockArrangement: num_chunks={self.num_chunks} and "
+                f"sub_blocks_per_chunk={self.sub_blocks_per_chunk} must be positive"
+            )
+
+    @classmethod
+    def native(cls, layout: KVLayout, block_size: int, kernel_block_size: int) -> BlockArrangement:
+        """A side's own arrangement: one chunk of kernel-sized sub-blocks."""
+        from layouts.block_table import kernel_ratio
+
+        return cls(layout=layout, sub_blocks_per_chunk=kernel_ratio(block_size, kernel_block_size))
+
+    def sub_block_size(self, block_size: int) -> int:
+        per = self.num_chunks * self.sub_blocks_per_chunk
+        if block_size % per:
+            raise LayoutError(
+                f"{self} cannot hold a {block_size}-token block: {self.num_chunks} chunks x "
+                f"{self.sub_blocks_per_chunk} sub-blocks does not divide {block_size}"
+            )
+        return block_size // per
+
+    def __str__(self) -> str:
+        order = "PN" if self.parts_outer else ""
+        return f"{self.num_chunks}x{self.sub_blocks_per_chunk}x{self.layout.value}{order}"
+
+
+def canonical_view(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrangement):
+    """View rows of ``units`` (N, unit_bytes uint8, rows contiguous) as
+    ``(N, layers, parts, chunks, subs, t, heads, head_size)`` without copying."""
+    if units.dtype != torch.uint8 or units.dim() != 2:
+        raise LayoutError(
+            f"units must be a 2-D uint8 tensor, got {units.dtype} {tuple(units.shape)}"
+        )
+    if units.shape[1] != geometry.unit_bytes:
+        raise LayoutError(
+            f"unit rows hold {units.shape[1]} bytes but the geometry needs {geometry.unit_bytes}"
+        )
+    if units.stride(1) != 1 or units.stride(0) % geometry.itemsize:
+        raise LayoutError("unit rows must be contiguous and element aligned")
+    g = geometry
+    t = arr.sub_block_size(g.block_size)
+    c, n = arr.num_chunks, arr.sub_blocks_per_chunk
+    elems = units.view(g.element_dtype)
+    row = units.stride(0) // g.itemsize
+    if arr.layout is KVLayout.NHD:
+        inner = (t, g.num_heads, g.head_size)
+    else:
+        inner = (g.num_heads, t, g.head_size)
+    if arr.parts_outer:
+        shape = (units.shape[0], c, g.num_layers, g.num_kv_parts, n, *inner)
+    else:
+        shape = (units.shape[0], c, g.num_layers, n, g.num_kv_parts, *inner)
+    strides = [row, *_contiguous(shape[1:])]
+    raw = elems.as_strided(shape, strides, elems.storage_offset())
+    if arr.parts_outer:  # raw dims: 0 N, 1 c, 2 L, 3 P, 4 n, then inner
+        raw = raw.transpose(3, 4)
+    # raw dims now: 0 N, 1 c, 2 L, 3 n, 4 P, then inner
+    if arr.layout is KVLayout.NHD:
+        return raw.permute(0, 2, 4, 1, 3, 5, 6, 7)
+    return raw.permute(0, 2, 4, 1, 3, 6, 5, 7)
+
+
+def token_major(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrangement):
+    """Copy rows out as ``(N, layers, parts, block_size, heads, head_size)``."""
+    v = canonical_view(units, geometry, arr)
+    g = geometry
+    return v.reshape(
+        units.shape[0], g.num_layers, g.num_kv_parts, g.block_size, g.num_heads, g.head_size
+    )
+
+
+def same_bytes(geometry: UnitGeometry, a: BlockArrangement, b: BlockArrangement) -> bool:
+    """True when two arrangements put every element at the same byte (no rewrite needed)."""
+    if a == b:
+        return True
+    probe = replace(geometry, head_size=1, itemsize=8)
+    return bool(np.array_equal(element_offsets(probe, a), element_offsets(probe, b)))
+
+
+@lru_cache(maxsize=64)
+def run_permutation(
+    geometry: UnitGeometry, src: BlockArrangement, dst: BlockArrangement
+) -> tuple[int, np.ndarray]:
+    """``(R, runs)``: rewriting a unit from ``src`` to ``dst`` moves contiguous runs of ``R``
+    elements; ``runs[j]`` is the destination run of source run ``j``. Cached per triple."""
+    off_src = element_offsets(geometry, src)
+    off_dst = element_offsets(geometry, dst)
+    perm = np.empty_like(off_src)
+    perm[off_dst] = off_src  # dst element p takes src element perm[p]
+    n = perm.size
+    starts = np.flatnonzero(np.diff(perm) != 1) + 1
+    run = int(np.gcd.reduce(np.concatenate([[n], starts, perm[starts], perm[:1]])))
+    src_of_dst_run = perm[::run] // run
+    runs = np.empty_like(src_of_dst_run)
+    runs[src_of_dst_run] = np.arange(src_of_dst_run.size)
+    return run, runs
+
+
+def element_offsets(geometry: UnitGeometry, arr: BlockArrangement) -> np.ndarray:
+    """Element offset inside a unit of every element, in token-major order
+    ``(layer, part, token, head, dim)``."""
+    g = replace(geometry, itemsize=8)
+    units = torch.zeros((1, g.unit_bytes), dtype=torch.uint8)
+    units.view(torch.int64).copy_(torch.arange(g.unit_elems, dtype=torch.int64).view(1, -1))
+    return canonical_view(units, g, arr).reshape(-1).numpy().copy()
+
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides

@@ -1,0 +1,115 @@
+"""Builds two sides in one process and executes a plan with memmove (no NIXL).
+
+Used by the negotiation table tests: it proves the *plan* (pieces, offsets, rewrites)
+delivers the sender's token-major KV, independently of the transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from handshake.compat import compat_hash
+from handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
+from handshake.plan import TransferPlan
+from layouts.allocation import CacheFormat, KVCacheBuffers
+from layouts.descriptors import block_descriptors
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
+from layouts.transforms import rewrite_group
+
+
+def make_groups(block_size: int, kinds: str) -> list[KVCacheGroup]:
+    """kinds: 'F' full, 'S' sliding window, 'M' state; two layers per group."""
+    groups = []
+    for i, k in enumerate(kinds):
+        common = {
+            "block_size": block_size,
+            "num_kv_heads": 2,
+            "head_size": 4,
+            "dtype": torch.float16,
+        }
+        spec: KVCacheSpec
+        if k == "F":
+            spec = FullAttentionSpec(**common)
+        elif k == "S":
+            spec = SlidingWindowSpec(sliding_window=24, **common)
+        else:
+            spec = StateSpec(
+                block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)
+            )
+        groups.append(KVCacheGroup(group_id=i, layer_names=(f"g{i}.a", f"g{i}.b"), spec=spec))
+    return groups
+
+
+@dataclass
+class Side:
+    buffers: KVCacheBuffers
+    layout: PeerLayout
+
+
+def make_side(engine: str, block_size: int, fmt: CacheFormat, kinds: str, num_blocks: int) -> Side:
+    config = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
+    buffers = KVCacheBuffers(config, fmt)
+    for t in buffers.tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    identity = WorkerIdentity(
+        engine_id=engine,
+        agent_name=engine,
+        model_name="m",
+        dtype="float16",
+        num_layers=config.num_layers,
+        num_kv_heads=2,
+        head_size=4,
+    )
+    desc = describe(identity, buffers, nixl_metadata=b"", compat_hash=compat_hash(identity, config))
+    return Side(buffers=buffers, layout=parse_description(desc))
+
+
+def execute(
+    plan: TransferPlan,
+    local: Side,
+    remote: Side,
+    group_id: int,
+    chunk_ids: np.ndarray,
+    local_ids: np.ndarray,
+    remote_ids: np.ndarray,
+    *,
+    local_first: int = 0,
+    remote_first: int = 0,
+) -> int:
+    """Sender rewrite, memmove every piece, receiver rewrite; returns descriptors moved."""
+    gp = plan.groups[group_id]
+    if gp.sender:
+        rewrite_group(remote.buffers, group_id, remote_ids, gp.sender.src, gp.sender.dst)
+    moved = 0
+    for stream in gp.streams:
+        lreg = local.layout.regions[stream.local_region].region
+        rreg = remote.layout.regions[stream.remote_region].region
+        ltab = block_descriptors(
+            lreg, np.arange(lreg.num_blocks), offsets=gp.local_offsets(stream), length=stream.length
+        )
+        rtab = block_descriptors(
+            rreg,
+            np.arange(rreg.num_blocks),
+            offsets=gp.remote_offsets(stream),
+            length=stream.length,
+        )
+        li, ri = gp.indices(
+            stream,
+            chunk_ids,
+            local_ids,
+            remote_ids,
+            local_first_block=local_first,
+            remote_first_block=remote_first,
+        )
+        for a, b in zip(ltab[li], rtab[ri], strict=True):
+            assert a[1] == b[1]
+            ctypes.memmove(int(a[0]), int(b[0]), int(a[1]))
+        moved += li.size
+    if gp.receiver:
+        rewrite_group(local.buffers, group_id, local_ids, gp.receiver.src, gp.receiver.dst)
+    return moved

@@ -1,0 +1,195 @@
+"""Negotiation table: every plan, executed on synthetic caches, delivers the sender's KV."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from handshake.errors import IncompatiblePeerError
+from handshake.plan import TransformSide, negotiate
+from layouts.allocation import CacheFormat, read_group_token_major
+from layouts.layout import KVLayout, KVPacking
+from tests.handshake.plan_harness import execute, make_side
+
+NUM_TOKENS = 256
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def _fmt(layout: str, cross: bool, kernel: int | None = None, packing: str = "blocks_first"):
+    return CacheFormat(
+        layout=KVLayout(layout),
+        kernel_block_size=kernel,
+        cross_layer=cross,
+        packing=KVPacking(packing),
+    )
+
+
+def _run(b_remote, f_remote, b_local, f_local, kinds="F", seed=0):
+    rng = np.random.default_rng(seed)
+    n_remote, n_local = NUM_TOKENS // b_remote, NUM_TOKENS // b_local
+    remote = make_side("prefill", b_remote, f_remote, kinds, num_blocks=n_remote + 5)
+    local = make_side("decode", b_local, f_local, kinds, num_blocks=n_local + 5)
+    plan = negotiate(local.layout, remote.layout)
+    rids = rng.permutation(n_remote + 5)[:n_remote]
+    lids = rng.permutation(n_local + 5)[:n_local]
+    for g in plan.groups:
+        if g.kind.value == "state":
+            continue
+        want = read_group_token_major(remote.buffers, g.group_id, rids)
+        chunks = g.chunks_for_tokens(0, NUM_TOKENS)
+        moved = execute(plan, local, remote, g.group_id, chunks, lids, rids)
+        got = read_group_token_major(local.buffers, g.group_id, lids)
+        assert torch.equal(got, want), f"group {g.group_id} differs under\n{plan}"
+        assert moved == chunks.size * g.descriptors_per_chunk
+    return plan
+
+
+@pytest.mark.parametrize("b_remote,b_local", list(itertools.product(BLOCK_SIZES, BLOCK_SIZES)))
+@pytest.mark.parametrize(
+    "l_remote,l_local", [("NHD", "NHD"), ("NHD", "HND"), ("HND", "NHD"), ("HND", "HND")]
+)
+@pytest.mark.parametrize(
+    "x_remote,x_local", [(True, True), (False, False), (True, False), (False, True)]
+)
+def test_block_size_layout_cross_layer_matrix(
+    b_remote, b_local, l_remote, l_local, x_remote, x_local
+):
+    plan = _run(b_remote, _fmt(l_remote, x_remote), b_local, _fmt(l_local, x_local))
+    g = plan.groups[0]
+    assert g.wire_tokens == min(b_remote, b_local)
+    if x_remote and x_local:
+        assert g.descriptors_per_chunk == 1  # one contiguous descriptor per chunk
+    if (b_remote, l_remote, x_remote) == (b_local, l_local, x_local):
+        assert plan.transform_side is TransformSide.NONE
+
+
+@pytest.mark.parametrize(
+    "b_remote,k_remote,b_local,k_local",
+    [
+        (64, 16, 16, 16),
+        (16, 16, 64, 16),
+        (64, 32, 64, 16),
+        (32, 8, 128, 32),
+        (128, 64, 32, 32),
+        (16, 8, 64, 32),
+    ],
+)
+@pytest.mark.parametrize("layouts", [("NHD", "HND"), ("HND", "HND"), ("HND", "NHD")])
+@pytest.mark.parametrize(
+    "packings",
+    [("blocks_first", "kv_split"), ("kv_split", "kv_split"), ("kv_split", "blocks_first")],
+)
+def test_kernel_block_sizes_and_packings(b_remote, k_remote, b_local, k_local, layouts, packings):
+    _run(
+        b_remote,
+        _fmt(layouts[0], False, k_remote, packings[0]),
+        b_local,
+        _fmt(layouts[1], False, k_local, packings[1]),
+    )
+
+
+@pytest.mark.parametrize("x_remote,x_local", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("packing", ["kv_split", "blocks_first"])
+def test_cross_layer_against_per_layer_kernel_blocks(x_remote, x_local, packing):
+    _run(64, _fmt("HND", x_remote, 16, packing), 32, _fmt("NHD", x_local, 8, packing))
+
+
+@pytest.mark.parametrize("kinds", ["FS", "FSM", "MSF"])
+@pytest.mark.parametrize("b_remote,b_local", [(16, 64), (64, 16), (32, 32)])
+@pytest.mark.parametrize("cross", [True, False])
+def test_hybrid_groups(kinds, b_remote, b_local, cross):
+    plan = _run(b_remote, _fmt("HND", cross), b_local, _fmt("NHD", cross), kinds=kinds)
+    assert [g.kind.value[0] for g in plan.groups] == [
+        {"F": "f", "S": "s", "M": "s"}[k] for k in kinds
+    ]
+
+
+def test_identical_sides_need_no_transform_and_one_descriptor_per_block():
+    plan = _run(32, _fmt("NHD", True), 32, _fmt("NHD", True))
+    assert plan.transform_side is TransformSide.NONE
+    assert plan.groups[0].descriptors_per_chunk == 1
+    assert plan.groups[0].local_chunks_per_block == plan.groups[0].remote_chunks_per_block == 1
+
+
+def test_sender_transforms_when_it_has_larger_blocks():
+    plan = _run(64, _fmt("NHD", True), 16, _fmt("HND", True))
+    g = plan.groups[0]
+    assert g.sender is not None and g.receiver is None
+    assert g.remote_chunks_per_block == 4
+    assert "sender after save" in str(plan)
+
+
+def test_receiver_merges_cross_layer_chunks():
+    plan = _run(16, _fmt("NHD", True), 64, _fmt("NHD", True))
+    assert plan.groups[0].receiver is not None
+
+
+def test_corrupted_piece_is_detected():
+    """The harness check can fail: flip one transferred byte and compare."""
+    remote = make_side("p", 32, _fmt("NHD", True), "F", 10)
+    local = make_side("d", 32, _fmt("HND", False), "F", 10)
+    plan = negotiate(local.layout, remote.layout)
+    ids = np.arange(8)
+    want = read_group_token_major(remote.buffers, 0, ids)
+    execute(plan, local, remote, 0, plan.groups[0].chunks_for_tokens(0, NUM_TOKENS), ids, ids)
+    local.buffers.tensors[0].view(-1)[0] ^= 0xFF
+    assert not torch.equal(read_group_token_major(local.buffers, 0, ids), want)
+
+
+def test_sliding_window_tail_only():
+    remote = make_side("p", 16, _fmt("NHD", False), "FS", 20)
+    local = make_side("d", 64, _fmt("HND", False), "FS", 20)
+    plan = negotiate(local.layout, remote.layout)
+    g = plan.groups[1]
+    # window of 24 tokens ending at 256: tokens 232..255 -> chunks 14, 15 of 16 tokens
+    chunks = g.chunks_for_tokens(256 - 24, 256)
+    assert chunks.tolist() == [14, 15]
+    rids = np.array([7, 9])  # remote logical blocks 14, 15 only
+    lids = np.array([11])  # local logical block 3 only
+    want = read_group_token_major(remote.buffers, 1, rids)
+    execute(plan, local, remote, 1, chunks, lids, rids, local_first=3, remote_first=14)
+    got = read_group_token_major(local.buffers, 1, lids)[:, :, 32:]
+    assert torch.equal(got, want)
+
+
+def test_missing_remote_blocks_are_named():
+    remote = make_side("p", 16, _fmt("NHD", False), "F", 20)
+    local = make_side("d", 16, _fmt("NHD", False), "F", 20)
+    plan = negotiate(local.layout, remote.layout)
+    g = plan.groups[0]
+    with pytest.raises(Exception, match="remote logical blocks"):
+        g.indices(g.streams[0], np.arange(4), np.arange(4), np.arange(2))
+
+
+def test_different_tp_sizes_are_refused():
+    from dataclasses import replace
+
+    remote = make_side("p", 16, _fmt("NHD", False), "F", 8)
+    local = make_side("d", 16, _fmt("NHD", False), "F", 8)
+    other = replace(remote.layout, identity=replace(remote.layout.identity, tp_size=2))
+    with pytest.raises(IncompatiblePeerError, match=r"(?s)tp_size.*not supported yet"):
+        negotiate(local.layout, other)
+
+
+def test_non_multiple_block_sizes_are_refused():
+    remote = make_side("p", 48, _fmt("NHD", False), "F", 8)
+    local = make_side("d", 32, _fmt("NHD", False), "F", 8)
+    with pytest.raises(IncompatiblePeerError, match="not multiples"):
+        negotiate(local.layout, remote.layout)
+
+
+def test_state_group_moves_state_bytes_per_layer():
+    remote = make_side("p", 16, _fmt("NHD", True), "FM", 8)
+    local = make_side("d", 64, _fmt("HND", False), "FM", 8)
+    plan = negotiate(local.layout, remote.layout)
+    g = plan.groups[1]
+    assert g.descriptors_per_chunk == 2 and g.streams[0].length == 3 * 4 * 4 + 5 * 2
+    execute(plan, local, remote, 1, np.array([0]), np.array([5]), np.array([3]))
+    for name in ("g1.a", "g1.b"):
+        for lv, rv in zip(
+            local.buffers.state_views(name), remote.buffers.state_views(name), strict=True
+        ):
+            assert torch.equal(lv[5], rv[3])

@@ -1,0 +1,266 @@
+"""In-place rewrites (permute, split, merge) checked byte by byte against the naive
+reference: data lands where the destination arrangement says, round trips are the
+identity, bytes of other blocks and groups are never written, scratch stays <= one block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors, fill_random
+
+from layouts.allocation import CacheFormat, KVCacheBuffers
+from layouts.arrangement import BlockArrangement, UnitGeometry
+from layouts.errors import BlockIdError, LayoutError
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.layout import KVLayout, KVPacking
+from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from layouts.transforms import (
+    chunked_arrangement,
+    merge_blocks,
+    permute_layout,
+    rewrite_group,
+    rewrite_units,
+    split_blocks,
+)
+
+OTHER = {KVLayout.NHD: KVLayout.HND, KVLayout.HND: KVLayout.NHD}
+
+
+@st.composite
+def split_cases(draw):
+    """An attention case plus a receiver block size, its kernel size and its layout."""
+    case = draw(attention_cases())
+    case["sub"] = draw(st.sampled_from(divisors(case["block_size"])))
+    case["sub_kernel"] = draw(st.sampled_from(divisors(case["sub"])))
+    case["to_layout"] = draw(st.sampled_from([KVLayout.NHD, KVLayout.HND]))
+    return case
+
+
+def _native(case: dict) -> Arr:
+    return Arr(1, case["kernel"], case["layout"].value)
+
+
+def _chunked(case: dict) -> Arr:
+    return Arr(case["block_size"] // case["sub"], case["sub_kernel"], case["to_layout"].value)
+
+
+def _same_bytes(buffers, a: Arr, b: Arr) -> bool:
+    ids = np.arange(buffers.config.num_blocks)
+    ta, ba = NaiveLayout.element_bytes(buffers.config, buffers.format, 0, ids, a)
+    tb, bb = NaiveLayout.element_bytes(buffers.config, buffers.format, 0, ids, b)
+    return np.array_equal(ta, tb) and np.array_equal(ba, bb)
+
+
+def _assert_only_blocks_changed(buffers, before: list[np.ndarray], group_id, ids, arr: Arr):
+    masks = NaiveLayout.touched(buffers, group_id, ids, arr)
+    for image, old, mask in zip(NaiveLayout.byte_images(buffers), before, masks, strict=True):
+        np.testing.assert_array_equal(image[~mask], old[~mask], err_msg="stray write")
+
+
+def _assert_stats(stats, buffers, case, same: bool):
+    n = len(case["block_ids"])
+    block = buffers.group_block_bytes(0)
+    assert stats.num_blocks == (0 if same else n)
+    assert stats.bytes_moved == (0 if same else n * block)
+    assert 0 <= stats.scratch_bytes <= block
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=attention_cases())
+def test_permute_moves_every_element_and_round_trips(case):
+    buffers = build_side(case, seed=1)
+    ids = np.array(case["block_ids"])
+    before = NaiveLayout.byte_images(buffers)
+    want = NaiveLayout.read(buffers, 0, ids, _native(case))
+    to = OTHER[case["layout"]]
+    dst = Arr(1, case["kernel"], to.value)
+
+    stats = permute_layout(buffers, 0, ids, to)
+
+    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), dst))
+    np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, dst), want)
+    _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
+    native = buffers.format.native_arrangement(case["block_size"])
+    back = BlockArrangement(layout=to, sub_blocks_per_chunk=native.sub_blocks_per_chunk)
+    rewrite_group(buffers, 0, ids, back, native)
+    for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
+        np.testing.assert_array_equal(image, old)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=split_cases())
+def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case):
+    buffers = build_side(case, seed=2)
+    ids = np.array(case["block_ids"])
+    before = NaiveLayout.byte_images(buffers)
+    want = NaiveLayout.read(buffers, 0, ids, _native(case))
+
+    stats = split_blocks(
+        buffers,
+        0,
+        ids,
+        sub_block_size=case["sub"],
+        kernel_block_size=case["sub_kernel"],
+        to_layout=case["to_layout"],
+    )
+
+    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
+    np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _chunked(case)), want)
+    _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
+    merge_blocks(
+        buffers,
+        0,
+        ids,
+        sub_block_size=case["sub"],
+        kernel_block_size=case["sub_kernel"],
+        from_layout=case["to_layout"],
+    )
+    for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
+        np.testing.assert_array_equal(image, old)
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=split_cases())
+def test_merge_assembles_sender_chunks_into_the_native_format(case):
+    buffers = build_side(case, seed=3)
+    ids = np.array(case["block_ids"])
+    before = NaiveLayout.byte_images(buffers)
+    # what a receiver got: c sender blocks back to back inside each of its blocks
+    want = NaiveLayout.read(buffers, 0, ids, _chunked(case))
+
+    stats = merge_blocks(
+        buffers,
+        0,
+        ids,
+        sub_block_size=case["sub"],
+        kernel_block_size=case["sub_kernel"],
+        from_layout=case["to_layout"],
+    )
+
+    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
+    np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _native(case)), want)
+    _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
+
+
+def _hybrid(cross: bool, packing: KVPacking = KVPacking.BLOCKS_FIRST) -> KVCacheBuffers:
+    full = FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=4, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=2, dtype=torch.bfloat16, sliding_window=32
+    )
+    state = StateSpec(block_size=8, shapes=((5, 3),), dtypes=(torch.float32,))
+    config = KVCacheConfig.uniform(
+        [
+            KVCacheGroup(group_id=0, layer_names=("a0", "a1", "a2"), spec=full),
+            KVCacheGroup(group_id=1, layer_names=("w0", "w1"), spec=window),
+            KVCacheGroup(group_id=2, layer_names=("s0",), spec=state),
+        ],
+        num_blocks=9,
+    )
+    fmt = CacheFormat(layout=KVLayout.NHD, kernel_block_size=4, cross_layer=cross, packing=packing)
+    buffers = KVCacheBuffers(config, fmt)
+    fill_random(buffers, 5)
+    return buffers
+
+
+@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize("packing", list(KVPacking))
+def test_hybrid_split_of_one_group_leaves_other_groups_alone(cross, packing):
+    buffers = _hybrid(cross, packing)
+    ids = np.array([7, 2, 4, 0, 8])
+    before = NaiveLayout.byte_images(buffers)
+    want = NaiveLayout.read(buffers, 1, ids, Arr(1, 4, "NHD"))
+
+    stats = split_blocks(buffers, 1, ids, sub_block_size=8, kernel_block_size=2, to_layout=KVLayout.HND)
+
+    assert stats.num_blocks == 5
+    assert stats.scratch_bytes <= buffers.group_block_bytes(1) == 2 * 256
+    np.testing.assert_array_equal(NaiveLayout.read(buffers, 1, ids, Arr(2, 2, "HND")), want)
+    _assert_only_blocks_changed(buffers, before, 1, ids, Arr(1, 4, "NHD"))
+
+
+@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize("packing", list(KVPacking))
+@pytest.mark.parametrize("num_ids", [1, 2, 5, 9])
+def test_scratch_never_exceeds_one_block_of_the_group(cross, packing, num_ids):
+    buffers = _hybrid(cross, packing)
+    ids = np.arange(num_ids)[::-1].copy()
+    for gid, native in ((0, Arr(1, 4, "NHD")), (1, Arr(1, 4, "NHD"))):
+        stats = permute_layout(buffers, gid, ids, KVLayout.HND)
+        assert stats.num_blocks == num_ids
+        assert 0 < stats.scratch_bytes <= buffers.group_block_bytes(gid)
+        stats = split_blocks(buffers, gid, ids, sub_block_size=4, to_layout=KVLayout.HND)
+        assert 0 < stats.scratch_bytes <= buffers.group_block_bytes(gid)
+        del native
+
+
+def test_rewrite_units_scratch_limit_is_whole_units_and_at_least_one():
+    geo = UnitGeometry(
+        num_layers=2, num_kv_parts=2, block_size=4, num_heads=2, head_size=3, itemsize=2
+    )
+    units = torch.randint(0, 256, (6, geo.unit_bytes), dtype=torch.uint8)
+    src = BlockArrangement(layout=KVLayout.NHD)
+    dst = BlockArrangement(layout=KVLayout.HND)
+    ids = np.array([5, 1, 3, 0])
+    for limit, want in ((None, 1), (1, 1), (geo.unit_bytes * 3 - 1, 2), (10**9, 4)):
+        copy = units.clone()
+        stats = rewrite_units(copy, geo, ids, src, dst, scratch_limit_bytes=limit)
+        assert stats.scratch_bytes == want * geo.unit_bytes
+        reference = units.clone()
+        rewrite_units(reference, geo, ids, src, dst)
+        assert torch.equal(copy, reference)
+
+
+def test_noop_rewrites_touch_nothing():
+    geo = UnitGeometry(
+        num_layers=1, num_kv_parts=2, block_size=4, num_heads=1, head_size=3, itemsize=4
+    )
+    units = torch.randint(0, 256, (3, geo.unit_bytes), dtype=torch.uint8)
+    copy = units.clone()
+    # one head: NHD and HND put every element at the same byte
+    stats = rewrite_units(
+        copy, geo, np.array([0, 2]), BlockArrangement(layout=KVLayout.NHD),
+        BlockArrangement(layout=KVLayout.HND),
+    )
+    assert stats.num_blocks == 0 and torch.equal(copy, units)
+    stats = rewrite_units(
+        copy, geo, np.array([], dtype=np.int64), BlockArrangement(layout=KVLayout.NHD),
+        BlockArrangement(layout=KVLayout.NHD, sub_blocks_per_chunk=2),
+    )
+    assert stats.num_blocks == 0 and torch.equal(copy, units)
+
+
+def test_rewrite_errors_name_the_values():
+    buffers = _hybrid(cross=True)
+    with pytest.raises(LayoutError, match=r"unique.*\[3, 1, 3\]"):
+        permute_layout(buffers, 0, np.array([3, 1, 3]), KVLayout.HND)
+    with pytest.raises(BlockIdError, match=r"\[9\] outside the pool \[0, 9\)"):
+        permute_layout(buffers, 0, np.array([1, 9]), KVLayout.HND)
+    with pytest.raises(BlockIdError, match=r"\[-2\]"):
+        split_blocks(buffers, 1, np.array([-2]), sub_block_size=8)
+    with pytest.raises(LayoutError, match="group 2 is a state group"):
+        rewrite_group(
+            buffers, 2, np.array([0]), BlockArrangement(layout=KVLayout.NHD),
+            BlockArrangement(layout=KVLayout.HND),
+        )
+    with pytest.raises(LayoutError, match="sub-block size 3 does not divide block_size=16"):
+        split_blocks(buffers, 1, np.array([0]), sub_block_size=3)
+    with pytest.raises(LayoutError, match="kernel_block_size=3 does not divide the 8-token"):
+        merge_blocks(buffers, 1, np.array([0]), sub_block_size=8, kernel_block_size=3)
+    with pytest.raises(LayoutError, match="sub-block size 0"):
+        chunked_arrangement(16, 0, 1, KVLayout.NHD)
+    geo = buffers.unit_slots(0)[0].geometry
+    units = buffers.unit_slots(0)[0].units
+    with pytest.raises(BlockIdError, match=r"\[9\] outside \[0, 9\)"):
+        rewrite_units(
+            units, geo, np.array([4, 9]), BlockArrangement(layout=KVLayout.NHD),
+            BlockArrangement(layout=KVLayout.HND),
+        )
+
+
+def test_chunked_arrangement_fields():
+    arr = chunked_arrangement(64, 16, 4, KVLayout.HND)
+    assert (arr.num_chunks, arr.sub_blocks_per_chunk, arr.layout) == (4, 4, KVLayout.HND)
+    assert arr.sub_block_size(64) == 4
