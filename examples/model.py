@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from examples import state_layer
-from examples.paged_attention import AttentionCache, KVLayout, attend, paged_attention, rope
+from examples.paged_attention import (
+    AttentionCache,
+    AttentionWeights,
+    KVLayout,
+    attend,
+    paged_attention,
+)
 from examples.state_layer import StateCache, StateLayerWeights
 from examples.tokenizer import VOCAB_SIZE
 from layouts.errors import KVBridgeError, LayoutError
@@ -223,14 +229,6 @@ class ModelCaches:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionWeights:
-    wq: torch.Tensor  # [hidden, num_heads * head_size]
-    wk: torch.Tensor  # [hidden, num_kv_heads * head_size]
-    wv: torch.Tensor  # [hidden, num_kv_heads * head_size]
-    wo: torch.Tensor  # [num_heads * head_size, hidden]
-
-
-@dataclass(frozen=True, kw_only=True)
 class LayerWeights:
     mixer_norm: torch.Tensor
     mixer: AttentionWeights | StateLayerWeights
@@ -264,7 +262,7 @@ class TinyModel:
         def norm() -> torch.Tensor:
             return 1.0 + randn(c.hidden_size, std=0.1)
 
-        h, qd, kvd = c.hidden_size, c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+        h = c.hidden_size
         embed = randn(c.vocab_size, h, std=1.0)
         layers = []
         for kind in c.layer_kinds:
@@ -273,8 +271,8 @@ class TinyModel:
                 dims = dict(d_inner=c.state_inner_size, d_state=c.state_size)
                 mixer = StateLayerWeights.init(gen, hidden=h, conv_width=c.conv_width, **dims)
             else:
-                wq, wk, wv = (randn(h, n, std=h**-0.5) for n in (qd, kvd, kvd))
-                mixer = AttentionWeights(wq=wq, wk=wk, wv=wv, wo=randn(qd, h, std=qd**-0.5))
+                heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
+                mixer = AttentionWeights.init(gen, hidden=h, head_size=c.head_size, **heads)
             mixer_norm, mlp_norm = norm(), norm()
             w_up = randn(h, 2 * c.intermediate_size, std=h**-0.5)
             w_down = randn(c.intermediate_size, h, std=c.intermediate_size**-0.5)
@@ -292,11 +290,9 @@ class TinyModel:
         return cls(ModelConfig.from_name(name), device)
 
     def _qkv(self, w: AttentionWeights, h: torch.Tensor, positions: torch.Tensor):
-        c, t = self.config, h.shape[0]
-        q = (h @ w.wq).view(t, c.num_heads, c.head_size)
-        k = (h @ w.wk).view(t, c.num_kv_heads, c.head_size)
-        v = (h @ w.wv).view(t, c.num_kv_heads, c.head_size)
-        return rope(q, positions, theta=c.rope_theta), rope(k, positions, theta=c.rope_theta), v
+        return w.qkv(
+            h, positions, head_size=self.config.head_size, rope_theta=self.config.rope_theta
+        )
 
     def _window(self, layer_id: int) -> int | None:
         kind = self.config.layer_kinds[layer_id]

@@ -35,6 +35,7 @@ from layouts.layout import KVLayout
 
 __all__ = [
     "AttentionCache",
+    "AttentionWeights",
     "KVLayout",
     "attend",
     "paged_attention",
@@ -210,6 +211,33 @@ def attend(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttentionWeights:
+    """Projections of one attention layer (grouped-query: fewer K/V heads than Q heads)."""
+
+    wq: torch.Tensor  # [hidden, num_heads * head_size]
+    wk: torch.Tensor  # [hidden, num_kv_heads * head_size]
+    wv: torch.Tensor  # [hidden, num_kv_heads * head_size]
+    wo: torch.Tensor  # [num_heads * head_size, hidden]
+
+    @classmethod
+    def init(
+        cls, gen: torch.Generator, *, hidden: int, num_heads: int, num_kv_heads: int, head_size: int
+    ) -> AttentionWeights:
+        q_dim, kv_dim = num_heads * head_size, num_kv_heads * head_size
+        wq, wk, wv = (
+            torch.randn(hidden, n, generator=gen) * hidden**-0.5 for n in (q_dim, kv_dim, kv_dim)
+        )
+        return cls(wq=wq, wk=wk, wv=wv, wo=torch.randn(q_dim, hidden, generator=gen) * q_dim**-0.5)
+
+    def qkv(
+        self, h: torch.Tensor, positions: torch.Tensor, *, head_size: int, rope_theta: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [T, H, D], rotated k and v [T, Hkv, D] of normed hidden states ``h``."""
+        q, k, v = ((h @ w).unflatten(-1, (-1, head_size)) for w in (self.wq, self.wk, self.wv))
+        return rope(q, positions, theta=rope_theta), rope(k, positions, theta=rope_theta), v
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, *, theta: float) -> torch.Tensor:
     """Rotary position embedding of ``x`` [T, H, D] (rotate-half convention)."""
     half = x.shape[-1] // 2
@@ -232,6 +260,8 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Cache the new tokens' ``k``/``v``, then attend from ``q`` over everything cached.
+
+    ``positions`` are the consecutive positions of the new tokens (one request).
 
     Only keys the queries can see are read: with a window, positions before
     ``positions[0] - window + 1`` are never touched, so their blocks may hold anything.

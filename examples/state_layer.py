@@ -89,10 +89,6 @@ class StateLayerWeights:
             torch.zeros(s, dtype=self.w_in.dtype, device=self.w_in.device) for s in self.shapes
         )
 
-    def to(self, device: torch.device | str) -> StateLayerWeights:
-        fields = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
-        return StateLayerWeights(**fields)
-
 
 def scan(
     w: StateLayerWeights, x: torch.Tensor, states: States, save_after: Sequence[int] = ()

@@ -74,11 +74,14 @@ class HandshakeClient:
         *,
         requester_engine_id: str = "",
         requester_rank: int = 0,
+        request: MetadataRequest | None = None,
     ) -> None:
+        """``request`` overrides the request sent (e.g. to carry the requester's agent)."""
         self.config = config or ClientConfig()
         self._codec = FrameCodec(self.config.security)
         self._request = encode(
-            MetadataRequest(
+            request
+            or MetadataRequest(
                 protocol_version=PROTOCOL_VERSION,
                 requester_engine_id=requester_engine_id,
                 requester_rank=requester_rank,

@@ -104,9 +104,18 @@ class ListenerStats:
 class HandshakeListener:
     """Serves ``describe()`` to peers over ZMQ until :meth:`close`."""
 
-    def __init__(self, config: ListenerConfig, describe: Callable[[], WorkerDescription]) -> None:
+    def __init__(
+        self,
+        config: ListenerConfig,
+        describe: Callable[[], WorkerDescription],
+        *,
+        on_request: Callable[[MetadataRequest], None] | None = None,
+    ) -> None:
+        """``on_request`` (optional) sees every valid request before it is answered, on the
+        listener thread: keep it quick and thread-safe (e.g. ``queue.put``)."""
         self.config = config
         self._describe = describe
+        self._on_request = on_request
         self._codec = FrameCodec(config.security)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._thread: threading.Thread | None = None
@@ -266,6 +275,8 @@ class HandshakeListener:
     def _answer(self, request: MetadataRequest) -> bytes:
         match request:
             case MetadataRequest():
+                if self._on_request is not None:
+                    self._on_request(request)
                 description = self._describe()
                 cached = self._cached
                 if cached is not None and cached[0] is description:

@@ -15,7 +15,8 @@ not send. Anything else (removing, renaming, reordering or retyping a field, a n
 field) is a new ``PROTOCOL_VERSION``.
 
 Protocol history:
-    1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply.
+    1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply;
+        MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty).
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ class ErrorCode(enum.Enum):
 
 
 class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
-    """Ask a worker to describe itself; ``requester_*`` only serve the peer's logs."""
+    """Ask a worker to describe itself. ``requester_engine_id``/``rank`` serve the peer's
+    logs; ``requester_agent_name``/``nixl_metadata`` let it send notifications back."""
 
     protocol_version: int
     requester_engine_id: str = ""
     requester_rank: int = 0
+    # The requester's NIXL agent, so the described worker can notify it back (Prepared).
+    requester_agent_name: str = ""
+    requester_nixl_metadata: bytes = b""
 
 
 class WireSpec(msgspec.Struct, frozen=True):

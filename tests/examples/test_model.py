@@ -31,6 +31,15 @@ NUM_BLOCKS = 48
 TEXT = "Prefill computes the prompt; decode continues from its KV cache. " * 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: handing them to a second thread costs more than it saves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.cache
 def model(name: str) -> TinyModel:
     return TinyModel.from_name(name)

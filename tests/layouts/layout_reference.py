@@ -173,7 +173,9 @@ def build_side(case: dict, *, seed: int = 0):
     from layouts.specs import FullAttentionSpec, MLASpec
 
     if case["mla"]:
-        spec = MLASpec(block_size=case["block_size"], head_size=case["head_size"], dtype=case["dtype"])
+        spec = MLASpec(
+            block_size=case["block_size"], head_size=case["head_size"], dtype=case["dtype"]
+        )
     else:
         spec = FullAttentionSpec(
             block_size=case["block_size"],

@@ -13,7 +13,7 @@ from layouts.allocation import CacheFormat, KVCacheBuffers, pool_bytes, read_gro
 from layouts.errors import BlockIdError, LayoutError
 from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
 
 
 def _native(case: dict) -> Arr:
@@ -80,9 +80,7 @@ def _hybrid_config(num_blocks: int = 5) -> KVCacheConfig:
     window = SlidingWindowSpec(
         block_size=16, num_kv_heads=1, head_size=4, dtype=torch.float16, sliding_window=24
     )
-    state = StateSpec(
-        block_size=8, shapes=((3, 5), (7,)), dtypes=(torch.float32, torch.float16)
-    )
+    state = StateSpec(block_size=8, shapes=((3, 5), (7,)), dtypes=(torch.float32, torch.float16))
     groups = [
         KVCacheGroup(group_id=0, layer_names=("a0", "a1"), spec=full),
         KVCacheGroup(group_id=1, layer_names=("w0", "w1", "w2"), spec=window),
@@ -98,7 +96,8 @@ def test_hybrid_unit_slots_cover_exactly_their_layers_columns(cross, packing):
     page = config.page_size_bytes
     assert page == 2 * 8 * 2 * 4 * 2 == 256
     buffers = KVCacheBuffers(
-        config, CacheFormat(layout=KVLayout.HND, kernel_block_size=4, cross_layer=cross, packing=packing)
+        config,
+        CacheFormat(layout=KVLayout.HND, kernel_block_size=4, cross_layer=cross, packing=packing),
     )
     owner = [np.full(t.numel(), -1) for t in buffers.tensors]
     for g in config.groups:
@@ -210,8 +209,9 @@ def test_mla_views_have_one_part_and_one_head():
     (latent,) = buffers.attention_views("layer.1")
     assert latent.shape == (3, 4, 2, 1, 9)
     assert buffers.config.page_size_bytes == 8 * 9 * 2
-    (slot0, slot1) = buffers.unit_slots(0)  # one slot per layer: MLA pages are not split
-    assert slot0.geometry.num_kv_parts == 1 and slot0.region.block_bytes == 144
+    slots = buffers.unit_slots(0)  # one slot per layer: MLA pages are not split by part
+    assert len(slots) == 2
+    assert all(s.geometry.num_kv_parts == 1 and s.region.block_bytes == 144 for s in slots)
     got = read_group_token_major(buffers, 0, np.array([2, 0]))
     assert got.shape == (2, 1, 16, 1, 9)
 

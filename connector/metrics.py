@@ -1,0 +1,34 @@
+"""Connector counters, rendered as Prometheus text by the example server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class ConnectorMetrics:
+    """Monotonic counters of one worker connector (read by tests, logs and /metrics)."""
+
+    handshakes: int = 0
+    handshake_failures: int = 0
+    transfers: int = 0  # completed request loads
+    transfer_failures: int = 0
+    bytes_read: int = 0
+    descriptors_posted: int = 0
+    transfer_seconds: float = 0.0
+    sender_rewrites: int = 0  # blocks rewritten after save
+    sender_restores: int = 0
+    receiver_rewrites: int = 0
+    notifications_sent: int = 0
+    notifications_received: int = 0
+    bad_notifications: int = 0
+    leases_expired: int = 0
+    heartbeats_sent: int = 0
+
+    def prometheus(self, prefix: str = "kvbridge") -> str:
+        lines = []
+        for f in fields(self):
+            kind = "counter"
+            lines.append(f"# TYPE {prefix}_{f.name} {kind}")
+            lines.append(f"{prefix}_{f.name} {getattr(self, f.name)}")
+        return "\n".join(lines) + "\n"

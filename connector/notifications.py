@@ -1,0 +1,99 @@
+"""Small typed messages that travel as NIXL notifications between paired workers.
+
+::
+
+    decode                                  prefill
+      Prepare(req, rewrites)   ------>      rewrite blocks after save (sender transform)
+                               <------      Prepared(req, ok, reason)
+      NIXL READ ...
+      Done(req, ok)            ------>      restore blocks, free them (finished sending)
+      Heartbeat([req, ...])    ------>      extend leases of requests still queued
+
+Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
+(NIXL notifications are meant for <= 64 KiB).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+from layouts.arrangement import BlockArrangement
+from layouts.errors import KVBridgeError
+from layouts.layout import KVLayout
+
+NOTIF_PROTOCOL_VERSION = 1
+
+
+class NotificationError(KVBridgeError):
+    """A notification that is not one of ours or cannot be decoded."""
+
+
+class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
+    layout: str
+    num_chunks: int
+    sub_blocks_per_chunk: int
+    parts_outer: bool
+
+    @classmethod
+    def of(cls, arr: BlockArrangement) -> WireArrangement:
+        return cls(arr.layout.value, arr.num_chunks, arr.sub_blocks_per_chunk, arr.parts_outer)
+
+    def to_arrangement(self) -> BlockArrangement:
+        return BlockArrangement(
+            layout=KVLayout.parse(self.layout),
+            num_chunks=self.num_chunks,
+            sub_blocks_per_chunk=self.sub_blocks_per_chunk,
+            parts_outer=self.parts_outer,
+        )
+
+
+class GroupRewrite(msgspec.Struct, frozen=True, array_like=True):
+    group_id: int
+    src: WireArrangement
+    dst: WireArrangement
+
+
+class Prepare(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    rewrites: list[GroupRewrite]
+    version: int = NOTIF_PROTOCOL_VERSION
+
+
+class Prepared(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Done(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    ok: bool = True  # False: decode gave up (abort, failure); prefill frees all the same
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+
+
+Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Notification)
+MAX_NOTIFICATION_BYTES = 64 * 1024
+
+
+def encode_notification(msg: Notification) -> bytes:
+    data = _ENCODER.encode(msg)
+    if len(data) > MAX_NOTIFICATION_BYTES:
+        raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")
+    return data
+
+
+def decode_notification(data: bytes) -> Notification:
+    if len(data) > MAX_NOTIFICATION_BYTES:
+        raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise NotificationError(f"undecodable notification ({len(data)} bytes): {exc}") from None

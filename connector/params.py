@@ -1,0 +1,78 @@
+"""``kv_transfer_params``: what crosses the HTTP hop (client -> proxy -> workers).
+
+Prefill returns them with its response; the proxy hands them to decode unchanged. A
+typed msgspec Struct that round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from layouts.errors import KVBridgeError
+
+
+class ParamsError(KVBridgeError, ValueError):
+    """``kv_transfer_params`` that cannot be used as they are."""
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    do_remote_prefill: bool = False  # decode: load this request's KV from a remote prefill
+    do_remote_decode: bool = False  # prefill: keep the KV for a remote decode
+    remote_engine_id: str = ""
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_rank: int = 0
+    remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # per group
+    remote_first_block: list[int] = msgspec.field(default_factory=list)  # logical index of [0]
+    remote_block_size: int = 0
+    num_tokens: int = 0  # tokens whose KV the remote side holds
+    remote_request_id: str = ""
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> KVTransferParams:
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ParamsError(f"invalid kv_transfer_params: {exc}") from None
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVTransferParams:
+        try:
+            return msgspec.convert(raw, type=cls)
+        except (msgspec.ValidationError, TypeError) as exc:
+            raise ParamsError(f"invalid kv_transfer_params: {exc}") from None
+
+    def validate_for_load(self, num_groups: int) -> None:
+        """Raise :class:`ParamsError` naming the field when decode cannot use these."""
+        if not self.do_remote_prefill:
+            raise ParamsError("do_remote_prefill is false; nothing to load")
+        missing = [
+            name
+            for name in ("remote_engine_id", "remote_host", "remote_request_id")
+            if not getattr(self, name)
+        ]
+        if missing:
+            raise ParamsError(f"kv_transfer_params lack {missing}")
+        if not 0 < self.remote_port < 65536:
+            raise ParamsError(f"remote_port={self.remote_port} is not a port")
+        if len(self.remote_block_ids) != num_groups:
+            raise ParamsError(
+                f"remote_block_ids has {len(self.remote_block_ids)} lists, this model has "
+                f"{num_groups} KV-cache groups"
+            )
+        if self.remote_first_block and len(self.remote_first_block) != num_groups:
+            raise ParamsError(
+                f"remote_first_block has {len(self.remote_first_block)} entries, expected "
+                f"{num_groups}"
+            )
+        if self.remote_block_size <= 0 or self.num_tokens < 0:
+            raise ParamsError(
+                f"remote_block_size={self.remote_block_size} and num_tokens={self.num_tokens} "
+                f"must be positive"
+            )

@@ -1,0 +1,191 @@
+"""Remote peers of a worker: handshakes in the background, plans and descriptor lists.
+
+A handshake (ZMQ round trip) runs on a small thread pool so an engine step never waits
+for it; everything that touches NIXL (adding the agent, preparing descriptor lists)
+happens later on the worker's own thread in :meth:`PeerDirectory.poll`, because NIXL
+agents are not thread-safe::
+
+    ensure(key) --(pool thread)--> HandshakeClient.get --> queue
+    poll()  <-- step thread: add_peer, negotiate, prep remote lists --> Peer READY / FAILED
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from connector.transport import DescList, TransferEngine
+
+from handshake.client import HandshakeClient
+from handshake.compat import check_compatible
+from handshake.description import PeerLayout, parse_description
+from handshake.messages import WorkerDescription
+from handshake.plan import GroupPlan, PieceStream, TransferPlan, negotiate
+from layouts.descriptors import block_descriptors
+from layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]  # (engine id, rank)
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    key: PeerKey
+    host: str
+    port: int
+    state: PeerState = PeerState.CONNECTING
+    reason: str = ""
+    agent: str = ""
+    description: WorkerDescription | None = None
+    layout: PeerLayout | None = None
+    plan: TransferPlan | None = None
+    remote_lists: dict[tuple[int, int], DescList] = field(default_factory=dict)
+
+
+class PeerDirectory:
+    """Peers by (engine id, rank); owns their remote descriptor lists."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        client: HandshakeClient,
+        local_description: WorkerDescription,
+        local_layout: PeerLayout,
+    ) -> None:
+        self._engine = engine
+        self._client = client
+        self._local_description = local_description
+        self._local = local_layout
+        self._peers: dict[PeerKey, Peer] = {}
+        self._results: queue.Queue[tuple[PeerKey, WorkerDescription | Exception]] = queue.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-handshake")
+        self._local_lists: dict[tuple, DescList] = {}
+        self.handshakes = 0
+        self.failures = 0
+
+    def get(self, key: PeerKey) -> Peer | None:
+        return self._peers.get(key)
+
+    def ensure(self, key: PeerKey, host: str, port: int) -> Peer:
+        """The peer, starting its handshake in the background if it is new (or failed)."""
+        peer = self._peers.get(key)
+        if peer is not None and peer.state is not PeerState.FAILED:
+            return peer
+        peer = Peer(key=key, host=host, port=port)
+        self._peers[key] = peer
+        self._pool.submit(self._fetch, key, host, port)
+        return peer
+
+    def _fetch(self, key: PeerKey, host: str, port: int) -> None:
+        try:
+            self._client.forget(*key)
+            desc = self._client.get(key[0], key[1], host, port)
+            self._results.put((key, desc))
+        except Exception as exc:  # delivered to the step thread, which fails the loads
+            self._results.put((key, exc))
+
+    def poll(self) -> list[Peer]:
+        """Finish handshakes that came back; returns peers whose state changed."""
+        changed = []
+        while True:
+            try:
+                key, result = self._results.get_nowait()
+            except queue.Empty:
+                return changed
+            peer = self._peers.get(key)
+            if peer is None or peer.state is not PeerState.CONNECTING:
+                continue
+            if isinstance(result, Exception):
+                self._fail(peer, f"handshake with {peer.host}:{peer.port} failed: {result}")
+            else:
+                self._connect(peer, result)
+            changed.append(peer)
+
+    def _connect(self, peer: Peer, desc: WorkerDescription) -> None:
+        try:
+            check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
+            layout = parse_description(desc)
+            plan = negotiate(self._local, layout)
+            agent = self._engine.add_peer(desc.nixl_metadata)
+            peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
+            for g in plan.groups:
+                for i, stream in enumerate(g.streams):
+                    region = layout.regions[stream.remote_region].region
+                    table = block_descriptors(
+                        region,
+                        np.arange(region.num_blocks),
+                        offsets=g.remote_offsets(stream),
+                        length=stream.length,
+                    )
+                    peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(agent, table)
+            peer.state = PeerState.READY
+            self.handshakes += 1
+            logger.info("peer %s ready:\n%s", peer.key, plan)
+        except KVBridgeError as exc:
+            self._fail(peer, str(exc))
+
+    def _fail(self, peer: Peer, reason: str) -> None:
+        peer.state, peer.reason = PeerState.FAILED, reason
+        self.failures += 1
+        logger.warning("peer %s failed: %s", peer.key, reason)
+        if peer.agent:
+            self.drop(peer.key, reason)
+
+    def drop(self, key: PeerKey, reason: str) -> None:
+        """Forget a peer (dead or restarted): its agent and lists go; next use re-handshakes."""
+        peer = self._peers.get(key)
+        if peer is None:
+            return
+        for dl in peer.remote_lists.values():
+            dl.release()
+        peer.remote_lists.clear()
+        if peer.agent:
+            try:
+                self._engine.remove_peer(peer.agent)
+            except KVBridgeError as exc:
+                logger.warning("removing peer %s: %s", peer.agent, exc)
+        peer.agent = ""
+        peer.state, peer.reason = PeerState.FAILED, reason
+        self._client.forget(*key)
+
+    def local_list(self, group: GroupPlan, stream: PieceStream) -> DescList:
+        """The local descriptor list for a plan's stream, prepared once and shared."""
+        key = (
+            group.group_id,
+            stream.local_region,
+            stream.local_offsets,
+            stream.length,
+            group.local_chunks_per_block,
+            stream.local_chunk_bytes,
+        )
+        dl = self._local_lists.get(key)
+        if dl is None:
+            region = self._local.regions[stream.local_region].region
+            table = block_descriptors(
+                region,
+                np.arange(region.num_blocks),
+                offsets=group.local_offsets(stream),
+                length=stream.length,
+            )
+            dl = self._engine.prep_local(table)
+            self._local_lists[key] = dl
+        return dl
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for key in list(self._peers):
+            self.drop(key, "closed")
+        for dl in self._local_lists.values():
+            dl.release()
+        self._local_lists.clear()

@@ -1,0 +1,499 @@
+"""Scheduler side of the connector: which tokens to load, which blocks to keep, when to free.
+
+Engine contract, beyond the :class:`~connector.api.SchedulerConnector` Protocol:
+
+- Call ``get_num_new_matched_tokens`` for a new request (again each step while it cannot
+  be allocated), then ``update_state_after_alloc`` once its blocks exist, even with
+  ``num_external_tokens == 0``. While a remote-prefill request waits for blocks, call
+  ``request_waiting(request)`` each step: the worker then heartbeats the prefill (at most
+  once per ``heartbeat_s`` per request) so its lease does not run out meanwhile.
+- Prefill. When ``request_finished`` returns ``delay_free=True`` the connector owns every
+  block passed in; the engine frees them only through ``take_blocks_to_free(request_id)``,
+  which hands each block out exactly once. Call it right after ``request_finished`` (the
+  blocks no decode will read: sliding-window blocks below the window, older states,
+  blocks past the prompt) and for every id in ``SchedulerEvents.free_request_ids`` (the
+  kept blocks, once decode is done, the lease ran out or the request was aborted)::
+
+      delay, params = sched.request_finished(req, blocks)
+      pool.free(sched.take_blocks_to_free(req.request_id) if delay else flatten(blocks))
+      ...
+      for rid in sched.update_connector_output(out).free_request_ids:
+          pool.free(sched.take_blocks_to_free(rid))
+
+- Decode. The engine owns its blocks. While ``defers_free(request_id)`` is True a load may
+  still write into them: after ``request_aborted`` (or ``request_finished``, which then
+  returns ``delay_free=True``) such a request's blocks are freed by the engine when its id
+  shows up in ``free_request_ids``. Every other decode request ends in
+  ``loaded_request_ids``, ``recompute`` or ``failed``.
+
+Retention margin. Prefill does not know the decode's block sizes; decode loads
+``n_load = floor(min(num_tokens, len(prompt) - 1) / L) * L`` tokens with ``L`` the lcm of
+both sides' block sizes, so ``num_tokens - L <= n_load <= num_tokens - 1``. The producer
+keeps what any ``n_load >= num_tokens - 1 - M`` needs, ``M =
+extra["max_peer_block_size"]`` (default 128): correct for every decode with ``L <= M + 1``.
+For a group of block size ``bs`` and ``N = num_tokens`` tokens::
+
+    full / MLA        blocks covering [0, N)
+    sliding window w  blocks covering [max(0, N - 1 - M - w), N)
+    state             block k-1 (the state after k*bs tokens) for N-1-M < k*bs <= N-1
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from connector.api import ConnectorRequest, SchedulerEvents
+from connector.config import ConfigError, FailurePolicy, KVTransferConfig
+from connector.lifecycle import (
+    Ignored,
+    LifecycleError,
+    LoadRecord,
+    LoadState,
+    SendRecord,
+    SendState,
+)
+from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec, WorkerOutput
+from connector.params import KVTransferParams, ParamsError
+from layouts.groups import KVCacheConfig
+from layouts.specs import KVCacheKind, KVCacheSpec
+
+DEFAULT_MAX_PEER_BLOCK_SIZE = 128
+
+
+def retained_block_range(spec: KVCacheSpec, num_tokens: int, margin: int) -> tuple[int, int]:
+    """Logical blocks ``[first, stop)`` of one group that a remote decode may read.
+
+    ``margin`` is ``M`` of the module docstring: how far below ``num_tokens - 1`` the
+    decode's aligned load may end.
+    """
+    bs = spec.block_size
+    num_blocks = -(-num_tokens // bs)
+    match spec.kind:
+        case KVCacheKind.FULL_ATTENTION | KVCacheKind.MLA:
+            return 0, num_blocks
+        case KVCacheKind.SLIDING_WINDOW:
+            low = max(0, num_tokens - 1 - margin - spec.sliding_window)
+            return low // bs, num_blocks
+        case KVCacheKind.STATE:
+            k_low = max(1, (num_tokens - 1 - margin) // bs + 1)
+            k_high = (num_tokens - 1) // bs
+            return k_low - 1, max(k_high, k_low - 1)
+    raise AssertionError(f"unhandled KVCacheKind {spec.kind}")
+
+
+def _read_margin(config: KVTransferConfig) -> int:
+    margin = config.extra.get("max_peer_block_size", DEFAULT_MAX_PEER_BLOCK_SIZE)
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ConfigError(
+            f"extra.max_peer_block_size={margin!r} must be a non-negative integer (tokens): "
+            f"at least the lcm of the prefill and decode block sizes minus one"
+        )
+    return margin
+
+
+class KVBridgeScheduler:
+    """The :class:`~connector.api.SchedulerConnector` of kvbridge, for either role."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self._clock = clock
+        self._specs = tuple(g.spec for g in kv_cache_config.groups)
+        self._num_groups = len(self._specs)
+        block_sizes = [s.block_size for s in self._specs]
+        if config.is_producer and len(set(block_sizes)) > 1:
+            raise ConfigError(
+                f"a producer's KV-cache groups must share one block size (kv_transfer_params "
+                f"carry a single remote_block_size); got {block_sizes} for groups "
+                f"0..{self._num_groups - 1}"
+            )
+        self._block_size = block_sizes[0]
+        self._local_lcm = math.lcm(*block_sizes)
+        self._margin = _read_margin(config)
+        # Decode side: live records and the next metadata's queues.
+        self._loads: dict[str, LoadRecord] = {}
+        self._consumed: set[str] = set()  # remote KV used up; never load it again
+        self._to_load: dict[str, LoadSpec] = {}
+        self._to_release: dict[str, KVTransferParams] = {}
+        self._to_abort: list[tuple[str, KVTransferParams]] = []
+        self._waiting: dict[str, KVTransferParams] = {}
+        # Prefill side.
+        self._sends: dict[str, SendRecord] = {}
+        self._to_send: dict[str, SendSpec] = {}
+        self._leases: list[tuple[float, str]] = []  # heap; stale entries skipped on pop
+        self._freed_sends: list[str] = []
+        # Both: ids for the next SchedulerEvents.free_request_ids.
+        self._to_free: set[str] = set()
+        self.ignored: Counter[Ignored] = Counter()
+        self.load_outcomes: Counter[LoadState] = Counter()
+        self.send_outcomes: Counter[SendState] = Counter()
+
+    # ------------------------------------------------------------------ decode side
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens past the local prefix hit to read from the remote prefill, and whether
+        the request must wait for them. Raises ParamsError on unusable params."""
+        params = request.kv_transfer_params
+        if params is None:
+            return 0, False
+        rid = request.request_id
+        if params.do_remote_decode and not self.config.is_producer:
+            raise ParamsError(
+                f"request {rid!r}: do_remote_decode=true reached a "
+                f"{self.config.kv_role.value} engine; send it to a kv_producer"
+            )
+        if not params.do_remote_prefill or rid in self._consumed:
+            return 0, False
+        if not self.config.is_consumer:
+            raise ParamsError(
+                f"request {rid!r}: do_remote_prefill=true reached a "
+                f"{self.config.kv_role.value} engine; send it to a kv_consumer"
+            )
+        if num_computed_tokens < 0:
+            raise LifecycleError(f"request {rid!r}: num_computed_tokens={num_computed_tokens}")
+        record = self._loads.get(rid)
+        if record is None:
+            params.validate_for_load(self._num_groups)
+            record = LoadRecord(rid, params)
+        elif record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
+            raise LifecycleError(
+                f"request {rid!r} is {record.state.name}; get_num_new_matched_tokens is only "
+                f"asked before its blocks are allocated"
+            )
+        lcm = math.lcm(self._local_lcm, params.remote_block_size)
+        loadable = max(0, min(params.num_tokens, len(request.prompt_token_ids) - 1))
+        record.num_load_tokens = loadable // lcm * lcm
+        record.num_computed_tokens = num_computed_tokens
+        self._loads[rid] = record
+        if record.num_load_tokens > num_computed_tokens:
+            record.advance(LoadState.MATCHED)
+            return record.num_load_tokens - num_computed_tokens, True
+        record.advance(LoadState.FULL_HIT)
+        return 0, False
+
+    def update_state_after_alloc(
+        self,
+        request: ConnectorRequest,
+        block_ids_per_group: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """Blocks exist: queue the load, or (nothing to load) tell prefill to free."""
+        rid = request.request_id
+        record = self._loads.get(rid)
+        if record is None:
+            if num_external_tokens:
+                raise LifecycleError(
+                    f"request {rid!r}: num_external_tokens={num_external_tokens} but the "
+                    f"connector promised no tokens for it"
+                )
+            return
+        if record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
+            raise LifecycleError(
+                f"request {rid!r} is {record.state.name}; update_state_after_alloc comes "
+                f"once, after get_num_new_matched_tokens"
+            )
+        self._waiting.pop(rid, None)
+        if num_external_tokens == 0:
+            record.advance(LoadState.RELEASING)
+            self._to_release[rid] = record.params
+            return
+        promised = record.num_load_tokens - record.num_computed_tokens
+        if record.state is LoadState.FULL_HIT or num_external_tokens != promised:
+            raise LifecycleError(
+                f"request {rid!r}: num_external_tokens={num_external_tokens}, but "
+                f"get_num_new_matched_tokens offered {max(0, promised)} "
+                f"(state {record.state.name})"
+            )
+        record.advance(LoadState.ALLOCATED)
+        self._to_load[rid] = LoadSpec(
+            request_id=rid,
+            params=record.params,
+            local_block_ids=self._load_block_ids(rid, block_ids_per_group, record),
+            start_token=record.num_computed_tokens,
+            end_token=record.num_load_tokens,
+        )
+
+    def _load_block_ids(
+        self, rid: str, block_ids_per_group: Sequence[Sequence[int]], record: LoadRecord
+    ) -> tuple[tuple[int, ...], ...]:
+        if len(block_ids_per_group) != self._num_groups:
+            raise LifecycleError(
+                f"request {rid!r}: {len(block_ids_per_group)} block lists for "
+                f"{self._num_groups} KV-cache groups"
+            )
+        out = []
+        for g, (spec, ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
+            need = record.num_load_tokens // spec.block_size
+            if len(ids) < need:
+                raise LifecycleError(
+                    f"request {rid!r}, group {g}: {len(ids)} blocks allocated, the load of "
+                    f"{record.num_load_tokens} tokens needs {need} of {spec.block_size} tokens"
+                )
+            out.append(tuple(map(int, ids[:need])))
+        return tuple(out)
+
+    def request_waiting(self, request: ConnectorRequest) -> None:
+        """The request is still queued for blocks this step: keep prefill's lease alive."""
+        record = self._loads.get(request.request_id)
+        if record is None or record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
+            return
+        now = self._clock()
+        if now - record.last_heartbeat >= self.config.heartbeat_s:
+            record.last_heartbeat = now
+            self._waiting[record.request_id] = record.params
+
+    def defers_free(self, request_id: str) -> bool:
+        """True while a transfer may still use the request's blocks: a decode load in
+        flight (aborted or not) or a prefill hold. The engine must not free them itself."""
+        record = self._loads.get(request_id)
+        if record is not None and record.state in (LoadState.LOADING, LoadState.ABORTING):
+            return True
+        send = self._sends.get(request_id)
+        return send is not None and send.is_live
+
+    def _finish_load(self, rid: str, outcome: LoadState) -> None:
+        self._loads.pop(rid).advance(outcome)
+        self.load_outcomes[outcome] += 1
+        if outcome is not LoadState.ABORTED:
+            self._consumed.add(rid)
+
+    def _abort_load(self, rid: str) -> bool:
+        """Give a decode request up; True when its blocks wait for free_request_ids."""
+        record = self._loads[rid]
+        match record.state:
+            case LoadState.RELEASING:  # prefill is told to free by the queued release
+                return False
+            case LoadState.ABORTING:
+                self.ignored[Ignored.ABORT] += 1
+                return True
+            case LoadState.LOADING:
+                record.advance(LoadState.ABORTING)
+                self._to_abort.append((rid, record.params))
+                return True
+            case _:  # MATCHED, FULL_HIT, ALLOCATED: no load posted, nothing writes
+                self._to_load.pop(rid, None)
+                self._waiting.pop(rid, None)
+                self._to_abort.append((rid, record.params))
+                self._finish_load(rid, LoadState.ABORTED)
+                return False
+
+    # ------------------------------------------------------------------ prefill side
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids_per_group: Sequence[Sequence[int]]
+    ) -> tuple[bool, KVTransferParams | None]:
+        """A request ends. Prefill with ``do_remote_decode``: keep the blocks decode may read
+        (``delay_free=True``; see ``take_blocks_to_free``) and return the params for it."""
+        rid = request.request_id
+        self._consumed.discard(rid)
+        if rid in self._loads:  # a decode request ended before its load did
+            return self._abort_load(rid), None
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_decode or not self.config.is_producer:
+            return False, None
+        if rid in self._sends:
+            raise LifecycleError(f"request {rid!r}: request_finished called twice")
+        if len(block_ids_per_group) != self._num_groups:
+            raise LifecycleError(
+                f"request {rid!r}: {len(block_ids_per_group)} block lists for "
+                f"{self._num_groups} KV-cache groups"
+            )
+        num_tokens = len(request.prompt_token_ids)
+        kept_lists, first_blocks, kept, free = [], [], [], []
+        for g, (spec, group_ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
+            ids = list(map(int, group_ids))
+            first, stop = retained_block_range(spec, num_tokens, self._margin)
+            if len(ids) < stop:
+                raise LifecycleError(
+                    f"request {rid!r}, group {g}: {len(ids)} blocks for a {num_tokens}-token "
+                    f"prompt; blocks 0..{stop - 1} of {spec.block_size} tokens are needed"
+                )
+            # Negative ids are placeholders (no block kept there): trim them off the ends.
+            while first < stop and ids[first] < 0:
+                first += 1
+            while stop > first and ids[stop - 1] < 0:
+                stop -= 1
+            kept_lists.append(ids[first:stop])
+            first_blocks.append(first)
+            kept.extend(b for b in ids[first:stop] if b >= 0)
+            free.extend(b for b in ids[:first] + ids[stop:] if b >= 0)
+        expiry = self._clock() + self.config.lease_s
+        self._sends[rid] = SendRecord(rid, kept, free, expiry)
+        heapq.heappush(self._leases, (expiry, rid))
+        self._to_send[rid] = SendSpec(
+            request_id=rid,
+            block_ids=tuple(map(tuple, kept_lists)),
+            first_block=tuple(first_blocks),
+            lease_s=self.config.lease_s,
+        )
+        return True, KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.engine_id,
+            remote_host=self.config.kv_ip,
+            remote_port=self.config.kv_port,  # + rank 0: the scheduler speaks for rank 0
+            remote_rank=0,
+            remote_block_ids=kept_lists,
+            remote_first_block=first_blocks,
+            remote_block_size=self._block_size,
+            num_tokens=num_tokens,
+            remote_request_id=rid,
+        )
+
+    def take_blocks_to_free(self, request_id: str) -> tuple[int, ...]:
+        """Blocks of a delayed-free prefill request the engine may free now; each block is
+        returned once over all calls (unknown or drained requests give ``()``)."""
+        record = self._sends.get(request_id)
+        if record is None:
+            return ()
+        out = tuple(record.free_block_ids)
+        record.free_block_ids = []
+        if not record.is_live:
+            del self._sends[request_id]
+        return out
+
+    def _release_send(self, record: SendRecord, why: SendState) -> None:
+        if record.state is SendState.PENDING:
+            del self._to_send[record.request_id]  # the worker never heard of it
+        elif why is not SendState.DONE:
+            self._freed_sends.append(record.request_id)
+        record.release(why)
+        self.send_outcomes[why] += 1
+        self._to_free.add(record.request_id)
+
+    def _expire_leases(self, now: float) -> None:
+        leases = self._leases
+        while leases and leases[0][0] <= now:
+            expiry, rid = heapq.heappop(leases)
+            record = self._sends.get(rid)
+            if record is not None and record.is_live and record.expiry == expiry:
+                self._release_send(record, SendState.EXPIRED)
+
+    # ------------------------------------------------------------------ both sides
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """The step's work for the workers; empties the queues."""
+        self._expire_leases(self._clock())
+        for rid in self._to_load:
+            self._loads[rid].advance(LoadState.LOADING)
+        for rid in self._to_send:
+            self._sends[rid].advance(SendState.HELD)
+        for rid in self._to_release:
+            self._finish_load(rid, LoadState.RELEASED)
+        meta = ConnectorMetadata(
+            reqs_to_load=tuple(self._to_load.values()),
+            reqs_to_send=tuple(self._to_send.values()),
+            reqs_to_abort=tuple(self._to_abort),
+            reqs_waiting=tuple(self._waiting.items()),
+            reqs_to_release=tuple(self._to_release.items()),
+            reqs_freed=tuple(self._freed_sends),
+        )
+        self._to_load, self._to_send, self._to_release, self._waiting = {}, {}, {}, {}
+        self._to_abort, self._freed_sends = [], []
+        return meta
+
+    def update_connector_output(self, output: WorkerOutput) -> SchedulerEvents:
+        """Fold the workers' report in; unknown or repeated ids are counted in ``ignored``."""
+        now = self._clock()
+        for rid in output.heartbeats:
+            send = self._sends.get(rid)
+            if send is None or not send.is_live:
+                self.ignored[Ignored.HEARTBEAT] += 1
+                continue
+            send.expiry = max(send.expiry, now + self.config.lease_s)
+            heapq.heappush(self._leases, (send.expiry, rid))
+        for rid in output.finished_sending:
+            send = self._sends.get(rid)
+            if send is None or not send.is_live:
+                self.ignored[Ignored.FINISHED_SENDING] += 1
+                continue
+            self._release_send(send, SendState.DONE)
+        self._expire_leases(now)
+
+        recompute: list[LoadFailure] = []
+        failed: list[LoadFailure] = []
+        for failure in output.failed_loads:
+            outcome = self._load_reported(failure.request_id, Ignored.FAILED_LOAD, ok=False)
+            if outcome is LoadState.RECOMPUTED:
+                recompute.append(failure)
+            elif outcome is LoadState.FAILED:
+                failed.append(failure)
+        loaded = [
+            rid
+            for rid in output.finished_recving
+            if self._load_reported(rid, Ignored.FINISHED_RECVING, ok=True) is LoadState.LOADED
+        ]
+        events = SchedulerEvents(
+            free_request_ids=frozenset(self._to_free),
+            loaded_request_ids=frozenset(loaded),
+            recompute=tuple(recompute),
+            failed=tuple(failed),
+        )
+        self._to_free = set()
+        return events
+
+    def _load_reported(self, rid: str, kind: Ignored, *, ok: bool) -> LoadState | None:
+        """The worker says a load ended; the outcome, or None when the report is ignored."""
+        record = self._loads.get(rid)
+        if record is None or record.state not in (LoadState.LOADING, LoadState.ABORTING):
+            self.ignored[kind] += 1
+            return None
+        if record.state is LoadState.ABORTING:
+            outcome = LoadState.ABORTED
+            self._to_free.add(rid)
+        elif ok:
+            outcome = LoadState.LOADED
+        elif self.config.failure_policy is FailurePolicy.RECOMPUTE:
+            outcome = LoadState.RECOMPUTED
+        else:
+            outcome = LoadState.FAILED
+        self._finish_load(rid, outcome)
+        return outcome
+
+    def request_aborted(self, request_id: str) -> None:
+        """Decode: tell prefill to free; blocks a load may still write wait for
+        free_request_ids (see ``defers_free``). Prefill: the kept blocks are freed at once."""
+        self._consumed.discard(request_id)
+        handled = False
+        if request_id in self._loads:
+            self._abort_load(request_id)
+            handled = True
+        send = self._sends.get(request_id)
+        if send is not None and send.is_live:
+            self._release_send(send, SendState.ABORTED)
+            handled = True
+        if not handled:
+            self.ignored[Ignored.ABORT] += 1
+
+    # ------------------------------------------------------------------ introspection
+
+    def load_state(self, request_id: str) -> LoadState | None:
+        record = self._loads.get(request_id)
+        return None if record is None else record.state
+
+    def send_state(self, request_id: str) -> SendState | None:
+        record = self._sends.get(request_id)
+        return None if record is None else record.state
+
+    @property
+    def num_live_requests(self) -> int:
+        """Decode requests not yet ended plus prefill requests still holding blocks."""
+        return len(self._loads) + sum(1 for s in self._sends.values() if s.is_live)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVBridgeScheduler(role={self.config.kv_role.value}, "
+            f"engine_id={self.config.engine_id!r}, loads={len(self._loads)}, "
+            f"sends={len(self._sends)})"
+        )

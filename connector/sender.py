@@ -1,0 +1,184 @@
+"""Prefill side: keep finished requests' blocks for their reader, rewrite them on demand.
+
+Decode picks the prefill's request up only after prefill finished it, so the sender
+learns the reader's format from the reader: ``Prepare`` names, per group, the rewrite
+the plan wants (e.g. NHD 64-token blocks -> 4 x HND 16-token chunks). The sender applies
+it in place on the request's blocks ("permute after save"), answers ``Prepared``, and
+undoes it when the reader says ``Done`` (or the lease expires), so the blocks are exact
+again for prefill's own prefix cache.
+
+A block shared by two requests (prefix caching) is rewritten once and restored when its
+last reader is done; a conflicting rewrite of a block in use is refused, not applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from connector.metadata import SendSpec
+from connector.metrics import ConnectorMetrics
+from connector.notifications import Done, Heartbeat, Prepare, Prepared
+from layouts.allocation import KVCacheBuffers
+from layouts.arrangement import BlockArrangement
+from layouts.errors import KVBridgeError
+from layouts.specs import AttentionSpec
+from layouts.transforms import rewrite_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    spec: SendSpec
+    deadline: float
+    rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
+
+
+@dataclass
+class _BlockRewrite:
+    src: BlockArrangement
+    dst: BlockArrangement
+    readers: int
+
+
+class Sender:
+    """Requests whose blocks wait for a remote reader, with leases."""
+
+    def __init__(
+        self,
+        buffers: KVCacheBuffers,
+        metrics: ConnectorMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._buffers = buffers
+        self._metrics = metrics
+        self._clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._blocks: dict[tuple[int, int], _BlockRewrite] = {}  # (group, block) -> state
+        self._finished: set[str] = set()
+        self._expired: set[str] = set()
+        self._heartbeats: set[str] = set()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, spec: SendSpec) -> None:
+        if spec.request_id in self._pending:
+            return
+        self._pending[spec.request_id] = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+
+    def on_prepare(self, msg: Prepare) -> Prepared:
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            return Prepared(request_id=msg.request_id, ok=False, reason="unknown request")
+        try:
+            for rw in msg.rewrites:
+                self._rewrite(
+                    pending, rw.group_id, rw.src.to_arrangement(), rw.dst.to_arrangement()
+                )
+        except KVBridgeError as exc:
+            self._restore(pending)
+            return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
+        return Prepared(request_id=msg.request_id, ok=True)
+
+    def on_done(self, msg: Done) -> bool:
+        pending = self._pending.pop(msg.request_id, None)
+        if pending is None:
+            return False
+        self._restore(pending)
+        self._finished.add(msg.request_id)
+        return True
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        now = self._clock()
+        for rid in msg.request_ids:
+            pending = self._pending.get(rid)
+            if pending is not None:
+                pending.deadline = now + pending.spec.lease_s
+                self._heartbeats.add(rid)
+
+    def abort(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._restore(pending)
+            self._finished.add(request_id)
+
+    def expire(self) -> None:
+        now = self._clock()
+        for rid, pending in list(self._pending.items()):
+            if now > pending.deadline:
+                self._pending.pop(rid)
+                self._restore(pending)
+                self._finished.add(rid)
+                self._expired.add(rid)
+                self._metrics.leases_expired += 1
+                logger.warning("lease of %s expired; freeing its blocks", rid)
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        out = (self._finished, self._expired, self._heartbeats)
+        self._finished, self._expired, self._heartbeats = set(), set(), set()
+        return out
+
+    # -- rewrites -----------------------------------------------------------------------
+
+    def _rewrite(
+        self, pending: _Pending, group_id: int, src: BlockArrangement, dst: BlockArrangement
+    ) -> None:
+        groups = self._buffers.config.groups
+        if not 0 <= group_id < len(groups) or not isinstance(groups[group_id].spec, AttentionSpec):
+            raise KVBridgeError(f"rewrite names group {group_id}, which is not an attention group")
+        native = self._buffers.format.native_arrangement(groups[group_id].spec.block_size)
+        if src != native:
+            raise KVBridgeError(
+                f"group {group_id}: reader expects blocks in {src}, ours are {native}"
+            )
+        if group_id in pending.rewritten:
+            if pending.rewritten[group_id] == (src, dst):
+                return
+            raise KVBridgeError(f"group {group_id} already rewritten to another arrangement")
+        ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
+        fresh = []
+        for b in ids.tolist():
+            state = self._blocks.get((group_id, b))
+            if state is None:
+                fresh.append(b)
+            elif (state.src, state.dst) != (src, dst):
+                raise KVBridgeError(
+                    f"block {b} of group {group_id} is lent to another reader as {state.dst}; "
+                    f"cannot rewrite it as {dst} at the same time"
+                )
+        if fresh:
+            stats = rewrite_group(self._buffers, group_id, np.asarray(fresh), src, dst)
+            self._metrics.sender_rewrites += stats.num_blocks
+        for b in ids.tolist():
+            state = self._blocks.setdefault(
+                (group_id, b), _BlockRewrite(src=src, dst=dst, readers=0)
+            )
+            state.readers += 1
+        pending.rewritten[group_id] = (src, dst)
+
+    def _restore(self, pending: _Pending) -> None:
+        for group_id, (src, dst) in pending.rewritten.items():
+            ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
+            last = []
+            for b in ids.tolist():
+                state = self._blocks[(group_id, b)]
+                state.readers -= 1
+                if state.readers == 0:
+                    del self._blocks[(group_id, b)]
+                    last.append(b)
+            if last:
+                stats = rewrite_group(self._buffers, group_id, np.asarray(last), dst, src)
+                self._metrics.sender_restores += stats.num_blocks
+        pending.rewritten.clear()
+
+    def close(self) -> None:
+        for rid in list(self._pending):
+            self.abort(rid)

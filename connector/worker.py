@@ -1,0 +1,336 @@
+"""The worker-side connector: registers caches, serves handshakes, moves blocks.
+
+It owns one transfer engine (NIXL), one handshake listener (so readers can describe this
+worker), a handshake client and peer directory (to read from others), a :class:`Sender`
+(prefill role) and a :class:`Receiver` (decode role). Every NIXL call happens on the
+thread that drives the engine step; handshakes run in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from connector.errors import TransferError
+from connector.transport import TransferEngine
+
+from connector.config import KVTransferConfig
+from connector.metadata import ConnectorMetadata, WorkerOutput
+from connector.metrics import ConnectorMetrics
+from connector.notifications import (
+    Done,
+    Heartbeat,
+    Notification,
+    NotificationError,
+    Prepare,
+    Prepared,
+    decode_notification,
+    encode_notification,
+)
+from connector.params import KVTransferParams
+from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.receiver import Receiver
+from connector.sender import Sender
+from handshake.client import ClientConfig, HandshakeClient
+from handshake.compat import compat_hash
+from handshake.description import WorkerIdentity, describe, parse_description
+from handshake.framing import HandshakeSecurity
+from handshake.listener import HandshakeListener, ListenerConfig
+from handshake.messages import MetadataRequest, WorkerDescription
+from layouts.allocation import KVCacheBuffers
+from layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """The model a worker serves, as far as compatibility goes."""
+
+    model_name: str
+    dtype: str
+    num_kv_heads: int
+    head_size: int
+
+
+class KVBridgeWorker:
+    """Implements :class:`connector.api.WorkerConnector`."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        model: ModelInfo,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        engine_factory: Callable[[str], TransferEngine] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.rank = rank
+        self.tp_size = tp_size
+        self.metrics = ConnectorMetrics()
+        self._clock = clock
+        self._engine_factory = engine_factory or _nixl_engine
+        self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
+        self._engine: TransferEngine | None = None
+        self._buffers: KVCacheBuffers | None = None
+        self._description: WorkerDescription | None = None
+        self._listener: HandshakeListener | None = None
+        self._peers: PeerDirectory | None = None
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        self._meta = ConnectorMetadata()
+        self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
+        self._known_agents: set[str] = set()
+        self._outbox: list[tuple[PeerKey, str, int, Notification]] = []
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------
+
+    @property
+    def description(self) -> WorkerDescription:
+        if self._description is None:
+            raise KVBridgeError("register_kv_caches() has not been called")
+        return self._description
+
+    @property
+    def side_channel_port(self) -> int:
+        return self._listener.port if self._listener else 0
+
+    def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
+        if self._engine is not None:
+            raise KVBridgeError("KV caches are already registered")
+        self._buffers = buffers
+        engine = self._engine_factory(self.agent_name)
+        self._engine = engine
+        engine.register(buffers.tensors)
+        identity = WorkerIdentity(
+            engine_id=self.config.engine_id,
+            agent_name=self.agent_name,
+            model_name=self.model.model_name,
+            dtype=self.model.dtype,
+            num_layers=buffers.config.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_size=self.model.head_size,
+            rank=self.rank,
+            tp_size=self.tp_size,
+        )
+        digest = compat_hash(identity, buffers.config)
+        security = HandshakeSecurity(secret=self.config.secret_bytes)
+        port = self.config.kv_port + self.rank if self.config.kv_port else 0
+        self._listener = HandshakeListener(
+            ListenerConfig(host=self.config.kv_ip, port=port, security=security),
+            describe=lambda: self.description,
+            on_request=self._requesters.put,
+        )
+        self._listener.start()
+        self._description = describe(
+            identity,
+            buffers,
+            nixl_metadata=engine.metadata(),
+            compat_hash=digest,
+            side_channel_host=self.config.kv_ip,
+            side_channel_port=self._listener.port,
+        )
+        request = MetadataRequest(
+            protocol_version=self._description.protocol_version,
+            requester_engine_id=self.config.engine_id,
+            requester_rank=self.rank,
+            requester_agent_name=self.agent_name,
+            requester_nixl_metadata=self._description.nixl_metadata,
+        )
+        client = HandshakeClient(
+            ClientConfig(timeout_s=self.config.handshake_timeout_s, security=security),
+            request=request,
+        )
+        self._peers = PeerDirectory(
+            engine, client, self._description, parse_description(self._description)
+        )
+        self._sender = Sender(buffers, self.metrics, clock=self._clock)
+        self._receiver = Receiver(
+            engine,
+            self._peers,
+            buffers,
+            self.metrics,
+            self._send,
+            timeout_s=self.config.transfer_timeout_s,
+            clock=self._clock,
+        )
+
+    # -- per step -------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._meta = metadata
+
+    def start_load_kv(self) -> None:
+        receiver, sender = self._ready()
+        meta, self._meta = self._meta, ConnectorMetadata()
+        for spec in meta.reqs_to_send:
+            sender.add(spec)
+        for spec in meta.reqs_to_load:
+            receiver.add(spec)
+        for rid, params in meta.reqs_to_abort:
+            if not receiver.abort(rid):
+                self._queue(params, Done(request_id=params.remote_request_id, ok=False))
+        for _rid, params in meta.reqs_to_release:
+            self._queue(params, Done(request_id=params.remote_request_id, ok=True))
+        by_peer: dict[PeerKey, tuple[KVTransferParams, list[str]]] = {}
+        for _rid, params in meta.reqs_waiting:
+            key = (params.remote_engine_id, params.remote_rank)
+            by_peer.setdefault(key, (params, []))[1].append(params.remote_request_id)
+        for params, ids in by_peer.values():
+            self._queue(params, Heartbeat(request_ids=ids))
+            self.metrics.heartbeats_sent += 1
+        self._progress()
+
+    def wait_for_save(self) -> None:
+        """Saves are synchronous here (the forward wrote the blocks); sends were recorded
+        in :meth:`start_load_kv`. Kept for the engine-facing API."""
+        self._ready()
+
+    def get_finished(self) -> WorkerOutput:
+        receiver, sender = self._ready()
+        self._progress()
+        sender.expire()
+        done, failed = receiver.take_results()
+        finished, expired, heartbeats = sender.take_results()
+        return WorkerOutput(
+            finished_sending=frozenset(finished),
+            finished_recving=frozenset(done),
+            failed_loads=tuple(failed),
+            expired_leases=frozenset(expired),
+            heartbeats=frozenset(heartbeats),
+        )
+
+    def abort_send(self, request_id: str) -> None:
+        """Prefill: a kept request is dropped (engine abort); restore and forget it."""
+        _, sender = self._ready()
+        sender.abort(request_id)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _ready(self) -> tuple[Receiver, Sender]:
+        if self._receiver is None or self._sender is None or self._closed:
+            raise KVBridgeError("worker connector is not registered or already shut down")
+        return self._receiver, self._sender
+
+    def _progress(self) -> None:
+        receiver, _ = self._ready()
+        self._add_requesters()
+        self._handle_notifications()
+        receiver.step()
+        self._flush_outbox()
+
+    def _add_requesters(self) -> None:
+        assert self._engine is not None
+        while True:
+            try:
+                req = self._requesters.get_nowait()
+            except queue.Empty:
+                return
+            if not req.requester_agent_name or req.requester_agent_name in self._known_agents:
+                continue
+            try:
+                self._engine.add_peer(req.requester_nixl_metadata)
+                self._known_agents.add(req.requester_agent_name)
+            except KVBridgeError as exc:
+                logger.warning("cannot add requester %s: %s", req.requester_agent_name, exc)
+
+    def _handle_notifications(self) -> None:
+        assert self._engine is not None and self._sender is not None and self._receiver is not None
+        try:
+            notifs = self._engine.get_notifs()
+        except TransferError as exc:
+            logger.warning("reading notifications failed: %s", exc)
+            return
+        for agent, messages in notifs.items():
+            for raw in messages:
+                self.metrics.notifications_received += 1
+                try:
+                    msg = decode_notification(raw)
+                except NotificationError as exc:
+                    self.metrics.bad_notifications += 1
+                    logger.warning("notification from %s dropped: %s", agent, exc)
+                    continue
+                if isinstance(msg, Prepare):
+                    reply = self._sender.on_prepare(msg)
+                    self._send_raw(agent, reply)
+                elif isinstance(msg, Done):
+                    if not self._sender.on_done(msg):
+                        self.metrics.bad_notifications += 1
+                elif isinstance(msg, Heartbeat):
+                    self._sender.on_heartbeat(msg)
+                elif isinstance(msg, Prepared):
+                    self._receiver.on_prepared(msg)
+
+    def _queue(self, params: KVTransferParams, msg: Notification) -> None:
+        assert self._peers is not None
+        key = (params.remote_engine_id, params.remote_rank)
+        self._peers.ensure(key, params.remote_host, params.remote_port)
+        self._outbox.append((key, params.remote_host, params.remote_port, msg))
+
+    def _flush_outbox(self) -> None:
+        assert self._peers is not None
+        keep = []
+        for key, host, port, msg in self._outbox:
+            peer = self._peers.get(key)
+            if peer is None or peer.state is PeerState.FAILED:
+                logger.warning("dropping %s for unreachable peer %s", type(msg).__name__, key)
+                continue
+            if peer.state is PeerState.CONNECTING:
+                keep.append((key, host, port, msg))
+                continue
+            self._send(peer, msg)
+        self._outbox = keep
+
+    def _send(self, peer: Peer, msg: object) -> bool:
+        if not self._send_raw(peer.agent, msg):
+            assert self._peers is not None
+            self._peers.drop(peer.key, "notification failed: peer unreachable")
+            return False
+        return True
+
+    def _send_raw(self, agent: str, msg: object) -> bool:
+        assert self._engine is not None
+        try:
+            self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
+            self.metrics.notifications_sent += 1
+            return True
+        except KVBridgeError as exc:
+            logger.warning("notification to %s failed: %s", agent, exc)
+            return False
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._receiver is not None:
+            self._receiver.close()
+        if self._sender is not None:
+            self._sender.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self._peers is not None:
+            self._peers.close()
+        if self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self) -> KVBridgeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _nixl_engine(agent_name: str) -> TransferEngine:
+    from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
+
+    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name))

@@ -1,0 +1,83 @@
+"""Single-process ground truth: greedy tokens and per-step logits without paging or transfer.
+
+Every step runs the model's dense forward (``TinyModel.reference_logits``) over the whole
+sequence so far; step ``i``'s logits are the last row, and its token is their argmax. The
+engine, the servers and the prefill/decode pair must reproduce both::
+
+    python -m examples.reference --model tiny-hybrid --prompt "Hello" --max-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from examples.model import TinyModel
+from examples.tokenizer import EOS_ID, ByteTokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceOutput:
+    token_ids: list[int]
+    logits: np.ndarray  # [steps, vocab] float32
+
+    @property
+    def text(self) -> str:
+        return ByteTokenizer().decode(self.token_ids)
+
+
+@functools.cache
+def load_model(name: str) -> TinyModel:
+    return TinyModel.from_name(name)
+
+
+def reference_generate(
+    model: TinyModel,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    eos_id: int | None = EOS_ID,
+) -> ReferenceOutput:
+    """Greedy continuation, stopping after ``eos_id`` (when given) or ``max_tokens``."""
+    ids, out, rows = list(prompt_token_ids), [], []
+    for _ in range(max_tokens):
+        logits = model.reference_logits(ids)[-1]
+        token = int(logits.argmax())
+        rows.append(logits.to(torch.float32).cpu().numpy())
+        ids.append(token)
+        out.append(token)
+        if token == eos_id:
+            break
+    vocab = model.config.vocab_size
+    return ReferenceOutput(
+        token_ids=out, logits=np.stack(rows) if rows else np.zeros((0, vocab), np.float32)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-hybrid")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--return-logits", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    prompt = ByteTokenizer().encode(args.prompt)
+    result = reference_generate(load_model(args.model), prompt, args.max_tokens)
+    body: dict = {"text": result.text, "token_ids": result.token_ids}
+    if args.return_logits:
+        body["logits"] = result.logits.tolist()
+    json.dump(body, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
