@@ -2,20 +2,18 @@
 
 Decode (consumer) requests, by where their remote KV stands::
 
-    MATCHED --alloc n>0--> ALLOCATED --meta--> LOADING --recv ok--> LOADED
-      |  ^                     |                 |  \\--failed--> RECOMPUTED | FAILED
-      v  |                     |               abort
-    FULL_HIT --alloc n=0--> RELEASING --meta--> RELEASED
-      |                        |                 v
-      +--------abort-----------+-------->     ABORTING --recv / failed--> ABORTED
-                               (abort)                                    (blocks freed)
+    MATCHED <--> FULL_HIT                  asked again while waiting for blocks
+    MATCHED --alloc n>0--> ALLOCATED --meta--> LOADING --recv----> LOADED
+                                                       --failed--> RECOMPUTED | FAILED
+    MATCHED | FULL_HIT --alloc n=0--> RELEASING --meta--> RELEASED
+    MATCHED | FULL_HIT | ALLOCATED --abort--> ABORTED        nothing in flight
+    LOADING --abort--> ABORTING --recv | failed--> ABORTED   blocks free only now
 
-Prefill (producer) requests, between ``request_finished`` and the release of their
-blocks::
+Prefill (producer) requests, from ``request_finished`` to the release of their blocks::
 
-    PENDING --meta--> HELD --finished_sending--> DONE
-       \\                 \\--lease ran out------> EXPIRED
-        \\----------------+--request_aborted-----> ABORTED
+    PENDING --meta--> HELD --finished_sending----> DONE
+    PENDING | HELD ---------lease ran out--------> EXPIRED
+    PENDING | HELD ---------request_aborted------> ABORTED
 
 Terminal states end the record (its id may come back only as a counted, ignored
 notification). Engine calls that break the machine raise :class:`LifecycleError`; worker
@@ -91,7 +89,8 @@ SEND_TRANSITIONS: dict[SendState, frozenset[SendState]] = {
 }
 
 
-def _check(request_id: str, table: dict, old: enum.Enum, new: enum.Enum) -> None:
+def check_transition(request_id: str, table: dict, old: enum.Enum, new: enum.Enum) -> None:
+    """Raise :class:`LifecycleError` unless ``table`` allows ``old -> new``."""
     if new not in table[old]:
         allowed = sorted(s.name for s in table[old]) or "none (terminal)"
         raise LifecycleError(
@@ -121,56 +120,11 @@ class LoadRecord:
         self.last_heartbeat = float("-inf")
 
     def advance(self, new: LoadState) -> None:
-        _check(self.request_id, LOAD_TRANSITIONS, self.state, new)
+        check_transition(self.request_id, LOAD_TRANSITIONS, self.state, new)
         self.state = new
 
     def __repr__(self) -> str:
         return (
             f"LoadRecord({self.request_id!r}, {self.state.name}, "
             f"tokens [{self.num_computed_tokens}, {self.num_load_tokens}))"
-        )
-
-
-class SendRecord:
-    """A finished prefill request whose blocks are kept for a remote reader.
-
-    ``kept_block_ids`` are the blocks the decode may read; ``free_block_ids`` those the
-    engine may free now (handed out once by ``take_blocks_to_free``). A release (done,
-    lease, abort) moves the kept blocks over to the free side.
-    """
-
-    __slots__ = ("expiry", "free_block_ids", "kept_block_ids", "request_id", "state")
-
-    def __init__(
-        self,
-        request_id: str,
-        kept_block_ids: list[int],
-        free_block_ids: list[int],
-        expiry: float,
-    ) -> None:
-        self.request_id = request_id
-        self.state = SendState.PENDING
-        self.kept_block_ids = kept_block_ids
-        self.free_block_ids = free_block_ids
-        self.expiry = expiry
-
-    @property
-    def is_live(self) -> bool:
-        """Still holding its kept blocks for the reader."""
-        return self.state in (SendState.PENDING, SendState.HELD)
-
-    def advance(self, new: SendState) -> None:
-        _check(self.request_id, SEND_TRANSITIONS, self.state, new)
-        self.state = new
-
-    def release(self, why: SendState) -> None:
-        """End the hold: the kept blocks may be freed from now on."""
-        self.advance(why)
-        self.free_block_ids.extend(self.kept_block_ids)
-        self.kept_block_ids = []
-
-    def __repr__(self) -> str:
-        return (
-            f"SendRecord({self.request_id!r}, {self.state.name}, kept={self.kept_block_ids}, "
-            f"to_free={self.free_block_ids}, expiry={self.expiry})"
         )

@@ -20,27 +20,19 @@ Engine contract, beyond the :class:`~connector.api.SchedulerConnector` Protocol:
       for rid in sched.update_connector_output(out).free_request_ids:
           pool.free(sched.take_blocks_to_free(rid))
 
-- Decode. The engine owns its blocks. While ``defers_free(request_id)`` is True a load may
-  still write into them: after ``request_aborted`` (or ``request_finished``, which then
-  returns ``delay_free=True``) such a request's blocks are freed by the engine when its id
-  shows up in ``free_request_ids``. Every other decode request ends in
-  ``loaded_request_ids``, ``recompute`` or ``failed``.
+- Decode. The engine owns its blocks; while ``defers_free(request_id)`` is True a load may
+  still write into them. A request given up (``request_aborted``, or ``request_finished``
+  before its load ended, which then returns ``delay_free=True``) keeps its blocks until
+  its id shows up in ``free_request_ids`` when ``defers_free`` says so; otherwise the
+  engine frees them at once. Every other remote-prefill request ends in
+  ``loaded_request_ids``, ``recompute`` or ``failed``, or (nothing to read) with a release.
+- Every request ends with one ``request_finished`` or ``request_aborted`` call.
 
-Retention margin. Prefill does not know the decode's block sizes; decode loads
-``n_load = floor(min(num_tokens, len(prompt) - 1) / L) * L`` tokens with ``L`` the lcm of
-both sides' block sizes, so ``num_tokens - L <= n_load <= num_tokens - 1``. The producer
-keeps what any ``n_load >= num_tokens - 1 - M`` needs, ``M =
-extra["max_peer_block_size"]`` (default 128): correct for every decode with ``L <= M + 1``.
-For a group of block size ``bs`` and ``N = num_tokens`` tokens::
-
-    full / MLA        blocks covering [0, N)
-    sliding window w  blocks covering [max(0, N - 1 - M - w), N)
-    state             block k-1 (the state after k*bs tokens) for N-1-M < k*bs <= N-1
+Which prefill blocks are kept, and the lease: see :mod:`connector.retention`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import Counter
@@ -48,41 +40,16 @@ from collections.abc import Callable, Sequence
 
 from connector.api import ConnectorRequest, SchedulerEvents
 from connector.config import ConfigError, FailurePolicy, KVTransferConfig
-from connector.lifecycle import (
-    Ignored,
-    LifecycleError,
-    LoadRecord,
-    LoadState,
-    SendRecord,
-    SendState,
-)
+from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, SendState
 from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
+from connector.retention import (
+    DEFAULT_MAX_PEER_BLOCK_SIZE,
+    LeaseBook,
+    SendRecord,
+    retained_block_range,
+)
 from layouts.groups import KVCacheConfig
-from layouts.specs import KVCacheKind, KVCacheSpec
-
-DEFAULT_MAX_PEER_BLOCK_SIZE = 128
-
-
-def retained_block_range(spec: KVCacheSpec, num_tokens: int, margin: int) -> tuple[int, int]:
-    """Logical blocks ``[first, stop)`` of one group that a remote decode may read.
-
-    ``margin`` is ``M`` of the module docstring: how far below ``num_tokens - 1`` the
-    decode's aligned load may end.
-    """
-    bs = spec.block_size
-    num_blocks = -(-num_tokens // bs)
-    match spec.kind:
-        case KVCacheKind.FULL_ATTENTION | KVCacheKind.MLA:
-            return 0, num_blocks
-        case KVCacheKind.SLIDING_WINDOW:
-            low = max(0, num_tokens - 1 - margin - spec.sliding_window)
-            return low // bs, num_blocks
-        case KVCacheKind.STATE:
-            k_low = max(1, (num_tokens - 1 - margin) // bs + 1)
-            k_high = (num_tokens - 1) // bs
-            return k_low - 1, max(k_high, k_low - 1)
-    raise AssertionError(f"unhandled KVCacheKind {spec.kind}")
 
 
 def _read_margin(config: KVTransferConfig) -> int:
@@ -128,9 +95,8 @@ class KVBridgeScheduler:
         self._to_abort: list[tuple[str, KVTransferParams]] = []
         self._waiting: dict[str, KVTransferParams] = {}
         # Prefill side.
-        self._sends: dict[str, SendRecord] = {}
+        self._sends = LeaseBook(config.lease_s)
         self._to_send: dict[str, SendSpec] = {}
-        self._leases: list[tuple[float, str]] = []  # heap; stale entries skipped on pop
         self._freed_sends: list[str] = []
         # Both: ids for the next SchedulerEvents.free_request_ids.
         self._to_free: set[str] = set()
@@ -204,10 +170,10 @@ class KVBridgeScheduler:
                 f"request {rid!r} is {record.state.name}; update_state_after_alloc comes "
                 f"once, after get_num_new_matched_tokens"
             )
-        self._waiting.pop(rid, None)
         if num_external_tokens == 0:
             record.advance(LoadState.RELEASING)
             self._to_release[rid] = record.params
+            self._waiting.pop(rid, None)
             return
         promised = record.num_load_tokens - record.num_computed_tokens
         if record.state is LoadState.FULL_HIT or num_external_tokens != promised:
@@ -216,11 +182,13 @@ class KVBridgeScheduler:
                 f"get_num_new_matched_tokens offered {max(0, promised)} "
                 f"(state {record.state.name})"
             )
+        local_block_ids = self._load_block_ids(rid, block_ids_per_group, record)
         record.advance(LoadState.ALLOCATED)
+        self._waiting.pop(rid, None)
         self._to_load[rid] = LoadSpec(
             request_id=rid,
             params=record.params,
-            local_block_ids=self._load_block_ids(rid, block_ids_per_group, record),
+            local_block_ids=local_block_ids,
             start_token=record.num_computed_tokens,
             end_token=record.num_load_tokens,
         )
@@ -260,8 +228,7 @@ class KVBridgeScheduler:
         record = self._loads.get(request_id)
         if record is not None and record.state in (LoadState.LOADING, LoadState.ABORTING):
             return True
-        send = self._sends.get(request_id)
-        return send is not None and send.is_live
+        return self._sends.live(request_id) is not None
 
     def _finish_load(self, rid: str, outcome: LoadState) -> None:
         self._loads.pop(rid).advance(outcome)
@@ -329,9 +296,7 @@ class KVBridgeScheduler:
             first_blocks.append(first)
             kept.extend(b for b in ids[first:stop] if b >= 0)
             free.extend(b for b in ids[:first] + ids[stop:] if b >= 0)
-        expiry = self._clock() + self.config.lease_s
-        self._sends[rid] = SendRecord(rid, kept, free, expiry)
-        heapq.heappush(self._leases, (expiry, rid))
+        self._sends.hold(rid, kept, free, self._clock())
         self._to_send[rid] = SendSpec(
             request_id=rid,
             block_ids=tuple(map(tuple, kept_lists)),
@@ -354,31 +319,20 @@ class KVBridgeScheduler:
     def take_blocks_to_free(self, request_id: str) -> tuple[int, ...]:
         """Blocks of a delayed-free prefill request the engine may free now; each block is
         returned once over all calls (unknown or drained requests give ``()``)."""
-        record = self._sends.get(request_id)
-        if record is None:
-            return ()
-        out = tuple(record.free_block_ids)
-        record.free_block_ids = []
-        if not record.is_live:
-            del self._sends[request_id]
-        return out
+        return self._sends.take(request_id)
 
-    def _release_send(self, record: SendRecord, why: SendState) -> None:
+    def _release_send(self, record: SendRecord, why: SendState, *, by_worker: bool) -> None:
         if record.state is SendState.PENDING:
             del self._to_send[record.request_id]  # the worker never heard of it
-        elif why is not SendState.DONE:
-            self._freed_sends.append(record.request_id)
-        record.release(why)
+        elif not by_worker:
+            self._freed_sends.append(record.request_id)  # the worker must drop it too
+        self._sends.release(record, why)
         self.send_outcomes[why] += 1
         self._to_free.add(record.request_id)
 
     def _expire_leases(self, now: float) -> None:
-        leases = self._leases
-        while leases and leases[0][0] <= now:
-            expiry, rid = heapq.heappop(leases)
-            record = self._sends.get(rid)
-            if record is not None and record.is_live and record.expiry == expiry:
-                self._release_send(record, SendState.EXPIRED)
+        for record in self._sends.expired(now):
+            self._release_send(record, SendState.EXPIRED, by_worker=False)
 
     # ------------------------------------------------------------------ both sides
 
@@ -388,7 +342,9 @@ class KVBridgeScheduler:
         for rid in self._to_load:
             self._loads[rid].advance(LoadState.LOADING)
         for rid in self._to_send:
-            self._sends[rid].advance(SendState.HELD)
+            send = self._sends.live(rid)
+            assert send is not None, f"queued SendSpec of {rid!r} outlived its record"
+            send.advance(SendState.HELD)
         for rid in self._to_release:
             self._finish_load(rid, LoadState.RELEASED)
         meta = ConnectorMetadata(
@@ -407,18 +363,18 @@ class KVBridgeScheduler:
         """Fold the workers' report in; unknown or repeated ids are counted in ``ignored``."""
         now = self._clock()
         for rid in output.heartbeats:
-            send = self._sends.get(rid)
-            if send is None or not send.is_live:
+            send = self._sends.live(rid)
+            if send is None:
                 self.ignored[Ignored.HEARTBEAT] += 1
                 continue
-            send.expiry = max(send.expiry, now + self.config.lease_s)
-            heapq.heappush(self._leases, (send.expiry, rid))
+            self._sends.extend(send, now)
         for rid in output.finished_sending:
-            send = self._sends.get(rid)
-            if send is None or not send.is_live:
+            send = self._sends.live(rid)
+            if send is None:
                 self.ignored[Ignored.FINISHED_SENDING] += 1
                 continue
-            self._release_send(send, SendState.DONE)
+            why = SendState.EXPIRED if rid in output.expired_leases else SendState.DONE
+            self._release_send(send, why, by_worker=True)
         self._expire_leases(now)
 
         recompute: list[LoadFailure] = []
@@ -469,9 +425,9 @@ class KVBridgeScheduler:
         if request_id in self._loads:
             self._abort_load(request_id)
             handled = True
-        send = self._sends.get(request_id)
-        if send is not None and send.is_live:
-            self._release_send(send, SendState.ABORTED)
+        send = self._sends.live(request_id)
+        if send is not None:
+            self._release_send(send, SendState.ABORTED, by_worker=False)
             handled = True
         if not handled:
             self.ignored[Ignored.ABORT] += 1
@@ -483,17 +439,16 @@ class KVBridgeScheduler:
         return None if record is None else record.state
 
     def send_state(self, request_id: str) -> SendState | None:
-        record = self._sends.get(request_id)
-        return None if record is None else record.state
+        return self._sends.state(request_id)
 
     @property
     def num_live_requests(self) -> int:
         """Decode requests not yet ended plus prefill requests still holding blocks."""
-        return len(self._loads) + sum(1 for s in self._sends.values() if s.is_live)
+        return len(self._loads) + self._sends.num_live
 
     def __repr__(self) -> str:
         return (
             f"KVBridgeScheduler(role={self.config.kv_role.value}, "
             f"engine_id={self.config.engine_id!r}, loads={len(self._loads)}, "
-            f"sends={len(self._sends)})"
+            f"sends={self._sends.num_live})"
         )

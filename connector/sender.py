@@ -104,11 +104,13 @@ class Sender:
                 pending.deadline = now + pending.spec.lease_s
                 self._heartbeats.add(rid)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, *, report: bool = True) -> None:
+        """Drop a kept request, restoring its blocks; ``report`` lists it as finished."""
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             self._restore(pending)
-            self._finished.add(request_id)
+            if report:
+                self._finished.add(request_id)
 
     def expire(self) -> None:
         now = self._clock()

@@ -15,10 +15,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.errors import TransferError
-from connector.transport import TransferEngine
-
 from connector.config import KVTransferConfig
+from connector.errors import TransferError
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
 from connector.notifications import (
@@ -35,6 +33,7 @@ from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.receiver import Receiver
 from connector.sender import Sender
+from connector.transport import TransferEngine
 from handshake.client import ClientConfig, HandshakeClient
 from handshake.compat import compat_hash
 from handshake.description import WorkerIdentity, describe, parse_description
@@ -171,6 +170,8 @@ class KVBridgeWorker:
     def start_load_kv(self) -> None:
         receiver, sender = self._ready()
         meta, self._meta = self._meta, ConnectorMetadata()
+        for rid in meta.reqs_freed:  # the scheduler already freed them: restore, forget
+            sender.abort(rid, report=False)
         for spec in meta.reqs_to_send:
             sender.add(spec)
         for spec in meta.reqs_to_load:
@@ -226,6 +227,9 @@ class KVBridgeWorker:
         self._handle_notifications()
         receiver.step()
         self._flush_outbox()
+        assert self._peers is not None
+        self.metrics.handshakes = self._peers.handshakes
+        self.metrics.handshake_failures = self._peers.failures
 
     def _add_requesters(self) -> None:
         assert self._engine is not None

@@ -88,8 +88,11 @@ def test_leak_report_names_ids_and_refcounts() -> None:
     ids = pool.allocate(5)
     pool.ref([ids[3]])
     pool.free(ids[:3])
-    with pytest.raises(BlockLeakError, match=r"2 of 10 blocks still referenced: ids \[3, 4\], "
-                       r"refcounts \[2, 1\]"):
+    with pytest.raises(
+        BlockLeakError,
+        match=r"2 of 10 blocks still referenced: ids \[3, 4\], "
+        r"refcounts \[2, 1\]",
+    ):
         pool.assert_all_free()
 
 
@@ -117,7 +120,7 @@ def test_prefix_cache_survives_free_until_evicted() -> None:
     fresh = pool.allocate(2)  # takes the free blank block, then evicts ids[1]
     assert ids[1] in fresh and ids[0] not in fresh
     assert pool.lookup(0, hashes).tolist() == [True, False]
-    pool.free(fresh + [ids[0]])
+    pool.free([*fresh, ids[0]])
     pool.assert_all_free()
 
 
@@ -176,7 +179,7 @@ def test_local_prefix_hit_leaves_the_last_token_to_compute() -> None:
     for g in range(3):
         pool.cache(g, hashes, pool.allocate(4))
     assert local_prefix_hit(pool, config, prompt).num_tokens == 12
-    assert local_prefix_hit(pool, config, prompt + [99]).num_tokens == 16
+    assert local_prefix_hit(pool, config, [*prompt, 99]).num_tokens == 16
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,0 +1,273 @@
+"""End-to-end check of a prefill/decode pair behind the proxy (used by the shell scripts).
+
+::
+
+    python -m examples.check wait --timeout 60 --url http://127.0.0.1:8100/health --pid 4242
+    python -m examples.check run --proxy http://127.0.0.1:8000 \\
+        --decode http://127.0.0.1:8200 --model tiny-hybrid --num-prompts 8 --max-tokens 16
+
+``run`` sends prompts through the proxy in two waves (the second extends prompts of the
+first, so both workers see local prefix hits and decode loads only the rest), runs the
+same prompts through :mod:`examples.reference`, and exits 0 only when every generated
+token matches and every per-step logit agrees within ``--atol``. It prints a summary
+read from decode's ``/metrics`` and a final machine-readable ``SUMMARY`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+
+CORPUS = (
+    "Large-model serving splits a request in two: a prefill worker computes the KV cache "
+    "of the prompt, and a decode worker generates the answer from it. The connector moves "
+    "the cache between them, splitting and merging blocks, permuting NHD and HND layouts, "
+    "and keeping only what sliding-window and state layers need. "
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    ok: bool
+    max_diff: float  # over the steps both runs have; inf when shapes disagree
+    reason: str = ""
+
+
+def compare(
+    got_tokens: list[int], got_logits: np.ndarray, want_tokens: list[int], want_logits, atol
+) -> Verdict:
+    """Tokens must be equal; logits within ``atol`` (NaN never agrees)."""
+    got_logits, want_logits = np.asarray(got_logits), np.asarray(want_logits)
+    n = min(len(got_logits), len(want_logits))
+    if n and got_logits.shape[1:] != want_logits.shape[1:]:
+        return Verdict(ok=False, max_diff=math.inf, reason="logit rows differ in width")
+    diff = np.abs(got_logits[:n] - want_logits[:n]) if n else np.zeros(0)
+    max_diff = float(np.nan_to_num(diff, nan=math.inf).max()) if diff.size else 0.0
+    if got_tokens != want_tokens:
+        step = next(
+            (i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=False)) if a != b),
+            min(len(got_tokens), len(want_tokens)),
+        )
+        got = got_tokens[step] if step < len(got_tokens) else "end"
+        want = want_tokens[step] if step < len(want_tokens) else "end"
+        reason = f"token mismatch at step {step}: got {got}, want {want}"
+        return Verdict(ok=False, max_diff=max_diff, reason=reason)
+    if len(got_logits) != len(want_tokens):
+        reason = f"{len(got_logits)} logit rows for {len(want_tokens)} tokens"
+        return Verdict(ok=False, max_diff=max_diff, reason=reason)
+    if not max_diff < atol:
+        return Verdict(ok=False, max_diff=max_diff, reason=f"logit mismatch: {max_diff:.3g}")
+    return Verdict(ok=True, max_diff=max_diff)
+
+
+def make_prompts(num_prompts: int) -> list[str]:
+    """Deterministic prompts of varied lengths; the second half extends the first half."""
+    text = CORPUS * 3
+    first = (num_prompts + 1) // 2
+    base = [text[(i * 53) % 97 :][: 20 + (i * 71) % 170] for i in range(first)]
+    more = [
+        base[i % first] + f" Question {i}: " + text[i * 13 :][:40]
+        for i in range(first, num_prompts)
+    ]
+    return base + more
+
+
+def _url(url: str) -> tuple[str, int, str]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80, parts.path or "/"
+
+
+def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    host, port, path = _url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def complete(url: str, body: dict, timeout_s: float) -> dict:
+    """POST a completion; a streamed answer is folded into one dict like the plain one."""
+    host, port, _ = _url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if not body.get("stream") or resp.status != 200:
+            raw = resp.read()
+            out = json.loads(raw) if raw else {}
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {out.get('error', raw[:200])}")
+            return out
+        merged: dict = {"token_ids": [], "logits": [], "chunks": 0}
+        while line := resp.readline():
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            merged["chunks"] += 1
+            merged["token_ids"] += chunk["token_ids"]
+            merged["logits"] += chunk.get("logits", [])
+            merged.update({k: v for k, v in chunk.items() if k in ("usage", "finish_reason")})
+        return merged
+    finally:
+        conn.close()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_ready(urls: list[str], pids: list[int], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"process {pid} exited before becoming healthy", file=sys.stderr)
+                return 1
+        try:
+            status, _ = http_get(pending[0], timeout_s=1.0)
+        except OSError:
+            status = 0
+        if status == 200:
+            pending.pop(0)
+            continue
+        if time.monotonic() > deadline:
+            print(f"timeout: {pending[0]} not healthy after {timeout_s:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from examples.reference import load_model, reference_generate
+    from examples.tokenizer import ByteTokenizer
+
+    torch.set_num_threads(1)
+    prompts = make_prompts(args.num_prompts)
+    tok = ByteTokenizer()
+    model = load_model(args.model)
+
+    def one(i: int) -> tuple[str, dict | Exception]:
+        # Mix the request shapes: text or token ids, plain or streamed.
+        prompt = prompts[i] if i % 3 else tok.encode(prompts[i])
+        body = {
+            "prompt": prompt,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "return_logits": True,
+            "stream": i % 4 == 1,
+            "ignore_eos": True,
+        }
+        try:
+            return prompts[i], complete(args.proxy, body, args.timeout)
+        except (OSError, RuntimeError, ValueError) as exc:
+            return prompts[i], exc
+
+    first = (len(prompts) + 1) // 2
+    results = []
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        for wave in (range(first), range(first, len(prompts))):
+            results += list(pool.map(one, wave))
+    matched, worst = 0, 0.0
+    for i, (prompt, answer) in enumerate(results):
+        ids = tok.encode(prompt)
+        want = reference_generate(model, ids, args.max_tokens, eos_id=None)
+        if isinstance(answer, Exception):
+            print(f"  prompt {i}: request failed: {answer}")
+            continue
+        verdict = compare(
+            answer["token_ids"],
+            np.asarray(answer["logits"], np.float32),
+            want.token_ids,
+            want.logits,
+            args.atol,
+        )
+        worst = max(worst, verdict.max_diff)
+        usage = answer.get("usage", {})
+        if args.show_answers:
+            print(f"  [{i}] {prompt[-40:]!r} -> {tok.decode(answer['token_ids'])!r}")
+        if verdict.ok:
+            matched += 1
+        else:
+            print(
+                f"  MISMATCH prompt {i} ({len(ids)} tokens, loaded {usage.get('loaded_tokens')}, "
+                f"cached {usage.get('cached_tokens')}): {verdict.reason}"
+            )
+    metrics = {}
+    if args.decode:
+        try:
+            metrics = parse_metrics(http_get(args.decode.rstrip("/") + "/metrics")[1].decode())
+        except OSError as exc:
+            print(f"  (decode /metrics unreadable: {exc})")
+    bytes_read = int(metrics.get("kvbridge_bytes_read", 0))
+    seconds = metrics.get("kvbridge_transfer_seconds", 0.0)
+    descs = int(metrics.get("kvbridge_descriptors_posted", 0))
+    transfers = int(metrics.get("kvbridge_transfers", 0))
+    failures = int(metrics.get("kvbridge_transfer_failures", 0))
+    n = len(prompts)
+    print(f"prompts matched: {matched}/{n}   max |logit diff|: {worst:.3g} (atol {args.atol})")
+    print(
+        f"transfers: {transfers} (failures {failures})   bytes moved: {bytes_read} "
+        f"({bytes_read / 2**20:.2f} MiB)   transfer time: {seconds * 1e3:.1f} ms   "
+        f"descriptors: {descs}"
+    )
+    ok = matched == n
+    print("RESULT: PASS" if ok else f"RESULT: FAIL (mismatch in {n - matched} of {n} prompts)")
+    print(
+        f"SUMMARY matched={matched}/{n} bytes={bytes_read} transfer_ms={seconds * 1e3:.2f} "
+        f"descriptors={descs} transfers={transfers} max_diff={worst:.3g}"
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvbridge end-to-end check")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    wait = sub.add_parser("wait", help="wait until every URL answers 200")
+    wait.add_argument("--url", action="append", default=[])
+    wait.add_argument("--pid", action="append", type=int, default=[])
+    wait.add_argument("--timeout", type=float, default=60.0)
+    check = sub.add_parser("run", help="send prompts through the proxy and compare")
+    check.add_argument("--proxy", required=True)
+    check.add_argument("--decode", default=None, help="decode worker URL (for /metrics)")
+    check.add_argument("--model", default="tiny-hybrid")
+    check.add_argument("--num-prompts", type=int, default=8)
+    check.add_argument("--max-tokens", type=int, default=16)
+    check.add_argument("--atol", type=float, default=1e-4)
+    check.add_argument("--concurrency", type=int, default=4)
+    check.add_argument("--timeout", type=float, default=120.0)
+    check.add_argument("--show-answers", action="store_true")
+    args = parser.parse_args(argv)
+    if args.cmd == "wait":
+        return wait_ready(args.url, args.pid, args.timeout)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

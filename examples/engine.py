@@ -1,0 +1,499 @@
+"""A minimal continuous-batching engine around :class:`ModelRunner` and the connector.
+
+One :meth:`Engine.step` follows the connector API's order (``connector/api.py``)::
+
+    admit waiting requests    local prefix hit -> get_num_new_matched_tokens -> allocate
+                              -> update_state_after_alloc   (remote KV: wait for the load)
+    build the batch           every running request's next tokens (decode: 1; prefill:
+                              the rest of its prompt, chunked by the token budget)
+    meta = build_connector_meta(); bind_connector_metadata(meta); start_load_kv()
+    forward, greedy sampling
+    wait_for_save(); get_finished(); update_connector_output() -> free / resume / fail
+    finished requests         request_finished -> free now, or hold for the remote decode
+
+Blocks come from one :class:`BlockPool` shared by every KV-cache group. A request holds,
+per group, blocks for its whole budget (prompt + max_tokens) from admission on, plus a
+scratch block for the running state when the model has a state group, so it never runs
+out of blocks mid-flight. Full blocks whose KV is valid are named by their prefix hash.
+
+Producer (prefill) role: the connector may rewrite a held request's blocks in place for
+its reader ("permute after save"), so a block never serves two live requests there; a
+prefix hit only takes cached blocks nobody holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from connector.api import WorkerConnector
+from connector.params import KVTransferParams
+from connector.scheduler import KVBridgeScheduler
+from examples.block_pool import BlockPool, block_hashes
+from examples.model import SeqInput
+from examples.runner import ModelRunner
+from examples.tokenizer import EOS_ID
+from layouts.errors import KVBridgeError
+from layouts.prefix_hit import GroupHitQuery, longest_prefix_hit
+from layouts.specs import KVCacheKind
+
+
+class EngineError(KVBridgeError, ValueError):
+    """A request the engine cannot serve (names the field and the limit)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # sampled the end-of-sequence token
+    LENGTH = "length"  # reached max_tokens
+    ABORT = "abort"  # the client went away or the server dropped it
+    ERROR = "error"  # unusable params or a failed load (``RequestOutput.error`` says why)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Greedy decoding only; what to stop on and what to report."""
+
+    max_tokens: int = 16
+    eos_id: int | None = EOS_ID
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise EngineError(f"max_tokens={self.max_tokens} must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """What one step produced for one request (tokens since the previous output)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logits: tuple[np.ndarray, ...]  # one [vocab] row per new token, if asked for
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    invalid_request: bool = False  # the error is the client's (bad params)
+    kv_transfer_params: KVTransferParams | None = None  # prefill: for the remote decode
+    num_cached_tokens: int = 0  # prompt tokens served by the local prefix cache
+    num_loaded_tokens: int = 0  # prompt tokens loaded through the connector
+
+
+class Request:
+    """One completion request; implements :class:`connector.api.ConnectorRequest`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
+        self.sampling = sampling or SamplingParams()
+        self.kv_transfer_params = kv_transfer_params
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.block_ids: list[list[int]] | None = None  # per group, logical block order
+        self.scratch_block: int | None = None  # running state of the state group
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # local prefix hit
+        self.num_external_tokens = 0  # promised by the connector
+        self.num_loaded_tokens = 0
+        self.num_registered_blocks = 0  # leading blocks named in the prefix cache
+        self.matched = False  # get_num_new_matched_tokens was asked
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.invalid_request = False
+        self.out_params: KVTransferParams | None = None
+        self._new_tokens: list[int] = []
+        self._new_logits: list[np.ndarray] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens whose KV may ever be cached (the last sampled token never is)."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
+
+    def append_output(self, token: int, logits: np.ndarray | None) -> None:
+        self.output_token_ids.append(token)
+        self._new_tokens.append(token)
+        if logits is not None:
+            self._new_logits.append(logits)
+
+    def take_output(self) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tuple(self._new_tokens),
+            new_logits=tuple(self._new_logits),
+            finished=self.status is RequestStatus.FINISHED,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            invalid_request=self.invalid_request,
+            kv_transfer_params=self.out_params,
+            num_cached_tokens=self.num_cached_tokens,
+            num_loaded_tokens=self.num_loaded_tokens,
+        )
+        self._new_tokens, self._new_logits = [], []
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}"
+            f", out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+
+class Engine:
+    """Owns the requests and the block pool; every call comes from one thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig | None = None,
+        *,
+        scheduler: KVBridgeScheduler | None = None,
+        worker: WorkerConnector | None = None,
+        exclusive_blocks: bool = False,
+    ) -> None:
+        if (scheduler is None) != (worker is None):
+            raise EngineError("pass both halves of the connector or neither")
+        self.runner = runner
+        self.config = config or EngineConfig()
+        self.scheduler = scheduler
+        self.worker = worker
+        self.exclusive_blocks = exclusive_blocks
+        self.pool = BlockPool(runner.kv_config.num_blocks)
+        self.block_size = runner.block_size
+        self.group_specs = tuple(g.spec for g in runner.kv_config.groups)
+        self.waiting: deque[Request] = deque()
+        self.loading: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._deferred_free: dict[str, list[int]] = {}  # decode: blocks a load may still write
+        self._outputs: list[RequestOutput] = []
+        self.on_loaded: Callable[[Request], None] | None = None  # fault injection hook
+
+    # -- requests -------------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        per_group = -(-num_tokens // self.block_size)
+        return per_group * len(self.group_specs) + int(self.runner.has_state)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises :class:`EngineError` when it can never be served."""
+        vocab = self.runner.model_config.vocab_size
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise EngineError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt token ids {bad[:8]} lie outside the vocabulary [0, {vocab})")
+        need = self.blocks_needed(request.max_num_tokens)
+        if need > self.pool.num_blocks:
+            raise EngineError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) needs "
+                f"{need} blocks of {self.block_size} tokens; the pool has {self.pool.num_blocks}"
+            )
+        if self.find(request.request_id) is not None:
+            raise EngineError(f"request id {request.request_id!r} is already in use")
+        self.waiting.append(request)
+
+    def find(self, request_id: str) -> Request | None:
+        for req in itertools.chain(self.waiting, self.loading.values(), self.running):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def abort_request(self, request_id: str, reason: str = "aborted") -> None:
+        req = self.find(request_id)
+        if req is not None:
+            self._end(req, FinishReason.ABORT, error=reason)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.loading or self.running)
+
+    def counts_by_status(self) -> dict[str, int]:
+        return {
+            RequestStatus.WAITING.value: len(self.waiting),
+            RequestStatus.WAITING_FOR_REMOTE_KV.value: len(self.loading),
+            RequestStatus.RUNNING.value: len(self.running),
+            "finished_blocks_busy": len(self._deferred_free),  # a load may still write
+        }
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns what each touched request produced."""
+        self._admit()
+        batch = self._schedule()
+        if self.scheduler is not None and self.worker is not None:
+            self.worker.bind_connector_metadata(self.scheduler.build_connector_meta())
+            self.worker.start_load_kv()
+        if batch:
+            logits = self.runner.execute([seq for _, seq in batch])
+            for (req, seq), rows in zip(batch, logits, strict=True):
+                self._advance(req, seq.num_tokens, rows)
+        if self.scheduler is not None and self.worker is not None:
+            self.worker.wait_for_save()
+            events = self.scheduler.update_connector_output(self.worker.get_finished())
+            self._apply_events(events)
+        out, self._outputs = self._outputs, []
+        return out
+
+    def _admit(self) -> None:
+        budget = self.config.max_num_seqs - len(self.running) - len(self.loading)
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            try:
+                admitted = self._try_allocate(req)
+            except KVBridgeError as exc:  # unusable kv_transfer_params
+                self.waiting.popleft()
+                self._end(req, FinishReason.ERROR, error=str(exc), invalid=True)
+                continue
+            if not admitted:
+                break
+            self.waiting.popleft()
+            budget -= 1
+        for req in list(self.waiting):  # still queued: keep the prefill's lease alive
+            self._keep_waiting(req)
+
+    def _keep_waiting(self, req: Request) -> None:
+        params = req.kv_transfer_params
+        if self.scheduler is None or params is None or not params.do_remote_prefill:
+            return
+        try:
+            if not req.matched:
+                self.scheduler.get_num_new_matched_tokens(req, 0)
+                req.matched = True
+            self.scheduler.request_waiting(req)
+        except KVBridgeError as exc:
+            self.waiting.remove(req)
+            self._end(req, FinishReason.ERROR, error=str(exc), invalid=True)
+
+    def _try_allocate(self, req: Request) -> bool:
+        hit_tokens, hits = self._prefix_hit(req)
+        num_external, is_async = 0, False
+        if self.scheduler is not None:
+            num_external, is_async = self.scheduler.get_num_new_matched_tokens(req, hit_tokens)
+            req.matched = True
+        per_group = -(-req.max_num_tokens // self.block_size)
+        shared = [b for ids in hits for b in ids if b is not None]
+        idle = sum(1 for b in shared if self.pool.refcount(b) == 0)
+        fresh = per_group * len(hits) - len(shared) + int(self.runner.has_state)
+        if self.pool.num_free - idle < fresh:
+            return False
+        self.pool.ref(shared)
+        new = iter(self.pool.allocate(fresh))
+        padded = (ids + [None] * (per_group - len(ids)) for ids in hits)
+        req.block_ids = [[b if b is not None else next(new) for b in ids] for ids in padded]
+        req.scratch_block = next(new) if self.runner.has_state else None
+        req.num_computed_tokens = req.num_cached_tokens = hit_tokens
+        req.num_registered_blocks = hit_tokens // self.block_size
+        if self.scheduler is not None:
+            external = num_external if is_async else 0
+            self.scheduler.update_state_after_alloc(req, req.block_ids, external)
+        if num_external and is_async:
+            req.num_external_tokens = num_external
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.loading[req.request_id] = req
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return True
+
+    def _prefix_hit(self, req: Request) -> tuple[int, list[list[int | None]]]:
+        """Tokens served by the local cache and, per group, the cached block of each of
+        the hit's blocks (None: no valid block there; a fresh one is allocated)."""
+        num_groups = len(self.group_specs)
+        if not self.config.enable_prefix_caching:
+            return 0, [[] for _ in range(num_groups)]
+        hashes = block_hashes(req.prompt_token_ids, self.block_size)
+        cached_ids = [self.pool.cached_block_ids(g, hashes) for g in range(num_groups)]
+        if self.exclusive_blocks:
+            cached_ids = [
+                [b if b is not None and self.pool.refcount(b) == 0 else None for b in ids]
+                for ids in cached_ids
+            ]
+        queries = [
+            GroupHitQuery(
+                kind=spec.kind,
+                block_size=spec.block_size,
+                cached=np.array([b is not None for b in ids], dtype=bool),
+                sliding_window=getattr(spec, "sliding_window", None)
+                if spec.kind is KVCacheKind.SLIDING_WINDOW
+                else None,
+            )
+            for spec, ids in zip(self.group_specs, cached_ids, strict=True)
+        ]
+        hit = longest_prefix_hit(queries, len(req.prompt_token_ids) - 1).num_tokens
+        n = hit // self.block_size
+        return hit, [ids[:n] for ids in cached_ids]
+
+    def _schedule(self) -> list[tuple[Request, SeqInput]]:
+        budget = self.config.max_num_batched_tokens
+        batch = []
+        for req in self.running:
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo, budget) if batch else todo  # the first request always runs
+            if n <= 0:
+                break
+            budget -= n
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids[start : start + n]
+            seq = SeqInput(
+                token_ids=tokens,
+                start_pos=start,
+                block_tables=self.runner.block_tables(req.block_ids),
+                state_scratch_slot=req.scratch_block,
+            )
+            batch.append((req, seq))
+        return batch
+
+    def _advance(self, req: Request, num_tokens: int, logits) -> None:
+        req.num_computed_tokens += num_tokens
+        self._register_computed(req)
+        if req.num_computed_tokens < req.num_tokens:
+            return  # a chunk of the prompt; no token to sample yet
+        row = logits[-1]
+        token = int(row.argmax())
+        req.append_output(token, row.float().numpy() if req.sampling.return_logits else None)
+        if token == req.sampling.eos_id:
+            self._end(req, FinishReason.STOP)
+        elif len(req.output_token_ids) >= req.sampling.max_tokens:
+            self._end(req, FinishReason.LENGTH)
+        else:
+            self._emit(req)
+
+    # -- prefix-cache registration --------------------------------------------------------
+
+    def _register_computed(self, req: Request) -> None:
+        """Name every block the forward filled (valid in all groups) by its hash."""
+        full = req.num_computed_tokens // self.block_size
+        if not self.config.enable_prefix_caching or full <= req.num_registered_blocks:
+            return
+        hashes = block_hashes(req.all_token_ids[: full * self.block_size], self.block_size)
+        first = req.num_registered_blocks
+        for g, ids in enumerate(req.block_ids):
+            self.pool.cache(g, hashes[first:full], ids[first:full])
+        req.num_registered_blocks = full
+
+    def _register_loaded(self, req: Request) -> None:
+        """Name the blocks a load filled: all of them for full attention, those inside the
+        window for sliding window, the last boundary for the state group."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first, stop = req.num_cached_tokens // bs, req.num_computed_tokens // bs
+        hashes = block_hashes(req.prompt_token_ids[: stop * bs], bs)
+        for g, spec in enumerate(self.group_specs):
+            lo = first
+            if spec.kind is KVCacheKind.SLIDING_WINDOW:
+                lo = max(first, math.ceil((stop * bs - spec.sliding_window) / bs))
+            elif spec.kind is KVCacheKind.STATE:
+                lo = max(first, stop - 1)
+            self.pool.cache(g, hashes[lo:stop], req.block_ids[g][lo:stop])
+        req.num_registered_blocks = stop
+
+    # -- connector events -----------------------------------------------------------------
+
+    def _apply_events(self, events) -> None:
+        assert self.scheduler is not None
+        for rid in events.free_request_ids:
+            self.pool.free(self._deferred_free.pop(rid, []))
+            self.pool.free(self.scheduler.take_blocks_to_free(rid))
+        for rid in events.loaded_request_ids:
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            req.num_computed_tokens = req.num_cached_tokens + req.num_external_tokens
+            req.num_loaded_tokens = req.num_external_tokens
+            self._register_loaded(req)
+            if self.on_loaded is not None:
+                self.on_loaded(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        for failure in events.recompute:
+            req = self.loading.pop(failure.request_id, None)
+            if req is None:
+                continue
+            valid = max(req.num_cached_tokens, failure.num_valid_tokens)
+            req.num_computed_tokens = valid - valid % self.block_size
+            req.num_registered_blocks = req.num_computed_tokens // self.block_size
+            req.recompute_reason = failure.reason
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        for failure in events.failed:
+            req = self.loading.get(failure.request_id)
+            if req is not None:
+                self._end(req, FinishReason.ERROR, error=f"KV load failed: {failure.reason}")
+
+    # -- ending requests ------------------------------------------------------------------
+
+    def _end(
+        self, req: Request, reason: FinishReason, *, error: str | None = None, invalid=False
+    ) -> None:
+        """Finish ``req``: release or hand over its blocks, and emit its last output."""
+        if req.status is RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self.loading.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.error, req.error_is_invalid_request = reason, error, invalid
+        if req.scratch_block is not None:
+            self.pool.free([req.scratch_block])
+            req.scratch_block = None
+        blocks = [b for ids in req.block_ids or [] for b in ids]
+        sched = self.scheduler
+        if sched is None:
+            self.pool.free(blocks)
+        elif reason in (FinishReason.STOP, FinishReason.LENGTH):
+            delay, params = sched.request_finished(req, req.block_ids or [])
+            req.out_params = params
+            if not delay:
+                self.pool.free(blocks)
+            elif params is not None:  # prefill: the connector holds what decode reads
+                self.pool.free(sched.take_blocks_to_free(req.request_id))
+            else:  # decode: a load may still write into them
+                self._deferred_free[req.request_id] = blocks
+        else:
+            if req.matched:  # the connector knows the request: let it release its side
+                sched.request_aborted(req.request_id)
+            if sched.defers_free(req.request_id):
+                self._deferred_free[req.request_id] = blocks
+            else:
+                self.pool.free(blocks)
+                self.pool.free(sched.take_blocks_to_free(req.request_id))
+        req.block_ids = None
+        self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        self._outputs.append(req.take_output())

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Launch a prefill worker, a decode worker and the proxy as separate processes, send
+# NUM_PROMPTS prompts through the proxy and through the single-process reference, and
+# exit 0 only if every generated token matches and per-step logits agree (examples/check.py).
+#
+# Environment (defaults in brackets):
+#   MODEL [tiny-hybrid]           tiny-dense | tiny-hybrid | tiny-hybrid-state
+#   PREFILL_BLOCK_SIZE [16]       DECODE_BLOCK_SIZE [16]
+#   PREFILL_KERNEL_BLOCK_SIZE     DECODE_KERNEL_BLOCK_SIZE   [= the block size]
+#   PREFILL_KV_LAYOUT [NHD]       DECODE_KV_LAYOUT [NHD]
+#   CROSS_LAYERS [0]              or PREFILL_CROSS_LAYERS / DECODE_CROSS_LAYERS (1 = on)
+#   NUM_BLOCKS [512]              NUM_PROMPTS [8]    MAX_TOKENS [16]    ATOL [1e-4]
+#   FAULT_INJECT []               "corrupt-block" (or 1): decode flips one loaded block
+#   STARTUP_TIMEOUT [90]          seconds to wait for /health
+#   SHOW_ANSWERS [0]              print each prompt's answer
+#   LOG_DIR [a fresh temp dir]    worker and proxy logs
+# Always tears the processes down (each runs in its own process group), also on failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-.venv/bin/python}"
+MODEL="${MODEL:-tiny-hybrid}"
+PREFILL_BLOCK_SIZE="${PREFILL_BLOCK_SIZE:-16}"
+DECODE_BLOCK_SIZE="${DECODE_BLOCK_SIZE:-16}"
+PREFILL_KERNEL_BLOCK_SIZE="${PREFILL_KERNEL_BLOCK_SIZE:-$PREFILL_BLOCK_SIZE}"
+DECODE_KERNEL_BLOCK_SIZE="${DECODE_KERNEL_BLOCK_SIZE:-$DECODE_BLOCK_SIZE}"
+PREFILL_KV_LAYOUT="${PREFILL_KV_LAYOUT:-NHD}"
+DECODE_KV_LAYOUT="${DECODE_KV_LAYOUT:-NHD}"
+CROSS_LAYERS="${CROSS_LAYERS:-0}"
+PREFILL_CROSS_LAYERS="${PREFILL_CROSS_LAYERS:-$CROSS_LAYERS}"
+DECODE_CROSS_LAYERS="${DECODE_CROSS_LAYERS:-$CROSS_LAYERS}"
+NUM_BLOCKS="${NUM_BLOCKS:-512}"
+NUM_PROMPTS="${NUM_PROMPTS:-8}"
+MAX_TOKENS="${MAX_TOKENS:-16}"
+ATOL="${ATOL:-1e-4}"
+FAULT_INJECT="${FAULT_INJECT:-}"
+STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
+SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
+LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-integration.XXXXXX")}"
+mkdir -p "$LOG_DIR"
+
+PIDS=()
+teardown() {
+    local rc=$?
+    trap - EXIT INT TERM
+    for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+    for _ in $(seq 50); do
+        local alive=0
+        for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
+        sleep 0.1
+    done
+    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    if [ "$rc" != 0 ]; then
+        echo "integration run failed (exit $rc); logs in $LOG_DIR" >&2
+        for f in "$LOG_DIR"/*.log; do
+            [ -f "$f" ] && { echo "--- tail of $f" >&2; tail -n 15 "$f" >&2; }
+        done
+    fi
+    exit "$rc"
+}
+trap teardown EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+set -m  # background jobs get their own process groups: teardown kills whole groups
+
+flag() { [ "$1" = 1 ] || [ "$1" = true ] && echo "--cross-layers" || true; }
+read -r P_PORT D_PORT X_PORT P_KV D_KV < <("$PY" - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(5)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+EOF
+)
+case "$FAULT_INJECT" in
+    "" | 0) FAULT_ARGS=() ;;
+    1 | corrupt-block) FAULT_ARGS=(--fault-inject corrupt-block) ;;
+    *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
+esac
+
+"$PY" -m examples.server --role prefill --model "$MODEL" --port "$P_PORT" \
+    --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
+    --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
+    --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV}" \
+    >"$LOG_DIR/prefill.log" 2>&1 &
+PIDS+=($!)
+"$PY" -m examples.server --role decode --model "$MODEL" --port "$D_PORT" \
+    --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
+    --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
+    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV}" \
+    "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
+PIDS+=($!)
+"$PY" -m examples.proxy --port "$X_PORT" \
+    --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
+    >"$LOG_DIR/proxy.log" 2>&1 &
+PIDS+=($!)
+
+echo "model $MODEL: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
+    "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
+    "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
+    "${FAULT_INJECT:+(fault: $FAULT_INJECT)}"
+"$PY" -m examples.check wait --timeout "$STARTUP_TIMEOUT" \
+    --url "http://127.0.0.1:$P_PORT/health" --url "http://127.0.0.1:$D_PORT/health" \
+    --url "http://127.0.0.1:$X_PORT/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
+
+SHOW=()
+[ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
+"$PY" -m examples.check run --proxy "http://127.0.0.1:$X_PORT" \
+    --decode "http://127.0.0.1:$D_PORT" --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
+    --max-tokens "$MAX_TOKENS" --atol "$ATOL" "${SHOW[@]}"

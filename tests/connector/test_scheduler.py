@@ -1,0 +1,861 @@
+"""KVBridgeScheduler, both roles, with a fake clock and the example BlockPool (no NIXL).
+
+Each test plays the engine: it allocates from a real pool, follows the scheduler's
+events, and ends by proving the pool is full again (every block freed exactly once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.api import SchedulerEvents
+from connector.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
+from connector.lifecycle import Ignored, LifecycleError, LoadState, SendState
+from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
+from connector.params import KVTransferParams, ParamsError
+from connector.retention import retained_block_range
+from connector.scheduler import KVBridgeScheduler
+from examples.block_pool import BlockPool
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.specs import FullAttentionSpec, KVCacheKind, SlidingWindowSpec, StateSpec
+
+FULL, SW, STATE = KVCacheKind.FULL_ATTENTION, KVCacheKind.SLIDING_WINDOW, KVCacheKind.STATE
+NUM_BLOCKS = 256
+LEASE_S, HEARTBEAT_S = 30.0, 5.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class Req:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    kv_transfer_params: KVTransferParams | None = None
+
+
+def kv_config(kinds: Sequence[KVCacheKind], block_size: int, window: int = 24) -> KVCacheConfig:
+    attn = dict(block_size=block_size, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    specs = {
+        FULL: FullAttentionSpec(**attn),
+        SW: SlidingWindowSpec(**attn, sliding_window=window),
+        STATE: StateSpec(block_size=block_size, shapes=((4,),), dtypes=(torch.float32,)),
+    }
+    groups = [
+        KVCacheGroup(group_id=g, layer_names=(f"layer{g}",), spec=specs[kind])
+        for g, kind in enumerate(kinds)
+    ]
+    return KVCacheConfig.uniform(groups, num_blocks=NUM_BLOCKS)
+
+
+def transfer_config(role: KVRole, **overrides) -> KVTransferConfig:
+    values = dict(
+        kv_role=role,
+        engine_id="prefill-0" if role is KVRole.PRODUCER else "decode-0",
+        kv_ip="10.1.2.3",
+        kv_port=5700,
+        lease_s=LEASE_S,
+        heartbeat_s=HEARTBEAT_S,
+    )
+    values.update(overrides)
+    return KVTransferConfig(**values)
+
+
+class Engine:
+    """Just enough of an engine: a pool, a scheduler, and the free discipline."""
+
+    def __init__(
+        self,
+        role: KVRole,
+        kinds: Sequence[KVCacheKind] = (FULL,),
+        block_size: int = 16,
+        clock: FakeClock | None = None,
+        **config_overrides,
+    ) -> None:
+        self.clock = clock or FakeClock()
+        self.kv = kv_config(kinds, block_size)
+        self.sched = KVBridgeScheduler(
+            transfer_config(role, **config_overrides), self.kv, clock=self.clock
+        )
+        self.pool = BlockPool(NUM_BLOCKS)
+        self.blocks: dict[str, list[list[int]]] = {}  # blocks the engine frees itself
+        self.held: dict[str, list[list[int]]] = {}  # prefill: handed to the connector
+
+    def allocate(self, rid: str, num_tokens: int, extra_blocks: int = 0) -> list[list[int]]:
+        blocks = [
+            self.pool.allocate(-(-num_tokens // g.spec.block_size) + extra_blocks)
+            for g in self.kv.groups
+        ]
+        self.blocks[rid] = blocks
+        return blocks
+
+    def free_own(self, rid: str) -> None:
+        self.pool.free([b for ids in self.blocks.pop(rid) for b in ids])
+
+    # prefill
+    def finish(self, req: Req, extra_blocks: int = 0) -> KVTransferParams | None:
+        blocks = self.allocate(req.request_id, len(req.prompt_token_ids), extra_blocks)
+        delay, params = self.sched.request_finished(req, blocks)
+        if delay:
+            self.held[req.request_id] = self.blocks.pop(req.request_id)
+            self.pool.free(self.sched.take_blocks_to_free(req.request_id))
+        else:
+            self.free_own(req.request_id)
+        return params
+
+    def step(self, output: WorkerOutput | None = None) -> tuple[ConnectorMetadata, SchedulerEvents]:
+        meta = self.sched.build_connector_meta()
+        events = self.sched.update_connector_output(output or WorkerOutput())
+        for rid in events.free_request_ids:
+            if rid in self.blocks and not self.sched.defers_free(rid):
+                self.free_own(rid)  # decode: the engine's own blocks
+            else:
+                self.pool.free(self.sched.take_blocks_to_free(rid))
+        return meta, events
+
+    def assert_clean(self) -> None:
+        assert self.sched.num_live_requests == 0
+        self.pool.assert_all_free()
+        assert self.pool.num_free == NUM_BLOCKS
+
+
+def prompt(n: int) -> list[int]:
+    return [(7 * i + 3) % 251 for i in range(n)]
+
+
+def remote_decode(rid: str, n: int) -> Req:
+    return Req(rid, prompt(n), KVTransferParams(do_remote_decode=True))
+
+
+# ================================================================ prefill (producer)
+
+
+def test_prefill_happy_path_params_send_spec_and_free() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    params = eng.finish(remote_decode("r1", 40))
+    [ids] = eng.held["r1"]
+    assert params == KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="prefill-0",
+        remote_host="10.1.2.3",
+        remote_port=5700,
+        remote_rank=0,
+        remote_block_ids=[ids],
+        remote_first_block=[0],
+        remote_block_size=16,
+        num_tokens=40,
+        remote_request_id="r1",
+    )
+    assert eng.pool.num_used == 3  # all three blocks are kept
+    assert eng.sched.send_state("r1") is SendState.PENDING
+    meta, events = eng.step()
+    [spec] = meta.reqs_to_send
+    assert (spec.request_id, spec.block_ids, spec.first_block) == ("r1", (tuple(ids),), (0,))
+    assert spec.lease_s == LEASE_S
+    assert events.free_request_ids == frozenset()
+    assert eng.sched.defers_free("r1")
+    meta, _ = eng.step()
+    assert meta.reqs_to_send == ()  # sent once
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r1"})))
+    assert events.free_request_ids == {"r1"}
+    assert eng.sched.send_outcomes == {SendState.DONE: 1}
+    assert eng.sched.take_blocks_to_free("r1") == ()  # handed out once only
+    eng.assert_clean()
+
+
+def test_prefill_local_request_is_freed_by_the_engine() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    assert eng.finish(Req("r", prompt(20))) is None
+    assert eng.finish(Req("s", prompt(20), KVTransferParams())) is None
+    meta, _ = eng.step()
+    assert meta.reqs_to_send == ()
+    eng.assert_clean()
+
+
+def test_prefill_blocks_past_the_prompt_are_freed_at_once() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    params = eng.finish(remote_decode("r", 33), extra_blocks=1)
+    [ids] = eng.held["r"]
+    assert len(ids) == 4
+    assert params.remote_block_ids == [ids[:3]]
+    assert eng.pool.num_used == 3
+    eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    eng.assert_clean()
+
+
+HYBRID = (FULL, SW, STATE)
+
+
+def test_hybrid_clipping_with_a_small_margin() -> None:
+    eng = Engine(KVRole.PRODUCER, HYBRID, extra={"max_peer_block_size": 16})
+    params = eng.finish(remote_decode("r", 100))  # 7 blocks of 16 per group
+    full, window, state = eng.held["r"]
+    # window: tokens [100 - 1 - 16 - 24, 100) = [59, 100) -> blocks 3..6
+    # state: boundaries k*16 in (83, 99] -> k = 6 -> block 5 (state after 96 tokens)
+    assert params.remote_first_block == [0, 3, 5]
+    assert params.remote_block_ids == [full, window[3:7], [state[5]]]
+    assert eng.pool.num_used == 7 + 4 + 1
+    meta, _ = eng.step()
+    assert meta.reqs_to_send[0].block_ids == (tuple(full), tuple(window[3:]), (state[5],))
+    assert meta.reqs_to_send[0].first_block == (0, 3, 5)
+    eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    eng.assert_clean()
+
+
+def test_hybrid_clipping_with_the_default_margin() -> None:
+    eng = Engine(KVRole.PRODUCER, HYBRID)
+    params = eng.finish(remote_decode("r", 300))  # 19 blocks of 16 per group
+    full, window, state = eng.held["r"]
+    # window: [300 - 1 - 128 - 24, 300) = [147, 300) -> blocks 9..18
+    # state: k*16 in (171, 299] -> k = 11..18 -> blocks 10..17
+    assert params.remote_first_block == [0, 9, 10]
+    assert params.remote_block_ids == [full, window[9:19], state[10:18]]
+    assert eng.pool.num_used == 19 + 10 + 8
+    eng.step()
+    eng.clock.advance(LEASE_S)
+    _, events = eng.step()
+    assert events.free_request_ids == {"r"}
+    eng.assert_clean()
+
+
+def test_state_placeholders_are_trimmed_and_never_freed() -> None:
+    eng = Engine(KVRole.PRODUCER, (FULL, STATE), extra={"max_peer_block_size": 40})
+    full = eng.pool.allocate(4)
+    state_real = eng.pool.allocate(1)
+    state = [-1, -1, state_real[0], -1]  # the engine kept only the state after 48 tokens
+    req = remote_decode("r", 60)
+    delay, params = eng.sched.request_finished(req, [full, state])
+    assert delay
+    # state keep range k*16 in (19, 59] -> blocks 1..2; the leading -1 is trimmed
+    assert params.remote_block_ids == [full, [state_real[0]]]
+    assert params.remote_first_block == [0, 2]
+    assert eng.sched.take_blocks_to_free("r") == ()
+    eng.sched.request_aborted("r")
+    assert sorted(eng.sched.take_blocks_to_free("r")) == sorted(full + state_real)
+    eng.pool.free(full + state_real)
+    eng.assert_clean()
+
+
+def test_lease_expiry_frees_and_tells_the_worker() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 20))
+    eng.step()
+    eng.clock.advance(LEASE_S - 0.5)
+    _, events = eng.step()
+    assert events.free_request_ids == frozenset()
+    eng.clock.advance(0.5)
+    meta, events = eng.step()  # expired in build_connector_meta, freed in this update
+    assert meta.reqs_freed == ("r",)
+    assert events.free_request_ids == {"r"}
+    assert eng.sched.send_outcomes == {SendState.EXPIRED: 1}
+    # Decode's late Done must not free again.
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    assert events.free_request_ids == frozenset()
+    assert eng.sched.ignored[Ignored.FINISHED_SENDING] == 1
+    eng.assert_clean()
+
+
+def test_lease_expired_on_the_worker_side() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 20))
+    eng.step()
+    out = WorkerOutput(finished_sending=frozenset({"r"}), expired_leases=frozenset({"r"}))
+    _, events = eng.step(out)
+    assert events.free_request_ids == {"r"}
+    assert eng.sched.send_outcomes == {SendState.EXPIRED: 1}
+    meta, _ = eng.step()
+    assert meta.reqs_freed == ()  # the worker dropped it already
+    eng.assert_clean()
+
+
+def test_lease_is_checked_on_update_as_well() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 20))
+    eng.sched.build_connector_meta()
+    eng.clock.advance(LEASE_S + 1)
+    events = eng.sched.update_connector_output(WorkerOutput())
+    assert events.free_request_ids == {"r"}
+    eng.pool.free(eng.sched.take_blocks_to_free("r"))
+    eng.assert_clean()
+
+
+def test_heartbeats_extend_the_lease() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 20))
+    eng.step()
+    for _ in range(5):  # 5 x 25 s = 125 s, far past one 30 s lease
+        eng.clock.advance(25.0)
+        _, events = eng.step(WorkerOutput(heartbeats=frozenset({"r"})))
+        assert events.free_request_ids == frozenset()
+    eng.clock.advance(29.0)
+    _, events = eng.step()
+    assert events.free_request_ids == frozenset()
+    eng.clock.advance(1.0)
+    _, events = eng.step()
+    assert events.free_request_ids == {"r"}
+    _, events = eng.step(WorkerOutput(heartbeats=frozenset({"r", "nobody"})))
+    assert eng.sched.ignored[Ignored.HEARTBEAT] == 2
+    eng.assert_clean()
+
+
+def test_prefill_abort_while_held_frees_at_once() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 50))
+    eng.step()
+    eng.sched.request_aborted("r")
+    assert not eng.sched.defers_free("r")
+    kept = eng.sched.take_blocks_to_free("r")  # the engine may free right away
+    assert sorted(kept) == sorted(eng.held["r"][0])
+    eng.pool.free(kept)
+    meta, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    assert meta.reqs_freed == ("r",)
+    assert events.free_request_ids == {"r"}  # taking again yields nothing: no double free
+    assert eng.sched.send_outcomes == {SendState.ABORTED: 1}
+    assert eng.sched.ignored[Ignored.FINISHED_SENDING] == 1
+    eng.assert_clean()
+
+
+def test_prefill_abort_before_the_send_spec_left() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 50))
+    eng.sched.request_aborted("r")
+    meta, events = eng.step()
+    assert meta.reqs_to_send == () and meta.reqs_freed == ()
+    assert events.free_request_ids == {"r"}
+    eng.assert_clean()
+
+
+def test_duplicate_and_unknown_finished_sending_are_counted() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    for rid in ("a", "b"):
+        eng.finish(remote_decode(rid, 30))
+    eng.step()
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"a", "ghost"})))
+    assert events.free_request_ids == {"a"}
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"a", "b"})))
+    assert events.free_request_ids == {"b"}
+    assert eng.sched.ignored == {Ignored.FINISHED_SENDING: 2}
+    eng.sched.request_aborted("a")
+    assert eng.sched.ignored[Ignored.ABORT] == 1
+    eng.assert_clean()
+
+
+def test_prefill_engine_misuse_raises() -> None:
+    eng = Engine(KVRole.PRODUCER)
+    eng.finish(remote_decode("r", 20))
+    with pytest.raises(LifecycleError, match="request_finished called twice"):
+        eng.sched.request_finished(remote_decode("r", 20), [[]])
+    with pytest.raises(LifecycleError, match=r"1 blocks for a 20-token prompt"):
+        eng.sched.request_finished(remote_decode("s", 20), [[0]])
+    with pytest.raises(LifecycleError, match="2 block lists for 1 KV-cache groups"):
+        eng.sched.request_finished(remote_decode("s", 20), [[0, 1], [2, 3]])
+    eng.sched.request_aborted("r")
+    eng.pool.free(eng.sched.take_blocks_to_free("r"))
+    eng.assert_clean()
+
+
+def test_producer_config_errors() -> None:
+    kv = KVCacheConfig(
+        groups=(
+            KVCacheGroup(
+                group_id=0,
+                layer_names=("a",),
+                spec=FullAttentionSpec(
+                    block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroup(
+                group_id=1,
+                layer_names=("b",),
+                spec=FullAttentionSpec(
+                    block_size=32, num_kv_heads=1, head_size=8, dtype=torch.float32
+                ),
+            ),
+        ),
+        num_blocks=8,
+    )
+    with pytest.raises(ConfigError, match=r"share one block size.*\[16, 32\]"):
+        KVBridgeScheduler(transfer_config(KVRole.PRODUCER), kv)
+    KVBridgeScheduler(transfer_config(KVRole.CONSUMER), kv)  # fine for a consumer
+    with pytest.raises(ConfigError, match=r"extra\.max_peer_block_size='big'"):
+        KVBridgeScheduler(
+            transfer_config(KVRole.PRODUCER, extra={"max_peer_block_size": "big"}),
+            kv_config((FULL,), 16),
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_tokens=st.integers(1, 700),
+    prefill_bs=st.sampled_from([4, 8, 16, 32, 64]),
+    decode_bs=st.sampled_from([4, 8, 16, 32, 64, 128]),
+    window=st.integers(1, 100),
+    margin=st.sampled_from([16, 64, 128]),
+)
+def test_retained_blocks_cover_every_decode_within_the_margin(
+    num_tokens: int, prefill_bs: int, decode_bs: int, window: int, margin: int
+) -> None:
+    lcm = math.lcm(prefill_bs, decode_bs)
+    if lcm > margin + 1:
+        return  # outside the documented guarantee
+    n_load = (num_tokens - 1) // lcm * lcm
+    if n_load == 0:
+        return  # nothing to read
+    attn = dict(block_size=prefill_bs, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    window_spec = SlidingWindowSpec(**attn, sliding_window=window)
+    first, stop = retained_block_range(window_spec, num_tokens, margin)
+    needed = range(max(0, n_load - window) // prefill_bs, -(-n_load // prefill_bs))
+    assert first <= needed.start and needed.stop <= stop
+    state_spec = StateSpec(block_size=prefill_bs, shapes=((1,),), dtypes=(torch.float32,))
+    first, stop = retained_block_range(state_spec, num_tokens, margin)
+    assert first <= n_load // prefill_bs - 1 < stop
+    assert stop - first <= margin // prefill_bs + 1  # and no more states than the margin spans
+    full_spec = FullAttentionSpec(**attn)
+    assert retained_block_range(full_spec, num_tokens, margin) == (0, -(-num_tokens // prefill_bs))
+
+
+# ================================================================ decode (consumer)
+
+
+def remote_params(num_tokens: int, num_groups: int = 1, block_size: int = 16) -> KVTransferParams:
+    num_blocks = -(-num_tokens // block_size)
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="prefill-0",
+        remote_host="10.1.2.3",
+        remote_port=5700,
+        remote_block_ids=[list(range(100, 100 + num_blocks))] * num_groups,
+        remote_first_block=[0] * num_groups,
+        remote_block_size=block_size,
+        num_tokens=num_tokens,
+        remote_request_id="p-1",
+    )
+
+
+def decode_req(rid: str, n: int, **kw) -> Req:
+    return Req(rid, prompt(n), remote_params(n, **kw))
+
+
+def admit(eng: Engine, req: Req, num_computed: int = 0) -> int:
+    """get_num_new_matched_tokens, allocate for the whole prompt, update_state_after_alloc."""
+    num_external, is_async = eng.sched.get_num_new_matched_tokens(req, num_computed)
+    assert is_async == (num_external > 0)
+    blocks = eng.allocate(req.request_id, len(req.prompt_token_ids))
+    eng.sched.update_state_after_alloc(req, blocks, num_external)
+    return num_external
+
+
+def test_decode_happy_path() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 100)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (96, True)
+    blocks = eng.allocate("d", 100)
+    eng.sched.update_state_after_alloc(req, blocks, 96)
+    assert eng.sched.load_state("d") is LoadState.ALLOCATED
+    meta, events = eng.step()
+    [spec] = meta.reqs_to_load
+    assert spec.request_id == "d" and spec.params is req.kv_transfer_params
+    assert spec.local_block_ids == (tuple(blocks[0][:6]),)  # 96 tokens = blocks 0..5
+    assert (spec.start_token, spec.end_token) == (0, 96)
+    assert eng.sched.defers_free("d")
+    _, events = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
+    assert events.loaded_request_ids == {"d"}
+    assert eng.sched.load_outcomes == {LoadState.LOADED: 1}
+    assert not eng.sched.defers_free("d")
+    # Preempted and rescheduled later: the remote KV is used up, nothing is read again.
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert eng.sched.request_finished(req, eng.blocks["d"]) == (False, None)
+    eng.free_own("d")
+    eng.assert_clean()
+
+
+def test_load_aligns_to_the_lcm_of_both_sides() -> None:
+    eng = Engine(KVRole.CONSUMER, block_size=32)
+    req = Req("d", prompt(200), remote_params(200, block_size=48))  # lcm 96
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    short = Req("e", prompt(96), remote_params(96, block_size=48))  # 95 // 96 = 0
+    assert eng.sched.get_num_new_matched_tokens(short, 0) == (0, False)
+    # Prefill held fewer tokens than the decode's prompt: bounded by params.num_tokens.
+    fewer = Req("f", prompt(300), remote_params(150, block_size=48))
+    assert eng.sched.get_num_new_matched_tokens(fewer, 0) == (96, True)
+    for rid in ("d", "e", "f"):
+        eng.sched.request_aborted(rid)
+    meta, _ = eng.step()
+    assert [rid for rid, _ in meta.reqs_to_abort] == ["d", "e", "f"]
+    eng.assert_clean()
+
+
+def test_partial_prefix_hit_loads_the_rest() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 100)
+    assert admit(eng, req, num_computed=32) == 64
+    meta, _ = eng.step()
+    [spec] = meta.reqs_to_load
+    assert (spec.start_token, spec.end_token) == (32, 96)
+    _, events = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
+    assert events.loaded_request_ids == {"d"}
+    eng.free_own("d")
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize("num_computed", [96, 99])
+def test_full_prefix_hit_only_releases_prefill(num_computed: int) -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 100)
+    assert admit(eng, req, num_computed=num_computed) == 0
+    assert eng.sched.load_state("d") is LoadState.RELEASING
+    meta, _ = eng.step()
+    assert meta.reqs_to_load == ()
+    assert meta.reqs_to_release == (("d", req.kv_transfer_params),)
+    assert eng.sched.load_outcomes == {LoadState.RELEASED: 1}
+    eng.sched.request_aborted("d")  # nothing left to abort on the remote side
+    meta, _ = eng.step()
+    assert meta.reqs_to_abort == () and meta.reqs_to_release == ()
+    eng.free_own("d")
+    eng.assert_clean()
+
+
+def test_abort_before_allocation() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 64)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+    eng.sched.request_aborted("d")
+    assert not eng.sched.defers_free("d")
+    meta, events = eng.step()
+    assert meta.reqs_to_abort == (("d", req.kv_transfer_params),)
+    assert meta.reqs_to_load == () and events == SchedulerEvents()
+    assert eng.sched.load_outcomes == {LoadState.ABORTED: 1}
+    eng.assert_clean()
+
+
+def test_abort_after_allocation_before_the_load_left() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    admit(eng, decode_req("d", 64))
+    eng.sched.request_aborted("d")
+    assert not eng.sched.defers_free("d")  # no load was posted: free now
+    eng.free_own("d")
+    meta, events = eng.step()
+    assert meta.reqs_to_load == ()
+    assert [rid for rid, _ in meta.reqs_to_abort] == ["d"]
+    assert events.free_request_ids == frozenset()
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize("ending", ["finished", "failed"])
+def test_abort_while_loading_waits_for_the_worker(ending: str) -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 64)
+    admit(eng, req)
+    eng.step()
+    eng.sched.request_aborted("d")
+    eng.sched.request_aborted("d")  # a repeat changes nothing
+    assert eng.sched.ignored[Ignored.ABORT] == 1
+    assert eng.sched.defers_free("d")
+    meta, events = eng.step()
+    assert meta.reqs_to_abort == (("d", req.kv_transfer_params),)
+    assert events.free_request_ids == frozenset()
+    assert eng.pool.num_used == 4  # NIXL may still write: the blocks stay
+    if ending == "finished":
+        out = WorkerOutput(finished_recving=frozenset({"d"}))
+    else:
+        out = WorkerOutput(
+            failed_loads=(
+                LoadFailure(
+                    request_id="d", reason="cancelled", invalid_block_ids=((),), num_valid_tokens=0
+                ),
+            )
+        )
+    _, events = eng.step(out)
+    assert events.free_request_ids == {"d"}
+    assert events.loaded_request_ids == frozenset() and events.recompute == ()
+    assert eng.sched.load_outcomes == {LoadState.ABORTED: 1}
+    eng.assert_clean()
+
+
+def test_request_finished_while_loading_delays_the_free() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    admit(eng, decode_req("d", 64))
+    eng.step()
+    assert eng.sched.request_finished(decode_req("d", 64), eng.blocks["d"]) == (True, None)
+    meta, _ = eng.step()
+    assert [rid for rid, _ in meta.reqs_to_abort] == ["d"]
+    _, events = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
+    assert events.free_request_ids == {"d"}
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"), [(FailurePolicy.RECOMPUTE, "recompute"), (FailurePolicy.FAIL, "failed")]
+)
+def test_load_failure_follows_the_policy(policy: FailurePolicy, field: str) -> None:
+    eng = Engine(KVRole.CONSUMER, failure_policy=policy)
+    admit(eng, decode_req("d", 100))
+    eng.step()
+    failure = LoadFailure(
+        request_id="d", reason="peer gone", invalid_block_ids=((3, 4, 5),), num_valid_tokens=48
+    )
+    _, events = eng.step(WorkerOutput(failed_loads=(failure,)))
+    assert getattr(events, field) == (failure,)
+    other = "failed" if field == "recompute" else "recompute"
+    assert getattr(events, other) == ()
+    assert events.loaded_request_ids == frozenset() and events.free_request_ids == frozenset()
+    expected = LoadState.RECOMPUTED if policy is FailurePolicy.RECOMPUTE else LoadState.FAILED
+    assert eng.sched.load_outcomes == {expected: 1}
+    # The engine resumes (or ends) the request; it never loads the remote KV again.
+    assert eng.sched.get_num_new_matched_tokens(decode_req("d", 100), 48) == (0, False)
+    eng.free_own("d")
+    eng.assert_clean()
+
+
+def test_duplicate_and_unknown_load_reports_are_counted() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    admit(eng, decode_req("d", 64))
+    admit(eng, decode_req("e", 64))  # still ALLOCATED when the bogus report comes
+    eng.sched.build_connector_meta()
+    admit(eng, decode_req("f", 64))
+    failure = LoadFailure(request_id="f", reason="x", invalid_block_ids=((),), num_valid_tokens=0)
+    out = WorkerOutput(finished_recving=frozenset({"d", "ghost"}), failed_loads=(failure,))
+    events = eng.sched.update_connector_output(out)
+    assert events.loaded_request_ids == {"d"} and events.recompute == ()
+    events = eng.sched.update_connector_output(WorkerOutput(finished_recving=frozenset({"d"})))
+    assert events == SchedulerEvents()
+    assert eng.sched.ignored == {Ignored.FINISHED_RECVING: 2, Ignored.FAILED_LOAD: 1}
+    assert eng.sched.load_state("f") is LoadState.ALLOCATED  # untouched by the bogus failure
+    _, events = eng.step(WorkerOutput(finished_recving=frozenset({"e"})))
+    _, events = eng.step(WorkerOutput(finished_recving=frozenset({"f"})))
+    assert events.loaded_request_ids == {"f"}
+    for rid in ("d", "e", "f"):
+        eng.free_own(rid)
+    eng.assert_clean()
+
+
+def test_waiting_requests_heartbeat_at_most_once_per_period() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 64)
+    full_hit = decode_req("h", 64)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+    assert eng.sched.get_num_new_matched_tokens(full_hit, 48) == (0, False)
+    seen = []
+    for _ in range(12):  # steps 1 s apart; heartbeat_s = 5
+        eng.sched.request_waiting(req)
+        eng.sched.request_waiting(full_hit)
+        eng.sched.request_waiting(Req("local", prompt(8)))  # not ours: no-op
+        meta, _ = eng.step()
+        seen.append(sorted(rid for rid, _ in meta.reqs_waiting))
+        eng.clock.advance(1.0)
+    beats = [["d", "h"], [], [], [], []]
+    assert seen == beats + beats + [["d", "h"], []]
+    assert meta.reqs_to_load == ()
+    admit(eng, req)  # allocated now: no more heartbeats
+    eng.sched.request_waiting(req)
+    eng.clock.advance(10.0)
+    meta, _ = eng.step()
+    assert meta.reqs_waiting == () and len(meta.reqs_to_load) == 1
+    eng.sched.update_state_after_alloc(full_hit, eng.allocate("h", 64), 0)
+    meta, _ = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
+    assert [rid for rid, _ in meta.reqs_to_release] == ["h"]
+    eng.free_own("d")
+    eng.free_own("h")
+    eng.assert_clean()
+
+
+def test_hybrid_decode_load_spec_per_group() -> None:
+    eng = Engine(KVRole.CONSUMER, HYBRID, block_size=8)
+    req = Req("d", prompt(100), remote_params(100, num_groups=3, block_size=16))
+    assert admit(eng, req, num_computed=16) == 80  # lcm 16: n_load = 96
+    meta, _ = eng.step()
+    [spec] = meta.reqs_to_load
+    assert spec.local_block_ids == tuple(tuple(ids[:12]) for ids in eng.blocks["d"])
+    eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
+    eng.free_own("d")
+    eng.assert_clean()
+
+
+def test_bad_params_raise_params_error() -> None:
+    eng = Engine(KVRole.CONSUMER, HYBRID)
+    with pytest.raises(ParamsError, match="remote_block_ids has 1 lists"):
+        eng.sched.get_num_new_matched_tokens(decode_req("d", 64), 0)
+    with pytest.raises(ParamsError, match="kv_producer"):
+        eng.sched.get_num_new_matched_tokens(remote_decode("p", 64), 0)
+    producer = Engine(KVRole.PRODUCER)
+    with pytest.raises(ParamsError, match="kv_consumer"):
+        producer.sched.get_num_new_matched_tokens(decode_req("d", 64), 0)
+    assert producer.sched.get_num_new_matched_tokens(remote_decode("p", 64), 0) == (0, False)
+    assert eng.sched.num_live_requests == 0
+
+
+def test_decode_engine_misuse_raises() -> None:
+    eng = Engine(KVRole.CONSUMER)
+    req = decode_req("d", 64)
+    with pytest.raises(LifecycleError, match="promised no tokens"):
+        eng.sched.update_state_after_alloc(req, [[0, 1, 2]], 48)
+    eng.sched.update_state_after_alloc(Req("local", prompt(8)), [[0]], 0)  # no-op
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+    with pytest.raises(LifecycleError, match=r"num_external_tokens=32.*offered 48"):
+        eng.sched.update_state_after_alloc(req, [[0, 1, 2, 3]], 32)
+    with pytest.raises(LifecycleError, match="group 0: 2 blocks allocated"):
+        eng.sched.update_state_after_alloc(req, [[0, 1]], 48)
+    admit(eng, req)
+    with pytest.raises(LifecycleError, match="ALLOCATED"):
+        eng.sched.update_state_after_alloc(req, eng.blocks["d"], 48)
+    with pytest.raises(LifecycleError, match="ALLOCATED"):
+        eng.sched.get_num_new_matched_tokens(req, 0)
+    eng.sched.request_aborted("d")
+    eng.free_own("d")
+    eng.step()
+    eng.assert_clean()
+
+
+# ================================================================ both sides together
+
+
+class Wire:
+    """Fake workers: decode's Done / heartbeats reach prefill's finished_sending / heartbeats;
+    loads complete (or fail) when the test says so."""
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()  # prefill ids decode is finished with
+        self.beats: set[str] = set()
+        self.loading: dict[str, str] = {}  # decode rid -> prefill rid
+
+    def decode_meta(self, meta: ConnectorMetadata) -> None:
+        for spec in meta.reqs_to_load:
+            self.loading[spec.request_id] = spec.params.remote_request_id
+        for rid, params in meta.reqs_to_release + meta.reqs_to_abort:
+            if rid not in self.loading:
+                self.done.add(params.remote_request_id)
+        self.beats |= {params.remote_request_id for _, params in meta.reqs_waiting}
+
+    def decode_output(self, finish: set[str], fail: set[str]) -> WorkerOutput:
+        finish, fail = finish & set(self.loading), fail & set(self.loading)
+        for rid in finish | fail:
+            self.done.add(self.loading.pop(rid))
+        failures = tuple(
+            LoadFailure(request_id=r, reason="x", invalid_block_ids=((),), num_valid_tokens=0)
+            for r in sorted(fail)
+        )
+        return WorkerOutput(finished_recving=frozenset(finish), failed_loads=failures)
+
+    def prefill_output(self) -> WorkerOutput:
+        out = WorkerOutput(finished_sending=frozenset(self.done), heartbeats=frozenset(self.beats))
+        self.done, self.beats = set(), set()
+        return out
+
+
+PLANS = [
+    "load",
+    "partial",
+    "fail",
+    "full_hit",
+    "slow_alloc",
+    "abort_waiting",
+    "abort_allocated",
+    "abort_loading",
+    "prefill_abort",
+]
+EXPECTED = {
+    "fail": "failed",
+    "full_hit": "released",
+    "abort_waiting": "aborted",
+    "abort_allocated": "aborted",
+    "abort_loading": "aborted",
+}
+
+
+def _decode_admit(decode: Engine, plan: str, req: Req, outcomes: dict[str, str], rng) -> None:
+    rid, n = req.request_id, len(req.prompt_token_ids)
+    hit = {"full_hit": n - 1, "partial": 16}.get(plan, 0)
+    num_external, _ = decode.sched.get_num_new_matched_tokens(req, hit)
+    if plan == "abort_waiting":
+        decode.sched.request_aborted(rid)
+        outcomes[rid] = "aborted"
+        return
+    if plan == "slow_alloc" and rng.random() < 0.7:
+        decode.sched.request_waiting(req)  # no blocks this step
+        return
+    decode.sched.update_state_after_alloc(req, decode.allocate(rid, n), num_external)
+    if plan == "abort_allocated":
+        decode.sched.request_aborted(rid)
+        assert not decode.sched.defers_free(rid)
+        decode.free_own(rid)
+        outcomes[rid] = "aborted"
+    elif num_external == 0:
+        outcomes[rid] = "released"
+
+
+def _decode_step(decode: Engine, wire: Wire, plans: dict[str, str], outcomes, rng) -> None:
+    wire.decode_meta(decode.sched.build_connector_meta())
+    for rid in wire.loading:
+        if plans[rid] == "abort_loading" and decode.sched.load_state(rid) is LoadState.LOADING:
+            decode.sched.request_aborted(rid)
+            assert decode.sched.defers_free(rid)
+    fail = {r for r in wire.loading if plans[r] == "fail"}
+    finish = {r for r in wire.loading if r not in fail and (rng is None or rng.random() < 0.5)}
+    events = decode.sched.update_connector_output(wire.decode_output(finish, fail))
+    ended = {rid: "loaded" for rid in events.loaded_request_ids}
+    ended |= {f.request_id: "failed" for f in events.failed}
+    ended |= {rid: "aborted" for rid in events.free_request_ids}
+    assert not events.recompute  # FailurePolicy.FAIL
+    for rid, outcome in ended.items():
+        assert rid not in outcomes, (rid, outcome, outcomes.get(rid))  # one ending each
+        outcomes[rid] = outcome
+        decode.free_own(rid)  # the request ends (or was aborted): the engine frees
+
+
+@settings(max_examples=80, deadline=None)
+@given(plan_list=st.lists(st.sampled_from(PLANS), min_size=1, max_size=10), rng=st.randoms())
+def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng) -> None:
+    clock = FakeClock()  # one time line for both sides
+    prefill = Engine(KVRole.PRODUCER, HYBRID, clock=clock, extra={"max_peer_block_size": 32})
+    decode = Engine(KVRole.CONSUMER, HYBRID, clock=clock, failure_policy=FailurePolicy.FAIL)
+    wire = Wire()
+    plans, reqs = {}, {}
+    for i, plan in enumerate(plan_list):
+        rid, n = f"r{i}", rng.randint(40, 120)
+        params = prefill.finish(remote_decode(rid, n))
+        plans[rid], reqs[rid] = plan, Req(rid, prompt(n), params)
+    outcomes: dict[str, str] = {}
+    for _ in range(30):
+        for rid, req in reqs.items():
+            if rid not in outcomes and decode.sched.load_state(rid) in (None, LoadState.MATCHED):
+                _decode_admit(decode, plans[rid], req, outcomes, rng)
+        for rid in reqs:
+            if plans[rid] == "prefill_abort" and prefill.sched.defers_free(rid):
+                if rng.random() < 0.3:
+                    prefill.sched.request_aborted(rid)
+        _decode_step(decode, wire, plans, outcomes, rng)
+        prefill.step(wire.prefill_output())
+        clock.advance(rng.choice([0.5, 2.0, 8.0]))
+    for rid in reqs:  # still waiting for blocks after 30 steps: give up
+        if decode.sched.load_state(rid) is LoadState.MATCHED:
+            decode.sched.request_aborted(rid)
+            outcomes[rid] = "aborted"
+    _decode_step(decode, wire, plans, outcomes, None)  # every load left completes
+    for rid in list(decode.blocks):
+        decode.free_own(rid)  # loaded and released requests run to their end
+    prefill.step(wire.prefill_output())
+    clock.advance(LEASE_S)
+    prefill.step()
+    assert outcomes.keys() == reqs.keys()
+    for rid, plan in plans.items():
+        assert outcomes[rid] == EXPECTED.get(plan, outcomes[rid]), (rid, plan)
+        assert outcomes[rid] != "failed" or plan == "fail"
+    assert sum(decode.sched.load_outcomes.values()) == len(reqs)
+    assert sum(prefill.sched.send_outcomes.values()) == len(reqs)
+    decode.assert_clean()
+    prefill.assert_clean()

@@ -1,0 +1,189 @@
+"""The example HTTP server (role "both", in process) and the proxy's error paths: bad
+input gets a 4xx JSON reason, never a crash, and the server keeps serving."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from examples import proxy as proxy_mod
+from examples.check import compare, complete, http_get, make_prompts, parse_metrics
+from examples.reference import load_model, reference_generate
+from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
+from examples.tokenizer import ByteTokenizer
+
+MODEL = "tiny-hybrid-state"
+
+
+def _serve(server) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def worker_url():
+    argv = f"--model {MODEL} --block-size 16 --kernel-block-size 8 --num-blocks 64"
+    args = make_parser().parse_args([*argv.split(), "--kv-layout", "HND", "--cross-layers"])
+    loop, info = build(args)
+    assert isinstance(loop, EngineLoop)
+    server = WorkerHTTPServer(("127.0.0.1", 0), loop, info, request_timeout_s=30)
+    loop.start()
+    thread = _serve(server)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+    loop.close()
+    loop.engine.pool.assert_all_free()
+
+
+def post_raw(url: str, data: bytes, path: str = "/v1/completions", headers=None):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", path, data, headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def post(url: str, body: dict, path: str = "/v1/completions"):
+    return post_raw(url, json.dumps(body).encode(), path)
+
+
+def test_completion_matches_reference_plain_and_streamed(worker_url):
+    prompt = make_prompts(3)[2]
+    want = reference_generate(load_model(MODEL), ByteTokenizer().encode(prompt), 6, eos_id=None)
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 6, "return_logits": True, "stream": stream}
+        out = complete(worker_url, {**body, "ignore_eos": True}, timeout_s=30)
+        got = np.asarray(out["logits"], np.float32)
+        verdict = compare(out["token_ids"], got, want.token_ids, want.logits, 1e-4)
+        assert verdict.ok, verdict.reason
+        assert out["finish_reason"] == "length"
+        if stream:
+            assert out["chunks"] == 6  # one server-sent event per token
+    status, out = post(worker_url, {"prompt": prompt, "max_tokens": 3, "logprobs": 2})
+    assert status == 200 and len(out["logprobs"]) == 3
+    top = out["logprobs"][0]
+    assert top[0][0] == out["token_ids"][0] and top[0][1] >= top[1][1]
+
+
+BAD_REQUESTS = [
+    (b"not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "Expected `object`"),
+    (b"{}", 400, "missing required field `prompt`"),
+    (b'{"prompt": ""}', 400, "prompt is empty"),
+    (b'{"prompt": []}', 400, "length >= 1"),
+    (b'{"prompt": [1, 2, 999]}', 400, "outside the vocabulary"),
+    (b'{"prompt": [1, -2]}', 400, ">= 0"),
+    (b'{"prompt": "hi", "temperature": 0.7}', 400, "greedy"),
+    (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": "8"}', 400, "Expected `int`, got `str`"),
+    (b'{"prompt": "hi", "max_tokens": 4000}', 400, "blocks of 16 tokens"),
+    (b'{"prompt": "hi", "model": "gpt-5"}', 400, "not served here"),
+    (b'{"prompt": "hi", "logprobs": 99}', 400, "logprobs"),
+    (b'{"prompt": "hi", "kv_transfer_params": {"x": 1}}', 400, "unknown field `x`"),
+    (b'{"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": true}}', 400, "connector"),
+]
+
+
+@pytest.mark.parametrize(("data", "status", "reason"), BAD_REQUESTS)
+def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(
+    worker_url, data, status, reason
+):
+    got_status, body = post_raw(worker_url, data)
+    assert got_status == status
+    assert reason in body["error"]
+    ok_status, ok = post(worker_url, {"prompt": "still there?", "max_tokens": 2})
+    assert ok_status == 200 and len(ok["token_ids"]) == 2
+
+
+def test_wrong_paths_and_sizes(worker_url):
+    assert post(worker_url, {"prompt": "x"}, path="/v1/chat")[0] == 404
+    assert http_get(worker_url + "/nope")[0] == 404
+    status, body = post_raw(worker_url, b"x" * 10, headers={"Content-Length": str(2 << 20)})
+    assert status == 413 and "exceeds" in body["error"]
+    assert http_get(worker_url + "/health")[0] == 200
+
+
+def test_concurrent_requests_and_metrics(worker_url):
+    prompts = make_prompts(6)
+
+    def one(p: str) -> dict:
+        return complete(worker_url, {"prompt": p, "max_tokens": 5, "ignore_eos": True}, 30)
+
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(one, prompts))
+    for p, out in zip(prompts, outs, strict=True):
+        want = reference_generate(load_model(MODEL), ByteTokenizer().encode(p), 5, eos_id=None)
+        assert out["token_ids"] == want.token_ids
+    status, raw = http_get(worker_url + "/metrics")
+    metrics = parse_metrics(raw.decode())
+    assert status == 200
+    assert metrics['kvbridge_total_blocks{pool="kv"}'] == 64
+    assert metrics['kvbridge_requests{state="running"}'] == 0
+    assert metrics['kvbridge_requests_finished{reason="length"}'] >= 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def proxy_to(worker_url):
+    servers = []
+
+    def start(prefill: str, decode: str) -> str:
+        router = proxy_mod.Router(
+            [proxy_mod.Upstream.parse(prefill)], [proxy_mod.Upstream.parse(decode)], 10.0
+        )
+        server = proxy_mod.ProxyServer(("127.0.0.1", 0), router, 10.0)
+        servers.append((server, _serve(server)))
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server, thread in servers:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_proxy_reports_dead_workers_and_bad_input(proxy_to, worker_url):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    url = proxy_to(dead, worker_url)
+    status, body = post(url, {"prompt": "hi"})
+    assert status == 503 and "unreachable" in body["error"]
+    assert post_raw(url, b"{nope")[0] == 400
+    status, body = post(url, {"prompt": "hi", "kv_transfer_params": {}})
+    assert status == 400 and "set by the proxy" in body["error"]
+    assert http_get(url + "/health")[0] == 200
+    # A worker's 4xx passes through: this one runs without a connector.
+    url = proxy_to(worker_url, worker_url)
+    status, body = post(url, {"prompt": "hi"})
+    assert status == 400 and "without a KV connector" in body["error"]
+    status, body = post(url, {"prompt": "hi", "temperature": 1})
+    assert status == 400 and "greedy" in body["error"]
+
+
+def test_compare_flags_token_and_logit_mismatches():
+    logits = np.zeros((3, 5), np.float32)
+    assert compare([1, 2, 3], logits, [1, 2, 3], logits, 1e-4).ok
+    bad = compare([1, 4, 3], logits, [1, 2, 3], logits, 1e-4)
+    assert not bad.ok and "step 1: got 4, want 2" in bad.reason
+    moved = logits.copy()
+    moved[2, 1] = 1e-3
+    assert "logit mismatch" in compare([1, 2, 3], moved, [1, 2, 3], logits, 1e-4).reason
+    moved[2, 1] = np.nan
+    assert not compare([1, 2, 3], moved, [1, 2, 3], logits, 1e-4).ok
+    assert "end" in compare([1, 2], logits[:2], [1, 2, 3], logits, 1e-4).reason
