@@ -28,6 +28,7 @@ import sys
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated
 
@@ -95,23 +96,35 @@ def parse_body(raw: bytes, model: str) -> CompletionBody:
 
 
 class EngineLoop:
-    """The engine thread: owns the engine (and connector); talks to handlers via queues."""
+    """The engine thread: builds and owns the engine (and connector; NIXL agents belong to
+    the thread that made them) and talks to handlers via queues."""
 
-    def __init__(self, engine: Engine, worker: WorkerConnector | None, idle_s: float = 0.002):
-        self.engine = engine
-        self.worker = worker
+    def __init__(self, factory: Callable[[], Engine], idle_s: float = 0.002) -> None:
+        self._factory = factory
         self._idle_s = idle_s
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | Exception]] = {}
         self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.engine: Engine
         self.finished: Counter[str] = Counter()
-        self.status_counts: dict[str, int] = engine.counts_by_status()
-        self.free_blocks = engine.pool.num_free
+        self.status_counts: dict[str, int] = {}
+        self.free_blocks = 0
         self.healthy = True
 
-    def start(self) -> None:
+    @property
+    def worker(self) -> WorkerConnector | None:
+        return self.engine.worker
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Build the engine on its thread; re-raises what building raised."""
         self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"engine not built after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
 
     def submit(self, request: Request) -> queue.Queue[RequestOutput | Exception]:
         stream: queue.Queue[RequestOutput | Exception] = queue.Queue()
@@ -126,6 +139,22 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as exc:  # handed to start(), which re-raises it
+            self._error = exc
+            return
+        finally:
+            self._ready.set()
+        self.status_counts = self.engine.counts_by_status()
+        self.free_blocks = self.engine.pool.num_free
+        try:
+            self._serve()
+        finally:
+            if self.engine.worker is not None:
+                self.engine.worker.shutdown()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished
             self._drain(block=not busy)
@@ -401,47 +430,59 @@ def corrupt_first_loaded_block(runner: ModelRunner):
 
 
 def build(args: argparse.Namespace) -> tuple[EngineLoop, dict]:
-    runner = ModelRunner(RunnerConfig.from_args(args))
+    """The engine loop of a worker (built on its own thread by ``start()``) and the info
+    ``/health`` reports; bad configuration raises before anything starts."""
     info = {"model": args.model, "role": args.role}
-    scheduler = worker = None
+    runner_config = RunnerConfig.from_args(args)
+    config = None
     if args.role != "both" or args.kv_transfer_config:
         raw = args.kv_transfer_config or json.dumps(
             {"kv_role": _ROLE_KV[args.role].value, "engine_id": f"{args.role}-{args.port}"}
         )
-        # Imported here: role "both" without a connector needs neither NIXL nor ZMQ.
-        from connector.scheduler import KVBridgeScheduler
-        from connector.worker import KVBridgeWorker, ModelInfo
-
         config = KVTransferConfig.from_json(raw)
         if config.kv_role is not _ROLE_KV[args.role]:
             raise ConfigError(
                 f"--role {args.role} needs kv_role {_ROLE_KV[args.role].value!r}, the "
                 f"kv-transfer-config says {config.kv_role.value!r}"
             )
-        mc = runner.model_config
-        model = ModelInfo(
-            model_name=mc.name,
-            dtype=dtype_name(mc.dtype),
-            num_kv_heads=mc.num_kv_heads,
-            head_size=mc.head_size,
+
+    def factory() -> Engine:
+        runner = ModelRunner(runner_config)
+        scheduler = worker = None
+        if config is not None:
+            scheduler, worker = _connector(config, runner, info)
+        engine = Engine(
+            runner,
+            EngineConfig(max_num_seqs=args.max_num_seqs),
+            scheduler=scheduler,
+            worker=worker,
+            exclusive_blocks=config is not None and config.is_producer,
         )
-        worker = KVBridgeWorker(config, model)
-        worker.register_kv_caches(runner.buffers)
-        if not config.kv_port:  # an ephemeral side channel: advertise the bound port
-            config = dataclasses.replace(config, kv_port=worker.side_channel_port)
-        scheduler = KVBridgeScheduler(config, runner.kv_config)
-        info |= {"engine_id": config.engine_id, "kv_port": config.kv_port}
-    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs)
-    engine = Engine(
-        runner,
-        engine_config,
-        scheduler=scheduler,
-        worker=worker,
-        exclusive_blocks=scheduler is not None and scheduler.config.is_producer,
+        if args.fault_inject == "corrupt-block":
+            engine.on_loaded = corrupt_first_loaded_block(runner)
+        return engine
+
+    return EngineLoop(factory), info
+
+
+def _connector(config: KVTransferConfig, runner: ModelRunner, info: dict):
+    # Imported here: role "both" without a connector needs neither NIXL nor ZMQ.
+    from connector.scheduler import KVBridgeScheduler
+    from connector.worker import KVBridgeWorker, ModelInfo
+
+    mc = runner.model_config
+    model = ModelInfo(
+        model_name=mc.name,
+        dtype=dtype_name(mc.dtype),
+        num_kv_heads=mc.num_kv_heads,
+        head_size=mc.head_size,
     )
-    if args.fault_inject == "corrupt-block":
-        engine.on_loaded = corrupt_first_loaded_block(runner)
-    return EngineLoop(engine, worker), info
+    worker = KVBridgeWorker(config, model)
+    worker.register_kv_caches(runner.buffers)
+    if not config.kv_port:  # an ephemeral side channel: advertise the bound port
+        config = dataclasses.replace(config, kv_port=worker.side_channel_port)
+    info |= {"engine_id": config.engine_id, "kv_port": config.kv_port}
+    return KVBridgeScheduler(config, runner.kv_config), worker
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -464,11 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         loop, info = build(args)
+        loop.start()
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     server = WorkerHTTPServer((args.host, args.port), loop, info, args.request_timeout)
-    loop.start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     logger.info("serving %s on http://%s:%d", info, args.host, server.server_address[1])
     try:
@@ -478,8 +519,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         loop.close()
-        if loop.worker is not None:
-            loop.worker.shutdown()
     return 0
 
 

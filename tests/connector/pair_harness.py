@@ -1,0 +1,151 @@
+"""Two full connectors (scheduler side + worker side + block pool) in one process.
+
+A tiny stand-in for an engine loop: it calls the connector APIs in the order the
+``connector.api`` docstring gives, with real NIXL agents and a shared fake clock, and
+checks the block pools at the end (every block freed exactly once).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from connector.api import SchedulerEvents
+from connector.config import KVTransferConfig
+from connector.params import KVTransferParams
+from connector.scheduler import KVBridgeScheduler
+from connector.worker import KVBridgeWorker, ModelInfo
+from examples.block_pool import BlockPool
+from layouts.allocation import CacheFormat, KVCacheBuffers
+from layouts.groups import KVCacheConfig
+from tests.handshake.plan_harness import make_groups
+
+MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: KVTransferParams | None = None
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Side:
+    sched: KVBridgeScheduler
+    worker: KVBridgeWorker
+    pool: BlockPool
+    buffers: KVCacheBuffers
+    config: KVCacheConfig
+    events: list[SchedulerEvents] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+
+    def step(self) -> SchedulerEvents:
+        self.worker.bind_connector_metadata(self.sched.build_connector_meta())
+        self.worker.start_load_kv()
+        self.worker.wait_for_save()
+        ev = self.sched.update_connector_output(self.worker.get_finished())
+        for rid in ev.free_request_ids:
+            self.pool.free(self.sched.take_blocks_to_free(rid))
+            self.freed.append(rid)
+        self.events.append(ev)
+        return ev
+
+    def allocate(self, num_tokens: int) -> list[list[int]]:
+        out = []
+        for g in self.config.groups:
+            n = -(-num_tokens // g.spec.block_size)
+            out.append(self.pool.allocate(n))
+        return out
+
+
+def make_side(
+    role: str,
+    engine_id: str,
+    block_size: int,
+    fmt: CacheFormat,
+    kinds: str,
+    clock: FakeClock,
+    *,
+    num_blocks: int = 64,
+    **extra_config: object,
+) -> Side:
+    kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
+    buffers = KVCacheBuffers(kv, fmt)
+    for t in buffers.tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_port": free_port(),
+            "handshake_timeout_s": 1.0,
+            **extra_config,
+        }
+    )
+    worker = KVBridgeWorker(config, MODEL, clock=clock)
+    worker.register_kv_caches(buffers)
+    sched = KVBridgeScheduler(config, kv, clock=clock)
+    return Side(
+        sched=sched, worker=worker, pool=BlockPool(kv.num_blocks), buffers=buffers, config=kv
+    )
+
+
+def prefill_finish(side: Side, request: Request) -> KVTransferParams:
+    """Prefill ran the prompt; the request ends and its blocks wait for decode."""
+    request.block_ids = side.allocate(len(request.prompt_token_ids))
+    delay, params = side.sched.request_finished(request, request.block_ids)
+    assert delay and params is not None
+    side.pool.free(side.sched.take_blocks_to_free(request.request_id))
+    return params
+
+
+def decode_admit(side: Side, request: Request, num_computed: int = 0) -> int:
+    """Decode allocates blocks for the prompt and schedules the load; returns tokens."""
+    n, _is_async = side.sched.get_num_new_matched_tokens(request, num_computed)
+    request.block_ids = side.allocate(len(request.prompt_token_ids))
+    side.sched.update_state_after_alloc(request, request.block_ids, n)
+    return n
+
+
+def run_until(
+    sides: list[Side], done: Callable[[], bool], what: str, timeout_s: float = 10.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        for s in sides:
+            s.step()
+
+
+def loaded(side: Side, rid: str) -> bool:
+    return any(rid in ev.loaded_request_ids for ev in side.events)
+
+
+def failed(side: Side, rid: str) -> list:
+    return [f for ev in side.events for f in (*ev.failed, *ev.recompute) if f.request_id == rid]
+
+
+def token_ids(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 250, n).tolist()

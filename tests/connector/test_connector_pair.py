@@ -1,0 +1,271 @@
+"""Request lifecycle with two real connectors (scheduler + worker + NIXL) in one process.
+
+Every test ends with both block pools full: each block was freed exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from connector.notifications import Done, encode_notification
+from layouts.allocation import CacheFormat, read_group_token_major
+from layouts.layout import KVLayout
+from tests.connector.pair_harness import (
+    FakeClock,
+    Request,
+    Side,
+    decode_admit,
+    failed,
+    loaded,
+    make_side,
+    prefill_finish,
+    run_until,
+    token_ids,
+)
+
+PREFILL_FMT = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+DECODE_FMT = CacheFormat(layout=KVLayout.HND, kernel_block_size=8)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def _pair(
+    clock: FakeClock, kinds: str = "F", **decode_extra: object
+) -> Iterator[tuple[Side, Side]]:
+    prefill = make_side("kv_producer", "prefill", 64, PREFILL_FMT, kinds, clock, lease_s=30.0)
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, kinds, clock, **decode_extra)
+    try:
+        yield prefill, decode
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+@pytest.fixture
+def pair(clock: FakeClock) -> Iterator[tuple[Side, Side]]:
+    yield from _pair(clock)
+
+
+def _finish_decode(decode: Side, req: Request) -> None:
+    delay, _ = decode.sched.request_finished(req, req.block_ids)
+    if not delay:
+        decode.pool.free([b for ids in req.block_ids for b in ids])
+
+
+def _assert_pools_full(*sides: Side) -> None:
+    for s in sides:
+        s.pool.assert_all_free()
+
+
+def _expect_equal(prefill: Side, decode: Side, p: Request, d: Request, group: int, tokens: slice):
+    bs_p = prefill.config.groups[group].spec.block_size
+    bs_d = decode.config.groups[group].spec.block_size
+    n_p = -(-tokens.stop // bs_p)
+    n_d = -(-tokens.stop // bs_d)
+    want = read_group_token_major(prefill.buffers, group, np.array(p.block_ids[group][:n_p]))
+    got = read_group_token_major(decode.buffers, group, np.array(d.block_ids[group][:n_d]))
+    assert torch.equal(got[:, :, tokens], want[:, :, tokens])
+
+
+def test_happy_path_loads_frees_and_restores(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(200), None)
+    p.kv_transfer_params = _remote_decode()
+    params = prefill_finish(prefill, p)
+    before = read_group_token_major(prefill.buffers, 0, np.array(p.block_ids[0]))
+    d = Request("d1", p.prompt_token_ids, params)
+    assert decode_admit(decode, d) == 192  # (200 - 1) // lcm(64, 16) * 64
+    run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "load")
+    _expect_equal(prefill, decode, p, d, 0, slice(0, 192))
+    # prefill's rewritten blocks were restored before being freed (prefix cache stays exact)
+    assert torch.equal(read_group_token_major(prefill.buffers, 0, np.array(p.block_ids[0])), before)
+    assert prefill.worker.metrics.sender_rewrites > 0
+    assert prefill.worker.metrics.sender_restores == prefill.worker.metrics.sender_rewrites
+    _finish_decode(decode, d)
+    _assert_pools_full(prefill, decode)
+
+
+def test_partial_prefix_hit_reads_only_the_rest(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(200), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    n = decode_admit(decode, d, num_computed=64)
+    assert n == 128
+    marker = decode.buffers.tensors[0].clone()
+    run_until(
+        [prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "partial load"
+    )  # compare once prefill restored its blocks (they were rewritten for the reader)
+    _expect_equal(prefill, decode, p, d, 0, slice(64, 192))
+    # the locally computed blocks (first 64 tokens = 4 decode blocks) were not written
+    after = decode.buffers.tensors[0]
+    for b in d.block_ids[0][:4]:
+        assert torch.equal(after[b], marker[b])
+    assert decode.worker.metrics.descriptors_posted == (128 // 16) * 2  # 2 layers per chunk
+    _finish_decode(decode, d)
+    _assert_pools_full(prefill, decode)
+
+
+def test_full_local_hit_still_frees_prefill(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(200), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    assert decode_admit(decode, d, num_computed=192) == 0
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "release of a full hit")
+    assert decode.worker.metrics.descriptors_posted == 0
+    _finish_decode(decode, d)
+    _assert_pools_full(prefill, decode)
+
+
+def test_abort_before_load(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(150), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    decode.sched.request_aborted("d1")
+    if not decode.sched.defers_free("d1"):
+        decode.pool.free([b for ids in d.block_ids for b in ids])
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill free after abort")
+    assert not loaded(decode, "d1")
+    if "d1" in decode.freed:
+        pass
+    _assert_pools_full(prefill, decode)
+
+
+def test_abort_while_preparing(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(150), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    # decode alone: handshake, then Prepare goes out; prefill has not answered yet
+    run_until([decode], lambda: decode.worker.metrics.notifications_sent >= 1, "Prepare sent")
+    decode.sched.request_aborted("d1")
+    assert decode.sched.defers_free("d1")
+    run_until(
+        [prefill, decode],
+        lambda: "p1" in prefill.freed and "d1" in decode.freed,
+        "both sides free after an abort mid-load",
+    )
+    decode.pool.free([b for ids in d.block_ids for b in ids])
+    assert not loaded(decode, "d1")
+    _assert_pools_full(prefill, decode)
+
+
+def test_lease_expiry_frees_prefill(pair, clock):
+    prefill, decode = pair
+    p = Request("p1", token_ids(100), _remote_decode())
+    prefill_finish(prefill, p)
+    prefill.step()
+    assert "p1" not in prefill.freed
+    clock.now += 31.0
+    prefill.step()
+    prefill.step()
+    assert "p1" in prefill.freed
+    _assert_pools_full(prefill, decode)
+
+
+def test_heartbeats_extend_the_lease(pair, clock):
+    prefill, decode = pair
+    p = Request("p1", token_ids(100), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode.sched.get_num_new_matched_tokens(d, 0)
+    prefill.step()
+    for i in range(4):  # 4 x 20 s = 80 s waiting in decode's queue, lease is 30 s
+        clock.now += 20.0
+        decode.sched.request_waiting(d)
+        decode.step()  # queues the heartbeat (sent once the handshake is done)
+        assert decode.worker.metrics.heartbeats_sent == i + 1
+        run_until(
+            [decode, prefill],
+            lambda n=i + 1: prefill.worker.metrics.notifications_received >= n,
+            f"heartbeat {i + 1} delivery",
+        )
+        assert "p1" not in prefill.freed
+    d.block_ids = decode.allocate(len(d.prompt_token_ids))
+    n = decode.sched.get_num_new_matched_tokens(d, 0)[0]
+    decode.sched.update_state_after_alloc(d, d.block_ids, n)
+    run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "load")
+    _finish_decode(decode, d)
+    _assert_pools_full(prefill, decode)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_load_failure_applies_the_policy(clock, policy):
+    for prefill, decode in _pair(clock, failure_policy=policy):
+        p = Request("p1", token_ids(150), _remote_decode())
+        params = prefill_finish(prefill, p)
+        prefill.worker.shutdown()  # prefill dies: its listener and agent are gone
+        d = Request("d1", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+        run_until([decode], lambda d=decode: bool(failed(d, "d1")), "load failure", timeout_s=15)
+        ev = decode.events[-1]
+        outcome = ev.recompute if policy == "recompute" else ev.failed
+        assert [f.request_id for f in outcome] == ["d1"]
+        assert outcome[0].num_valid_tokens == 0
+        assert "handshake" in outcome[0].reason
+        _finish_decode(decode, d)
+        decode.pool.assert_all_free()
+        prefill.pool.free(prefill.sched.take_blocks_to_free("p1") or ())
+        prefill.sched.request_aborted("p1")
+        prefill.pool.free(prefill.sched.take_blocks_to_free("p1"))
+
+
+def test_unknown_and_duplicate_notifications_are_counted(pair):
+    prefill, decode = pair
+    p = Request("p1", token_ids(150), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "load")
+    engine = decode.worker._engine
+    peer = decode.worker._peers.get(("prefill", 0))
+    for rid in ("p1", "nope"):  # duplicate Done, then an unknown request
+        engine.send_notif(peer.agent, encode_notification(Done(request_id=rid)))
+    engine.send_notif(peer.agent, b"\x00garbage")
+    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 3, "bad notifs")
+    assert prefill.freed.count("p1") == 1
+    _finish_decode(decode, d)
+    _assert_pools_full(prefill, decode)
+
+
+def test_hybrid_groups_full_window_state(clock):
+    for prefill, decode in _pair(clock, kinds="FSM"):
+        p = Request("p1", token_ids(300), _remote_decode())
+        params = prefill_finish(prefill, p)
+        assert len(params.remote_block_ids[0]) == 5
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 256
+        run_until(
+            [prefill, decode],
+            lambda p_=prefill, d_=decode: loaded(d_, "d1") and "p1" in p_.freed,
+            "load",
+        )
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 256))
+        _expect_equal(prefill, decode, p, d, 1, slice(256 - 24, 256))
+        # state after token 256: prefill block 256/64-1 = 3, decode block 256/16-1 = 15
+        for name in ("g2.a", "g2.b"):
+            lv = decode.buffers.state_views(name)
+            rv = prefill.buffers.state_views(name)
+            for a, b in zip(lv, rv, strict=True):
+                got = a[d.block_ids[2][15]].contiguous().view(torch.uint8)
+                want = b[p.block_ids[2][3]].contiguous().view(torch.uint8)
+                assert torch.equal(got, want)
+        _finish_decode(decode, d)
+        _assert_pools_full(prefill, decode)
+
+
+def _remote_decode():
+    from connector.params import KVTransferParams
+
+    return KVTransferParams(do_remote_decode=True)

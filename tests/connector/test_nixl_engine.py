@@ -1,0 +1,317 @@
+"""NixlTransferEngine against real NIXL: two agents in one process.
+
+``decode`` reads from ``prefill``. In one process the first transfer to a new peer needs
+the target agent driven too (connection wire-up), so waits poll the reader and call the
+target's ``get_notifs``, exactly what a passive prefill worker does in its step loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from connector.errors import DescriptorError, RegistrationError, TransferError
+from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from connector.transport import DescList, XferHandle, XferState
+
+NUM_BLOCKS = 1000
+BLOCK_BYTES = 1024
+TIMEOUT_S = 5.0
+
+
+def _name(role: str) -> str:
+    return f"{role}-0-{uuid.uuid4().hex[:8]}"
+
+
+def _block_descs(t: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+    num_blocks = t.numel() * t.element_size() // block_bytes
+    descs = np.zeros((num_blocks, 3), dtype=np.int64)
+    descs[:, 0] = t.data_ptr() + np.arange(num_blocks) * block_bytes
+    descs[:, 1] = block_bytes
+    return descs
+
+
+def _wait(
+    engine: NixlTransferEngine, handle: XferHandle, target: NixlTransferEngine
+) -> dict[str, list[bytes]]:
+    """Poll ``handle`` to DONE while driving ``target``; return the target's notifications."""
+    notifs: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while engine.poll(handle) is XferState.PENDING:
+        for sender, msgs in target.get_notifs().items():
+            notifs.setdefault(sender, []).extend(msgs)
+        assert time.monotonic() < deadline, f"{handle!r} not done within {TIMEOUT_S} s"
+    return notifs
+
+
+def _collect_notifs(
+    target: NixlTransferEngine, sender: NixlTransferEngine, count: int
+) -> list[bytes]:
+    """Drive both sides until ``count`` notifications from ``sender`` reached ``target``.
+
+    Without a progress thread a sender's notifications (and its connection wire-up) only
+    move when the sender itself calls into NIXL, so the sender is driven too.
+    """
+    got: list[bytes] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(got) < count:
+        assert not sender.get_notifs(), "the sender got notifications nobody sent it"
+        got.extend(target.get_notifs().get(sender.agent_name, []))
+        assert time.monotonic() < deadline, f"{len(got)}/{count} from {sender.agent_name}"
+    return got
+
+
+class Pair:
+    """A prefill engine holding known bytes and a decode engine with an empty cache."""
+
+    def __init__(self, capture_telemetry: bool = False) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.src = torch.randint(
+            0, 256, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, generator=gen
+        )
+        self.dst = torch.zeros_like(self.src)
+        self.prefill = NixlTransferEngine(NixlEngineConfig(agent_name=_name("prefill")))
+        self.decode = NixlTransferEngine(
+            NixlEngineConfig(agent_name=_name("decode"), capture_telemetry=capture_telemetry)
+        )
+        self.prefill.register([self.src])
+        self.decode.register([self.dst])
+        self.peer = self.decode.add_peer(self.prefill.metadata())
+        self.local = self.decode.prep_local(_block_descs(self.dst))
+        self.remote = self.decode.prep_remote(self.peer, _block_descs(self.src))
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_read_shuffled_subset_copies_exact_bytes_and_notifies(pair: Pair) -> None:
+    rng = np.random.default_rng(0)
+    remote_idx = rng.permutation(NUM_BLOCKS)[:300]
+    local_idx = rng.permutation(NUM_BLOCKS)[:300]
+    assert pair.peer == pair.prefill.agent_name
+
+    handle = pair.decode.read(pair.local, local_idx, pair.remote, remote_idx, notif=b"req-7")
+    notifs = _wait(pair.decode, handle, pair.prefill)
+    assert set(notifs) <= {pair.decode.agent_name}
+    got = notifs.get(pair.decode.agent_name) or _collect_notifs(pair.prefill, pair.decode, 1)
+    assert got == [b"req-7"]
+    assert torch.equal(pair.dst[local_idx], pair.src[remote_idx])
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_idx)
+    assert int(pair.dst[untouched].count_nonzero()) == 0
+    assert pair.decode.num_descriptors_posted == 300
+    assert pair.decode.bytes_posted == 300 * BLOCK_BYTES
+    assert (handle.num_descs, handle.num_bytes, handle.peer) == (300, 300 * BLOCK_BYTES, pair.peer)
+    assert pair.decode.poll(handle) is XferState.DONE  # stays DONE
+
+
+def test_write_pushes_local_blocks_to_peer(pair: Pair) -> None:
+    pair.dst[:10] = 7
+    handle = pair.decode.write(pair.local, np.arange(10), pair.remote, np.arange(990, 1000))
+    _wait(pair.decode, handle, pair.prefill)
+    assert bool((pair.src[990:] == 7).all())
+    assert pair.decode.num_descriptors_posted == 10
+
+
+def test_standalone_notifications_arrive_in_order(pair: Pair) -> None:
+    pair.prefill.add_peer(pair.decode.metadata())
+    for i in range(5):
+        pair.decode.send_notif(pair.peer, b"msg-%d" % i)
+    got = _collect_notifs(pair.prefill, pair.decode, 5)
+    assert got == [b"msg-%d" % i for i in range(5)]
+    with pytest.raises(TransferError, match="unknown peer"):
+        pair.decode.send_notif("nobody", b"x")
+
+
+@pytest.mark.parametrize(
+    ("local_idx", "remote_idx", "match"),
+    [
+        ([0, 1000], [0, 1], "local_idx: index 1000 at position 1 outside"),
+        ([0, 1], [0, 5000], "remote_idx: index 5000 at position 1 outside"),
+        ([-1], [0], "index -1"),
+        ([0, 1, 2], [0, 1], "3 local indices but 2 remote"),
+        ([], [], "non-empty"),
+        ([0.0], [0], "integer"),
+        ([[0]], [[0]], "1-D"),
+    ],
+)
+def test_bad_indices_raise_descriptor_error_and_post_nothing(
+    pair: Pair, local_idx: list, remote_idx: list, match: str
+) -> None:
+    with pytest.raises(DescriptorError, match=match):
+        pair.decode.read(pair.local, np.array(local_idx), pair.remote, np.array(remote_idx))
+    assert (pair.decode.num_descriptors_posted, pair.decode.num_live_handles) == (0, 0)
+    ok = pair.decode.read(pair.local, np.array([3]), pair.remote, np.array([4]))
+    _wait(pair.decode, ok, pair.prefill)
+    assert torch.equal(pair.dst[3], pair.src[4])
+
+
+def test_descriptors_outside_registered_memory_raise(pair: Pair) -> None:
+    outside = _block_descs(pair.dst)[:2].copy()
+    outside[1, 0] += NUM_BLOCKS * BLOCK_BYTES  # second row past the end of the cache
+    with pytest.raises(DescriptorError, match=r"row 1 .* outside every registered region"):
+        pair.decode.prep_local(outside)
+    remote = _block_descs(pair.src)[:2].copy()
+    remote[0, 0] -= 1 << 20
+    with pytest.raises(DescriptorError, match="nixlNotFoundError") as err:
+        pair.decode.prep_remote(pair.peer, remote)
+    assert pair.peer in str(err.value)
+    with pytest.raises(DescriptorError, match="Nx3"):
+        pair.decode.prep_local(np.zeros((4, 2), dtype=np.int64))
+    with pytest.raises(TransferError, match="unknown peer"):
+        pair.decode.prep_remote("nobody", remote)
+
+
+def test_paired_descriptors_of_different_lengths_raise(pair: Pair) -> None:
+    half = _block_descs(pair.src, BLOCK_BYTES // 2)
+    remote_half = pair.decode.prep_remote(pair.peer, half)
+    with pytest.raises(DescriptorError, match="local desc 0 has 1024 bytes, remote desc 0 has 512"):
+        pair.decode.read(pair.local, np.array([0]), remote_half, np.array([0]))
+
+
+def test_release_is_idempotent_and_released_handle_cannot_be_used(pair: Pair) -> None:
+    handle = pair.decode.read(pair.local, np.arange(4), pair.remote, np.arange(4))
+    _wait(pair.decode, handle, pair.prefill)
+    handle.release()
+    handle.release()
+    pair.decode.release(handle)
+    assert handle.released and pair.decode.num_live_handles == 0
+    assert "released" in repr(handle)
+    with pytest.raises(TransferError, match="released"):
+        pair.decode.poll(handle)
+    live = pair.decode.read(pair.local, np.arange(1), pair.remote, np.arange(1))
+    with pytest.raises(TransferError, match="another engine"):
+        pair.prefill.poll(live)
+    pair.remote.release()
+    pair.remote.release()
+    with pytest.raises(DescriptorError, match="not a live remote list"):
+        pair.decode.read(pair.local, np.arange(4), pair.remote, np.arange(4))
+
+
+def test_close_releases_everything_and_is_idempotent(pair: Pair) -> None:
+    handles = [
+        pair.decode.read(pair.local, np.array([i]), pair.remote, np.array([i])) for i in range(3)
+    ]
+    _wait(pair.decode, handles[0], pair.prefill)
+    assert (pair.decode.num_live_handles, pair.decode.num_live_desc_lists) == (3, 2)
+    pair.decode.close()
+    assert all(h.released for h in handles)
+    assert pair.local.released and pair.remote.released
+    assert (pair.decode.num_live_handles, pair.decode.num_live_desc_lists) == (0, 0)
+    assert pair.decode.peers == () and pair.decode.closed
+    pair.decode.close()  # second close is a no-op
+    handles[1].release()  # already released: no-op, no NIXL call
+    with pytest.raises(TransferError, match="after close"):
+        pair.decode.metadata()
+    with pytest.raises(TransferError, match="after close"):
+        pair.decode.poll(handles[2])
+
+
+def test_context_manager_closes() -> None:
+    with NixlTransferEngine(NixlEngineConfig(agent_name=_name("ctx"))) as engine:
+        engine.register([torch.zeros(64, dtype=torch.uint8)])
+        assert len(engine.metadata()) > 0
+    assert engine.closed
+
+
+def test_remove_peer_then_add_again(pair: Pair) -> None:
+    handle = pair.decode.read(pair.local, np.array([0]), pair.remote, np.array([0]))
+    _wait(pair.decode, handle, pair.prefill)
+    pair.decode.remove_peer(pair.peer)
+    pair.decode.remove_peer(pair.peer)  # unknown now: no-op
+    assert handle.released and pair.remote.released and pair.decode.peers == ()
+    assert not pair.local.released
+    with pytest.raises(TransferError, match="unknown peer"):
+        pair.decode.prep_remote(pair.peer, _block_descs(pair.src))
+
+    assert pair.decode.add_peer(pair.prefill.metadata()) == pair.peer
+    remote = pair.decode.prep_remote(pair.peer, _block_descs(pair.src))
+    handle = pair.decode.read(pair.local, np.array([5, 6]), remote, np.array([8, 9]))
+    _wait(pair.decode, handle, pair.prefill)
+    assert torch.equal(pair.dst[5:7], pair.src[8:10])
+
+
+def test_new_incarnation_under_live_name_is_refused(pair: Pair) -> None:
+    impostor = NixlTransferEngine(NixlEngineConfig(agent_name=pair.peer))
+    try:
+        impostor.register([torch.zeros(64, dtype=torch.uint8)])
+        with pytest.raises(TransferError, match=r"nixlNotAllowedError.*unique agent name"):
+            pair.decode.add_peer(impostor.metadata())
+    finally:
+        impostor.close()
+    with pytest.raises(TransferError, match="nixlMismatchError"):
+        pair.decode.add_peer(b"not metadata" * 8)
+
+
+def test_register_rejects_bad_tensors(pair: Pair) -> None:
+    with pytest.raises(RegistrationError, match="overlaps"):
+        pair.decode.register([pair.dst[10:20]])
+    with pytest.raises(RegistrationError, match="contiguous"):
+        pair.decode.register([torch.zeros(8, 8)[:, 1]])
+    with pytest.raises(RegistrationError, match="no tensors"):
+        pair.decode.register([])
+    extra = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8)
+    pair.decode.register([extra])  # a second allocation is fine
+    assert pair.decode.prep_local(_block_descs(extra)).num_descs == 4
+
+
+def test_foreign_thread_is_refused(pair: Pair) -> None:
+    errors: list[BaseException] = []
+
+    def use() -> None:
+        try:
+            pair.decode.get_notifs()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=use)
+    thread.start()
+    thread.join(TIMEOUT_S)
+    assert len(errors) == 1 and isinstance(errors[0], TransferError)
+    assert "not thread-safe" in str(errors[0])
+
+
+def test_telemetry_counts_merged_descriptors() -> None:
+    pair = Pair(capture_telemetry=True)
+    try:
+        contiguous = pair.decode.read(pair.local, np.arange(100), pair.remote, np.arange(100))
+        _wait(pair.decode, contiguous, pair.prefill)
+        shuffled_idx = np.random.default_rng(1).permutation(NUM_BLOCKS)[:50]
+        shuffled = pair.decode.read(pair.local, shuffled_idx, pair.remote, shuffled_idx[::-1])
+        _wait(pair.decode, shuffled, pair.prefill)
+        merged = pair.decode.telemetry(contiguous)
+        assert merged is not None and (merged.num_descs, merged.num_bytes) == (1, 100 * 1024)
+        apart = pair.decode.telemetry(shuffled)
+        assert apart is not None and (apart.num_descs, apart.num_bytes) == (50, 50 * 1024)
+        assert pair.decode.num_descriptors_posted == 150  # ours counts before merging
+    finally:
+        pair.close()
+
+
+def test_telemetry_off_returns_none(pair: Pair) -> None:
+    handle = pair.decode.read(pair.local, np.arange(2), pair.remote, np.arange(2))
+    _wait(pair.decode, handle, pair.prefill)
+    assert pair.decode.telemetry(handle) is None
+
+
+def test_desc_list_repr_and_sizes(pair: Pair) -> None:
+    assert isinstance(pair.local, DescList)
+    assert pair.local.num_descs == NUM_BLOCKS and int(pair.local.lens.sum()) == pair.dst.numel()
+    assert "local" in repr(pair.local) and pair.peer in repr(pair.remote)
+    with pytest.raises(ValueError):
+        pair.local.lens[0] = 1  # read-only view of the prepared lengths

@@ -1,0 +1,184 @@
+"""NixlTransferEngine between real OS processes: read, peer death, recovery.
+
+The child (``_nixl_peer.py``) registers blocks of known bytes and reports its metadata,
+descriptors and every notification it receives as ``@@ {json}`` lines on stdout. Each
+child is SIGKILLed in ``finally`` whatever happens, and exits by itself if the parent
+dies (stdin closes).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from connector.errors import PeerDisconnectedError, TransferError
+from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from connector.transport import XferState, wait_done
+from tests.connector._nixl_peer import block_bytes_of
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+PEER_SCRIPT = Path(__file__).with_name("_nixl_peer.py")
+NUM_BLOCKS = 256
+BLOCK_BYTES = 4096
+TIMEOUT_S = 10.0
+
+
+class Peer:
+    """One child process and the line protocol to it."""
+
+    def __init__(self, agent_name: str, seed: int, log: Path) -> None:
+        self.agent_name = agent_name
+        self.seed = seed
+        self._log = log.open("wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), agent_name, str(NUM_BLOCKS), str(BLOCK_BYTES),
+             str(seed)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self._buf = b""
+        hello = self.next_msg()
+        self.metadata = base64.b64decode(hello["metadata"])
+        self.descs = np.array(hello["descs"], dtype=np.int64)
+        assert hello["agent"] == agent_name and hello["pid"] == self.proc.pid
+
+    def next_msg(self, timeout_s: float = TIMEOUT_S) -> dict:
+        """The next ``@@`` line as JSON; other output (NIXL logging) is skipped."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                if line.startswith(b"@@ "):
+                    return json.loads(line[3:])
+            left = deadline - time.monotonic()
+            assert left > 0, f"child {self.agent_name} said nothing within {timeout_s} s"
+            readable, _, _ = select.select([fd], [], [], left)
+            if readable:
+                chunk = os.read(fd, 65536)
+                assert chunk, f"child {self.agent_name} exited: rc={self.proc.poll()}"
+                self._buf += chunk
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=TIMEOUT_S)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._log.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:
+    peers: list[Peer] = []
+
+    def start(seed: int) -> Peer:
+        name = f"prefill-0-{uuid.uuid4().hex[:8]}"
+        peers.append(Peer(name, seed, tmp_path / f"{name}.log"))
+        return peers[-1]
+
+    try:
+        yield start
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+@pytest.fixture
+def decode() -> Iterator[NixlTransferEngine]:
+    with NixlTransferEngine(
+        NixlEngineConfig(agent_name=f"decode-0-{uuid.uuid4().hex[:8]}")
+    ) as engine:
+        yield engine
+
+
+def _local_cache(engine: NixlTransferEngine) -> tuple[torch.Tensor, np.ndarray]:
+    cache = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+    engine.register([cache])
+    descs = np.zeros((NUM_BLOCKS, 3), dtype=np.int64)
+    descs[:, 0] = cache.data_ptr() + np.arange(NUM_BLOCKS) * BLOCK_BYTES
+    descs[:, 1] = BLOCK_BYTES
+    return cache, descs
+
+
+def _read_and_check(engine, local, cache, peer: Peer, notif: bytes) -> None:
+    """READ a shuffled subset from ``peer``; check bytes and that the child got ``notif``."""
+    agent = engine.add_peer(peer.metadata)
+    assert agent == peer.agent_name
+    remote = engine.prep_remote(agent, peer.descs)
+    rng = np.random.default_rng(peer.seed)
+    remote_idx = rng.permutation(NUM_BLOCKS)[:64]
+    local_idx = rng.permutation(NUM_BLOCKS)[:64]
+    handle = engine.read(local, local_idx, remote, remote_idx, notif=notif)
+    wait_done(engine, handle, timeout_s=TIMEOUT_S)
+    expected = block_bytes_of(peer.seed, NUM_BLOCKS, BLOCK_BYTES)
+    assert torch.equal(cache[local_idx], expected[remote_idx])
+    assert peer.next_msg() == {"notif_from": engine.agent_name, "notif": notif.decode()}
+    handle.release()
+
+
+def test_read_from_child_then_survive_its_death(spawn, decode: NixlTransferEngine) -> None:
+    cache, local_descs = _local_cache(decode)
+    local = decode.prep_local(local_descs)
+    first = spawn(seed=11)
+    _read_and_check(decode, local, cache, first, b"req-1")
+    remote = decode.prep_remote(first.agent_name, first.descs)
+
+    first.kill()
+    killed_at = time.monotonic()
+    error: TransferError | None = None
+    while error is None and time.monotonic() - killed_at < TIMEOUT_S:
+        try:
+            handle = decode.read(local, np.arange(8), remote, np.arange(8))
+            while decode.poll(handle) is XferState.PENDING:
+                assert time.monotonic() - killed_at < TIMEOUT_S
+            handle.release()
+        except TransferError as exc:
+            error = exc
+    detect_s = time.monotonic() - killed_at
+    print(f"DETECT {detect_s:.4f} s: {error!r}")
+    assert isinstance(error, PeerDisconnectedError), f"after {detect_s:.3f} s: {error!r}"
+    assert first.agent_name in str(error)
+    assert decode.num_live_handles == 0  # a failed post frees its own handle
+
+    decode.remove_peer(first.agent_name)
+    assert remote.released and decode.peers == ()
+    second = spawn(seed=22)
+    _read_and_check(decode, local, cache, second, b"req-2")
+    assert decode.peers == (second.agent_name,)
+
+
+def test_send_notif_to_dead_child_raises(spawn, decode: NixlTransferEngine) -> None:
+    cache, local_descs = _local_cache(decode)
+    local = decode.prep_local(local_descs)
+    child = spawn(seed=5)
+    _read_and_check(decode, local, cache, child, b"hello")
+    decode.send_notif(child.agent_name, b"ping")
+    assert child.next_msg() == {"notif_from": decode.agent_name, "notif": "ping"}
+    child.kill()
+    deadline = time.monotonic() + TIMEOUT_S
+    with pytest.raises(PeerDisconnectedError, match=child.agent_name):  # noqa: PT012
+        while time.monotonic() < deadline:
+            decode.send_notif(child.agent_name, b"ping")
+            decode.get_notifs()
