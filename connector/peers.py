@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from connector.transport import DescList, TransferEngine
 
+from connector.transport import DescList, TransferEngine
 from handshake.client import HandshakeClient
 from handshake.compat import check_compatible
 from handshake.description import PeerLayout, parse_description
@@ -128,7 +128,9 @@ class PeerDirectory:
                         offsets=g.remote_offsets(stream),
                         length=stream.length,
                     )
-                    peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(agent, table)
+                    peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(
+                        agent, table, memory_kind=region.memory_kind
+                    )
             peer.state = PeerState.READY
             self.handshakes += 1
             logger.info("peer %s ready:\n%s", peer.key, plan)

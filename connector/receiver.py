@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from connector.transport import TransferEngine, XferHandle, XferState
 
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.transport import TransferEngine, XferHandle, XferState
 from handshake.plan import GroupPlan, TransferPlan
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError

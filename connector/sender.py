@@ -77,7 +77,12 @@ class Sender:
     def on_prepare(self, msg: Prepare) -> Prepared:
         pending = self._pending.get(msg.request_id)
         if pending is None:
-            return Prepared(request_id=msg.request_id, ok=False, reason="unknown request")
+            return Prepared(
+                request_id=msg.request_id,
+                ok=False,
+                reason=f"unknown request {msg.request_id!r} on this prefill (never kept, "
+                "already done, or its lease expired)",
+            )
         try:
             for rw in msg.rewrites:
                 self._rewrite(

@@ -7,9 +7,16 @@ Every rewrite is one move from a source :class:`BlockArrangement` to a destinati
     split:    1 x n x NHD  ->  r x m x HND            (sender, after save: r receiver blocks)
     merge:    r x m x NHD  ->  1 x n x HND            (receiver, after load)
 
-Scratch memory is bounded by ONE block of the group (all its layers): blocks are copied
-to scratch in batches whose bytes never exceed that, then scattered back run by run
-(``run_permutation``) straight from scratch into place, so no second copy exists.
+Scratch memory is bounded by ONE block of the group (all its layers). A rewrite moves
+contiguous runs (``run_permutation``); whole rows are moved with the widest element type
+their alignment allows, because torch's gather/scatter kernels cost per element::
+
+    two units or more fit:  rows --gather--> scratch A --permute runs--> scratch B
+                            scratch B --scatter rows--> rows     (batches, A + B <= limit)
+    only one unit fits:     row --copy--> scratch --permute runs--> row   (one row at a time)
+
+The permute step reads scratch (cache resident) and writes sequentially, so the buffer
+itself is read once and written once, as by a plain copy.
 """
 
 from __future__ import annotations
@@ -61,29 +68,81 @@ def rewrite_units(
         return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
     unit_bytes = geometry.unit_bytes
     limit = max(unit_bytes, scratch_limit_bytes or unit_bytes)
-    batch = max(1, min(ids.size, limit // unit_bytes))
     run, runs = run_permutation(geometry, src, dst)
     run_bytes = run * geometry.itemsize
-    num_runs = unit_bytes // run_bytes
     device = units.device
-    scratch = torch.empty((batch, unit_bytes), dtype=torch.uint8, device=device)
-    dst_runs = units.as_strided(
-        (units.shape[0], num_runs, run_bytes), (units.stride(0), run_bytes, 1)
-    )
-    run_index = torch.as_tensor(runs, device=device).unsqueeze(0)
+    # gather form of the permutation: destination run k takes source run src_of[k]
+    src_of = np.empty_like(runs)
+    src_of[runs] = np.arange(runs.size, dtype=runs.dtype)
     ids_t = torch.as_tensor(ids, device=device)
-    for start in range(0, ids.size, batch):
-        rows = ids_t[start : start + batch]
-        part = scratch[: rows.numel()]
-        torch.index_select(units, 0, rows, out=part)
-        dst_runs.index_put_(
-            (rows.unsqueeze(1), run_index), part.view(rows.numel(), num_runs, run_bytes)
-        )
+    batch = min(ids.size, limit // (2 * unit_bytes))
+    if batch >= 1:
+        scratch = _rewrite_batched(units, unit_bytes, ids_t, src_of, run_bytes, batch)
+    else:
+        scratch = _rewrite_row_by_row(units, unit_bytes, ids, src_of, run_bytes)
     return TransformStats(
         num_blocks=int(ids.size),
         bytes_moved=int(ids.size) * unit_bytes,
         scratch_bytes=scratch.numel(),
     )
+
+
+def _rewrite_batched(
+    units: torch.Tensor,
+    unit_bytes: int,
+    ids: torch.Tensor,
+    src_of: np.ndarray,
+    run_bytes: int,
+    batch: int,
+) -> torch.Tensor:
+    """Rows in batches: gather into scratch A, permute runs into B, scatter B back."""
+    row_dtype = _widest_dtype(unit_bytes, units.stride(0), units.storage_offset())
+    run_dtype = _widest_dtype(run_bytes)
+    run_elems = run_bytes // run_dtype.itemsize
+    num_runs = src_of.size
+    scratch = torch.empty((2 * batch, unit_bytes), dtype=torch.uint8, device=units.device)
+    gathered, permuted = scratch[:batch], scratch[batch:]
+    rows_view = units.view(row_dtype)
+    index = np.arange(batch, dtype=np.int64)[:, None] * num_runs + src_of[None, :]
+    run_index = torch.as_tensor(index.reshape(-1), device=units.device)
+    for start in range(0, ids.numel(), batch):
+        rows = ids[start : start + batch]
+        k = rows.numel()
+        torch.index_select(rows_view, 0, rows, out=gathered[:k].view(row_dtype))
+        torch.index_select(
+            gathered[:k].view(run_dtype).view(k * num_runs, run_elems),
+            0,
+            run_index[: k * num_runs],
+            out=permuted[:k].view(run_dtype).view(k * num_runs, run_elems),
+        )
+        rows_view.index_copy_(0, rows, permuted[:k].view(row_dtype))
+    return scratch
+
+
+def _rewrite_row_by_row(
+    units: torch.Tensor, unit_bytes: int, ids: np.ndarray, src_of: np.ndarray, run_bytes: int
+) -> torch.Tensor:
+    """One unit of scratch: copy a row out, gather its runs back in place. A Python loop
+    over blocks, but each step moves a whole (large) unit, so the loop costs nothing."""
+    run_dtype = _widest_dtype(run_bytes, units.stride(0), units.storage_offset())
+    run_elems = run_bytes // run_dtype.itemsize
+    scratch = torch.empty(unit_bytes, dtype=torch.uint8, device=units.device)
+    scratch_runs = scratch.view(run_dtype).view(-1, run_elems)
+    index = torch.as_tensor(src_of, device=units.device)
+    rows_view = units.view(run_dtype)
+    for row in ids.tolist():
+        scratch.copy_(units[row])
+        torch.index_select(scratch_runs, 0, index, out=rows_view[row].view(-1, run_elems))
+    return scratch
+
+
+def _widest_dtype(*sizes: int) -> torch.dtype:
+    """The widest plain element type whose size divides every size (and offset) given;
+    complex128 is used as a 16-byte bit container, never for arithmetic."""
+    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
+        if all(size % dtype.itemsize == 0 for size in sizes):
+            return dtype
+    raise AssertionError("unreachable: uint8 divides everything")
 
 
 def rewrite_group(

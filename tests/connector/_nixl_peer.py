@@ -23,9 +23,12 @@ from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
 
 
 def block_bytes_of(seed: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
-    """The content both sides agree on: a seeded uint8 pattern, one row per block."""
+    """The content both sides agree on: one row per block, a seeded random 64-byte stripe
+    repeated along it (cheap for large caches, and every block differs)."""
+    assert block_bytes % 64 == 0, block_bytes
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8, generator=gen)
+    stripe = torch.randint(0, 256, (num_blocks, 64), dtype=torch.uint8, generator=gen)
+    return stripe.repeat(1, block_bytes // 64)
 
 
 def _say(**msg: object) -> None:

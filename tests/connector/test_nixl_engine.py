@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from connector.errors import DescriptorError, RegistrationError, TransferError
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
-from connector.transport import DescList, XferHandle, XferState
+from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
+from connector.transport import DescList, XferHandle, XferState, wait_done
 
 NUM_BLOCKS = 1000
 BLOCK_BYTES = 1024
@@ -315,3 +315,26 @@ def test_desc_list_repr_and_sizes(pair: Pair) -> None:
     assert "local" in repr(pair.local) and pair.peer in repr(pair.remote)
     with pytest.raises(ValueError):
         pair.local.lens[0] = 1  # read-only view of the prepared lengths
+
+
+def test_progress_thread_completes_without_driving_the_target() -> None:
+    # With the wrapper's progress thread the passive side need not call into NIXL. It spins
+    # a core per agent, so it is opt-in and this test keeps it short.
+    spin = ProgressMode.PROGRESS_THREAD_SPIN
+    src = torch.full((8, BLOCK_BYTES), 9, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    with (
+        NixlTransferEngine(NixlEngineConfig(agent_name=_name("prefill"), progress=spin)) as pf,
+        NixlTransferEngine(NixlEngineConfig(agent_name=_name("decode"), progress=spin)) as dc,
+    ):
+        pf.register([src])
+        dc.register([dst])
+        peer = dc.add_peer(pf.metadata())
+        local, remote = dc.prep_local(_block_descs(dst)), dc.prep_remote(peer, _block_descs(src))
+        handle = dc.read(local, np.arange(8), remote, np.arange(8), notif=b"done")
+        wait_done(dc, handle, timeout_s=TIMEOUT_S)  # pf is never called meanwhile
+        assert torch.equal(dst, src)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (notifs := pf.get_notifs()):
+            assert time.monotonic() < deadline
+        assert notifs == {dc.agent_name: [b"done"]}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors, fill_random
 
 from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.arrangement import BlockArrangement, UnitGeometry
+from layouts.arrangement import BlockArrangement, UnitGeometry, token_major
 from layouts.errors import BlockIdError, LayoutError
 from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
@@ -198,21 +198,34 @@ def test_scratch_never_exceeds_one_block_of_the_group(cross, packing, num_ids):
         assert 0 < stats.scratch_bytes <= buffers.group_block_bytes(gid)
 
 
-def test_rewrite_units_scratch_limit_is_whole_units_and_at_least_one():
+@pytest.mark.parametrize("column", [0, 2, 16])  # where the units sit inside wider rows
+@pytest.mark.parametrize("num_ids", [1, 3, 6])
+def test_rewrite_units_respects_any_scratch_limit(column, num_ids):
+    """Whatever the limit, scratch is whole units, at least one, at most max(limit, unit);
+    the result is the same, and rows and columns outside the rewrite are not written."""
     geo = UnitGeometry(
         num_layers=2, num_kv_parts=2, block_size=4, num_heads=2, head_size=3, itemsize=2
     )
-    units = torch.randint(0, 256, (6, geo.unit_bytes), dtype=torch.uint8)
-    src = BlockArrangement(layout=KVLayout.NHD)
-    dst = BlockArrangement(layout=KVLayout.HND)
-    ids = np.array([5, 1, 3, 0])
-    for limit, want in ((None, 1), (1, 1), (geo.unit_bytes * 3 - 1, 2), (10**9, 4)):
-        copy = units.clone()
-        stats = rewrite_units(copy, geo, ids, src, dst, scratch_limit_bytes=limit)
-        assert stats.scratch_bytes == want * geo.unit_bytes
-        reference = units.clone()
-        rewrite_units(reference, geo, ids, src, dst)
-        assert torch.equal(copy, reference)
+    unit = geo.unit_bytes
+    src = BlockArrangement(layout=KVLayout.NHD, sub_blocks_per_chunk=2)
+    dst = BlockArrangement(layout=KVLayout.HND, num_chunks=2)
+    gen = torch.Generator().manual_seed(num_ids)
+    wide = torch.randint(0, 256, (7, unit + 48), dtype=torch.uint8, generator=gen)
+    ids = np.random.default_rng(column).permutation(7)[:num_ids]
+    want = token_major(wide[:, column : column + unit], geo, src)
+    for limit in (None, 1, unit, 2 * unit - 1, 2 * unit, 3 * unit + 5, 5 * unit, 10**9):
+        buf = wide.clone()
+        units = buf[:, column : column + unit]
+        stats = rewrite_units(units, geo, ids, src, dst, scratch_limit_bytes=limit)
+        assert stats.num_blocks == num_ids and stats.bytes_moved == num_ids * unit
+        assert stats.scratch_bytes % unit == 0
+        assert unit <= stats.scratch_bytes <= max(unit, limit or unit)
+        got = token_major(units, geo, dst)
+        assert torch.equal(got[ids], want[ids])
+        others = np.setdiff1d(np.arange(7), ids)
+        assert torch.equal(buf[others], wide[others])
+        assert torch.equal(buf[:, :column], wide[:, :column])
+        assert torch.equal(buf[:, column + unit :], wide[:, column + unit :])
 
 
 def test_noop_rewrites_touch_nothing():

@@ -1,0 +1,179 @@
+"""Benchmark of layouts/: in-place transforms vs a plain torch copy, and descriptor arrays.
+
+For each case (block size x per-layer/cross-layer) the script allocates a realistic KV
+cache (32 layers, 8 KV heads, head size 128, fp16 by default), fills it with random bytes,
+and times, interleaved in the same process:
+
+- ``copy``:    ``dst.copy_(src)`` of two fp16 tensors holding as many bytes as the
+               transform moves (the baseline);
+- ``permute``: NHD -> HND of the chosen blocks, in place;
+- ``split``:   each block rewritten as receiver blocks of 16 tokens (8 for block 16), HND;
+- ``merge``:   the inverse of ``split`` (receiver side after load).
+
+GB/s counts the bytes of the blocks once (as for the copy). Descriptor timings build
+``block_descriptors`` for 100k random block ids and the full ``descriptor_table`` of a
+100k-block region, warm, median of repeats.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_layouts.py [--threads 1] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from layouts.allocation import CacheFormat, KVCacheBuffers
+from layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.layout import KVLayout
+from layouts.region import KVRegion, MemoryKind
+from layouts.specs import FullAttentionSpec
+from layouts.transforms import merge_blocks, permute_layout, split_blocks
+
+TARGET_RATIO = 0.5
+TARGET_DESCRIPTOR_MS = 10.0
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: caches, page faults, lazy init
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _buffers(args, block_size: int, cross: bool) -> KVCacheBuffers:
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=args.heads,
+        head_size=args.head_size,
+        dtype=torch.float16,
+    )
+    group = KVCacheGroup(
+        group_id=0, layer_names=tuple(f"layer.{i}" for i in range(args.layers)), spec=spec
+    )
+    num_blocks = args.pool_bytes // (spec.page_size_bytes * args.layers)
+    config = KVCacheConfig(groups=(group,), num_blocks=num_blocks)
+    buffers = KVCacheBuffers(config, CacheFormat(layout=KVLayout.NHD, cross_layer=cross))
+    gen = torch.Generator().manual_seed(block_size)
+    for t in buffers.tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    return buffers
+
+
+def bench_transforms(args) -> list[tuple]:
+    rows = []
+    for block_size in args.block_sizes:
+        for cross in (False, True):
+            rows.extend(_bench_case(args, block_size, cross))
+    return rows
+
+
+def _bench_case(args, block_size: int, cross: bool) -> list[tuple]:
+    sub = 16 if block_size > 16 else block_size // 2
+    buffers = _buffers(args, block_size, cross)
+    n = buffers.config.num_blocks
+    ids = np.random.default_rng(0).permutation(n)[: int(n * 0.75)]  # scattered, random order
+    moved = ids.size * buffers.group_block_bytes(0)
+    src = torch.randint(-1000, 1000, (moved // 2,), dtype=torch.int16).view(torch.float16)
+    dst = torch.empty_like(src)
+    ops = {
+        "copy": lambda: dst.copy_(src),
+        "permute": lambda: permute_layout(buffers, 0, ids, KVLayout.HND),
+        "split": lambda: split_blocks(buffers, 0, ids, sub_block_size=sub, to_layout=KVLayout.HND),
+        "merge": lambda: merge_blocks(
+            buffers, 0, ids, sub_block_size=sub, from_layout=KVLayout.HND
+        ),
+    }
+    # interleave the ops so that machine noise hits them alike; keep each op's best round
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(args.rounds):
+        for name, fn in ops.items():
+            times[name].append(_median_seconds(fn, args.repeats))
+    copy_s = min(times["copy"])
+    kind = "cross-layer" if cross else "per-layer"
+    return [
+        (
+            block_size,
+            kind,
+            name,
+            ids.size,
+            moved,
+            moved / min(times[name]) / 1e9,
+            moved / copy_s / 1e9,
+            copy_s / min(times[name]),
+        )
+        for name in ("permute", "split", "merge")
+    ]
+
+
+def bench_descriptors(args) -> list[tuple]:
+    n = 100_000
+    region = KVRegion(
+        name="bench",
+        base_addr=0x7F00_0000_0000,
+        block_bytes=2 << 20,
+        block_stride_bytes=2 << 20,
+        num_blocks=n,
+        memory_kind=MemoryKind.DRAM,
+    )
+    ids = np.random.default_rng(1).permutation(n)
+    offsets = piece_offsets(region, 4)
+    cases = {
+        "block_descriptors(100k ids)": lambda: block_descriptors(region, ids),
+        "block_descriptors(100k ids x 4 pieces)": lambda: block_descriptors(
+            region, ids, offsets=offsets, length=region.block_bytes // 4
+        ),
+        "descriptor_table(100k blocks)": lambda: descriptor_table(region),
+    }
+    return [(name, _median_seconds(fn, args.repeats * 4) * 1e3) for name, fn in cases.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--pool-mib", type=int, default=512, help="KV pool size per case")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    args = parser.parse_args()
+    args.pool_bytes = args.pool_mib << 20
+    torch.set_num_threads(args.threads)
+
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, {args.layers} layers x "
+        f"{args.heads} heads x {args.head_size} fp16, pool {args.pool_mib} MiB per case"
+    )
+    print(
+        f"{'block':>5} {'alloc':<11} {'op':<8} {'blocks':>6} {'MiB':>6} "
+        f"{'GB/s':>6} {'copy GB/s':>9} {'x copy':>6}"
+    )
+    worst = float("inf")
+    for bs, kind, op, nblk, moved, gbs, copy_gbs, ratio in bench_transforms(args):
+        worst = min(worst, ratio)
+        flag = "" if ratio >= TARGET_RATIO else "  < target"
+        print(
+            f"{bs:>5} {kind:<11} {op:<8} {nblk:>6} {moved / 2**20:>6.0f} "
+            f"{gbs:>6.2f} {copy_gbs:>9.2f} {ratio:>6.2f}{flag}"
+        )
+    print(f"worst transform / copy ratio: {worst:.2f} (target >= {TARGET_RATIO})")
+    print()
+    slowest = 0.0
+    for name, ms in bench_descriptors(args):
+        slowest = max(slowest, ms)
+        print(f"{name:<42} {ms:8.2f} ms")
+    print(f"slowest descriptor build: {slowest:.2f} ms (target < {TARGET_DESCRIPTOR_MS} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""A prefill worker in its own OS process, for test_worker_multiprocess.py (not a test).
+
+It builds a :class:`KVBridgeWorker` (producer) over caches filled with a seeded pattern
+(``conftest.fill_buffers``), so the parent can build the same bytes and compute what a
+load must deliver. Control is JSON lines: commands on stdin, ``@@``-prefixed events on
+stdout (anything else on stdout is NIXL's chatter)::
+
+    -> {"cmd": "send", "request_id": "r1", "block_ids": [[..], ..], "first_block": [..]}
+    <- @@ {"event": "kept", "request_id": "r1"}
+    <- @@ {"event": "sent", "request_id": "r1"}          (Done arrived, blocks restored)
+    -> {"cmd": "digest"}
+    <- @@ {"event": "digest", "sha256": "..."}           (of every cache byte)
+
+The first event is ``{"event": "ready", "port": .., "agent": .., "pid": ..}``. The child
+drives its worker (``get_finished``) between commands and exits on ``quit`` or when
+stdin closes, so a dead parent never leaves it behind.
+
+    python tests/connector/_prefill_child.py '{"engine_id": "P", "block_size": 64, ...}'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import sys
+
+from connector.metadata import ConnectorMetadata, SendSpec
+from connector.worker import KVBridgeWorker
+from layouts.layout import KVLayout, KVPacking
+from tests.connector.conftest import (
+    MODEL,
+    SideFormat,
+    fill_buffers,
+    make_buffers,
+    transfer_config,
+)
+
+
+def side_format(cfg: dict) -> SideFormat:
+    return SideFormat(
+        block_size=cfg["block_size"],
+        layout=KVLayout(cfg.get("layout", "NHD")),
+        cross_layer=cfg.get("cross_layer", False),
+        packing=KVPacking(cfg.get("packing", "blocks_first")),
+        kernel_block_size=cfg.get("kernel_block_size"),
+    )
+
+
+def _say(**event: object) -> None:
+    sys.stdout.write("@@ " + json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _handle(worker: KVBridgeWorker, buffers, line: str) -> bool:
+    """Run one command; False to stop."""
+    cmd = json.loads(line)
+    match cmd["cmd"]:
+        case "send":
+            spec = SendSpec(
+                request_id=cmd["request_id"],
+                block_ids=tuple(tuple(ids) for ids in cmd["block_ids"]),
+                first_block=tuple(cmd["first_block"]),
+                lease_s=float(cmd.get("lease_s", 30.0)),
+            )
+            worker.bind_connector_metadata(ConnectorMetadata(reqs_to_send=(spec,)))
+            worker.start_load_kv()
+            _say(event="kept", request_id=spec.request_id)
+        case "digest":
+            digest = hashlib.sha256()
+            for t in buffers.tensors:
+                digest.update(t.numpy().tobytes())
+            _say(event="digest", sha256=digest.hexdigest())
+        case "quit":
+            return False
+        case other:
+            _say(event="error", reason=f"unknown command {other!r}")
+    return True
+
+
+def main(cfg: dict) -> None:
+    buffers = make_buffers(side_format(cfg), cfg["kinds"], cfg["num_blocks"])
+    fill_buffers(buffers, cfg["seed"])
+    config = transfer_config("kv_producer", cfg["engine_id"], kv_port=cfg.get("kv_port", 0))
+    with KVBridgeWorker(config, MODEL) as worker:
+        worker.register_kv_caches(buffers)
+        _say(event="ready", port=worker.side_channel_port, agent=worker.agent_name, pid=os.getpid())
+        while True:
+            out = worker.get_finished()
+            for rid in sorted(out.finished_sending):
+                _say(event="sent", request_id=rid, expired=rid in out.expired_leases)
+            # waiting on stdin for 1 ms paces the loop (no busy core); it is not a sync
+            readable, _, _ = select.select([sys.stdin], [], [], 0.001)
+            if readable:
+                line = sys.stdin.readline()
+                if not line or not _handle(worker, buffers, line):
+                    return
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,298 @@
+"""Data path of two KVBridgeWorkers in one process (two real NIXL agents).
+
+Each case: prefill keeps a request's blocks (SendSpec), decode loads them (LoadSpec),
+both are pumped through ``get_finished`` until decode reports the load and prefill the
+send. Then:
+
+* decode's blocks, read back token-major, equal prefill's ORIGINAL bytes for the tokens
+  moved (full attention: ``[start, end)``; sliding window: ``[end - window, end)``; state:
+  the state block at ``end``);
+* blocks decode did not load are untouched (its prefix hit and every other block);
+* prefill's memory is byte-exact again after ``Done`` (the sender's rewrite is undone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from connector.metadata import LoadSpec
+from handshake.client import ClientConfig
+from layouts.allocation import read_group_token_major
+from layouts.layout import KVLayout, KVPacking
+from layouts.specs import KVCacheKind
+from tests.connector.conftest import (
+    NUM_BLOCKS,
+    Cluster,
+    Node,
+    Request,
+    SideFormat,
+    assert_restored,
+    block_ids_for,
+    check_loaded,
+    expectations,
+    moved_range,
+    new_id,
+    plan_request,
+    snapshot,
+)
+
+NHD, HND = KVLayout.NHD, KVLayout.HND
+SPLIT, FIRST = KVPacking.KV_SPLIT, KVPacking.BLOCKS_FIRST
+
+
+def fmt(code: str, block_size: int) -> SideFormat:
+    """``"x-NHD-k8"``: x cross-layer, ks per-layer kv_split, bf per-layer blocks_first."""
+    alloc, layout, *kernel = code.split("-")
+    return SideFormat(
+        block_size=block_size,
+        layout=KVLayout(layout),
+        cross_layer=alloc == "x",
+        packing=SPLIT if alloc == "ks" else FIRST,
+        kernel_block_size=int(kernel[0][1:]) if kernel else None,
+    )
+
+
+# (prefill, decode) formats; together they cover NHD/HND, cross-layer on/off and both
+# per-layer packings on either side, kernel blocks of 8 on either or both sides.
+FORMAT_PAIRS = [
+    ("x-NHD", "x-NHD"),
+    ("x-NHD", "x-HND-k8"),
+    ("x-HND", "bf-NHD"),
+    ("ks-NHD", "x-HND-k8"),
+    ("bf-HND-k8", "ks-NHD-k8"),
+    ("ks-NHD", "ks-HND"),
+    ("x-NHD-k8", "x-NHD-k8"),
+    ("bf-NHD", "bf-HND-k8"),
+    ("ks-HND-k8", "bf-HND"),
+    ("x-HND-k8", "ks-NHD"),
+]
+BLOCK_PAIRS = [(16, 16), (16, 64), (64, 16), (64, 64)]
+KINDS = ["FSM", "FS", "F"]
+
+
+@dataclass(frozen=True)
+class Case:
+    prefill: SideFormat
+    decode: SideFormat
+    kinds: str
+    start: int  # tokens decode already holds (prefix hit)
+    end: int
+
+    def __str__(self) -> str:
+        return f"P[{self.prefill}]-D[{self.decode}]-{self.kinds}-{self.start}:{self.end}"
+
+
+def _cases() -> list[Case]:
+    out = []
+    for i, ((pb, db), (pf, df)) in enumerate(itertools.product(BLOCK_PAIRS, FORMAT_PAIRS)):
+        kinds = KINDS[i % 3]
+        start = 64 if i % 4 == 3 else 0  # a prefix hit aligned to both block sizes
+        end = 200 if ("M" not in kinds and i % 2) else 256  # states need aligned ends
+        out.append(Case(fmt(pf, pb), fmt(df, db), kinds, start, end))
+    return out
+
+
+def untouched_blocks(decode: Node, req: Request) -> dict[int, torch.Tensor]:
+    """Decode's attention blocks outside this request (must not change)."""
+    out = {}
+    for group in decode.buffers.config.groups:
+        if group.kind is KVCacheKind.STATE:
+            continue
+        others = np.setdiff1d(np.arange(NUM_BLOCKS), req.local_ids[group.group_id])
+        out[group.group_id] = read_group_token_major(decode.buffers, group.group_id, others)
+    return out
+
+
+@pytest.mark.parametrize("case", _cases(), ids=str)
+def test_load_matrix(cluster: Cluster, case: Case) -> None:
+    prefill = cluster.node("kv_producer", case.prefill, case.kinds)
+    decode = cluster.node("kv_consumer", case.decode, case.kinds)
+    seed = zlib.crc32(str(case).encode())
+    prefill.fill(seed)
+    decode.fill(seed + 1)
+    rng = np.random.default_rng(seed)
+    req = plan_request(prefill, decode, case.start, case.end, rng)
+    prefill_before, before = snapshot(prefill.buffers), expectations(prefill, decode, req)
+    others = untouched_blocks(decode, req)
+
+    cluster.transfer(prefill, decode, req)
+
+    check_loaded(prefill, decode, req, before)
+    for g, tm in untouched_blocks(decode, req).items():
+        assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
+    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
+    assert not decode.failed and not prefill.expired
+
+
+def _expected_descriptors(node: Node, req: Request, block_size: int) -> int:
+    """Cross-layer on both sides, same block size and layout: one descriptor per block
+    moved per attention group, one per layer for a state group."""
+    total = 0
+    for group in node.buffers.config.groups:
+        if group.kind is KVCacheKind.STATE:
+            total += group.num_layers
+            continue
+        lo, hi = moved_range(node, req, group.group_id)
+        total += -(-hi // block_size) - lo // block_size
+    return total
+
+
+@pytest.mark.parametrize("kinds", KINDS)
+@pytest.mark.parametrize("code", ["x-NHD", "x-HND-k8"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_cross_layer_one_descriptor_per_block(
+    cluster: Cluster, block_size: int, code: str, kinds: str
+) -> None:
+    side = fmt(code, block_size)
+    prefill = cluster.node("kv_producer", side, kinds)
+    decode = cluster.node("kv_consumer", side, kinds)
+    prefill.fill(7)
+    decode.fill(8)
+    req = plan_request(prefill, decode, 0, 256, np.random.default_rng(block_size))
+    before, prefill_before = expectations(prefill, decode, req), snapshot(prefill.buffers)
+    posted = decode.worker.metrics.descriptors_posted
+    engine_posted = decode.worker._engine.num_descriptors_posted
+    rewrites = prefill.worker.metrics.sender_rewrites, decode.worker.metrics.receiver_rewrites
+
+    cluster.transfer(prefill, decode, req)
+
+    want = _expected_descriptors(decode, req, block_size)
+    assert decode.worker.metrics.descriptors_posted - posted == want
+    assert decode.worker._engine.num_descriptors_posted - engine_posted == want
+    assert (
+        prefill.worker.metrics.sender_rewrites,
+        decode.worker.metrics.receiver_rewrites,
+    ) == rewrites, "identical formats must not rewrite anything"
+    check_loaded(prefill, decode, req, before)
+    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
+
+
+# -- prefix sharing on prefill -------------------------------------------------------------
+
+SHARED_PAIRS = [
+    (fmt("x-NHD", 64), fmt("x-HND-k8", 16)),  # split + permute on the sender
+    (fmt("ks-NHD", 64), fmt("bf-HND", 16)),
+]
+
+
+@pytest.mark.parametrize(("pfmt", "dfmt"), SHARED_PAIRS, ids=str)
+def test_shared_prefix_blocks_restored_and_reusable(
+    cluster: Cluster, pfmt: SideFormat, dfmt: SideFormat
+) -> None:
+    """Two requests share their first prefill blocks (prefix caching) and are read at
+    the same time: the shared blocks are rewritten once, restored after the LAST Done,
+    and a third request that reuses the prefix afterwards reads exact bytes again."""
+    prefill = cluster.node("kv_producer", pfmt, "F")
+    decode = cluster.node("kv_consumer", dfmt, "F")
+    prefill.fill(21)
+    decode.fill(22)
+    rng = np.random.default_rng(3)
+    a = plan_request(prefill, decode, 0, 192, rng)
+    b = plan_request(prefill, decode, 0, 256, rng, used=a.remote_ids[0])
+    # b's first two prefill blocks are a's (shared prefix), the rest its own
+    b.remote_ids[0][:2] = a.remote_ids[0][:2]
+    b.local_ids[0] = block_ids_for(rng, b.local_ids[0].size, exclude=a.local_ids[0])
+    original = snapshot(prefill.buffers)
+    want_a, want_b = expectations(prefill, decode, a), expectations(prefill, decode, b)
+    restores = prefill.worker.metrics.sender_restores
+
+    prefill.send(a.send_id, a.remote_ids, a.remote_first)
+    prefill.send(b.send_id, b.remote_ids, b.remote_first)
+    decode.load(a.spec(prefill), b.spec(prefill))
+    cluster.pump(
+        [prefill, decode],
+        lambda: bool(decode.failed) or {a.send_id, b.send_id} <= prefill.sent,
+        f"sends {a.send_id} and {b.send_id} finished on prefill",
+    )
+    assert not decode.failed, {k: v.reason for k, v in decode.failed.items()}
+    assert {a.load_id, b.load_id} <= decode.loaded
+    check_loaded(prefill, decode, a, want_a)
+    check_loaded(prefill, decode, b, want_b)
+    assert_restored(prefill.buffers, original, "prefill after both Dones")
+    # every distinct block was restored exactly once (shared ones are not restored twice)
+    distinct = np.unique(np.concatenate([a.remote_ids[0], b.remote_ids[0]])).size
+    assert prefill.worker.metrics.sender_restores - restores == distinct
+
+    c = plan_request(prefill, decode, 0, 128, rng)
+    c.remote_ids[0][:] = a.remote_ids[0][:2]  # a later request hitting the prefix
+    decode.fill(23)
+    want_c = expectations(prefill, decode, c)
+    cluster.transfer(prefill, decode, c)
+    check_loaded(prefill, decode, c, want_c)
+    assert_restored(prefill.buffers, original, "prefill after the prefix-sharing request")
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_dead_port_fails_within_handshake_timeout(cluster: Cluster, dead_port: int) -> None:
+    timeout_s = 0.3
+    decode = cluster.new_node("kv_consumer", fmt("x-NHD", 16), "F", handshake_timeout_s=timeout_s)
+    prefill = cluster.node("kv_producer", fmt("x-NHD", 64), "F")
+    req = plan_request(prefill, decode, 0, 64, np.random.default_rng(0))
+    spec = req.spec(prefill)
+    bad = LoadSpec(
+        request_id=spec.request_id,
+        params=type(spec.params)(**{**spec.params.to_dict(), "remote_port": dead_port}),
+        local_block_ids=spec.local_block_ids,
+        start_token=spec.start_token,
+        end_token=spec.end_token,
+    )
+    decode.load(bad)
+    # the handshake client tries (retries + 1) times, timeout_s each, with backoff between
+    bound = ClientConfig(timeout_s=timeout_s).max_wait_s + 1.0
+    took = cluster.pump(
+        [decode],
+        lambda: req.load_id in decode.failed or req.load_id in decode.loaded,
+        f"LoadFailure for {req.load_id} (dead port {dead_port})",
+        timeout_s=bound,
+    )
+    failure = decode.failed[req.load_id]
+    assert "handshake" in failure.reason and str(dead_port) in failure.reason, failure.reason
+    assert failure.num_valid_tokens == 0
+    assert failure.invalid_block_ids == bad.local_block_ids
+    assert took < bound
+    assert decode.worker.metrics.handshake_failures >= 1
+
+    # the worker keeps serving: a load from a live prefill succeeds
+    prefill.fill(5)
+    good = plan_request(prefill, decode, 0, 64, np.random.default_rng(1))
+    want = expectations(prefill, decode, good)
+    cluster.transfer(prefill, decode, good)
+    check_loaded(prefill, decode, good, want)
+
+
+def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None:
+    """The plan needs a sender rewrite, so decode asks prefill to Prepare a request it
+    never kept: Prepared(ok=False) becomes a LoadFailure that names the request."""
+    prefill = cluster.node("kv_producer", fmt("x-NHD", 64), "FS")
+    decode = cluster.node("kv_consumer", fmt("x-HND-k8", 16), "FS")
+    prefill.fill(11)
+    decode.fill(12)
+    rng = np.random.default_rng(4)
+    req = plan_request(prefill, decode, 0, 128, rng)
+    ghost = new_id("ghost")
+    original = snapshot(prefill.buffers)
+    decode.load(req.spec(prefill, remote_request_id=ghost))
+    cluster.pump(
+        [prefill, decode],
+        lambda: req.load_id in decode.failed or req.load_id in decode.loaded,
+        f"LoadFailure for {req.load_id}",
+    )
+    failure = decode.failed[req.load_id]
+    assert ghost in failure.reason and "prepare" in failure.reason, failure.reason
+    assert req.load_id not in decode.loaded
+    assert failure.invalid_block_ids == tuple(tuple(int(b) for b in g) for g in req.local_ids)
+    assert_restored(prefill.buffers, original, "prefill after refusing an unknown request")
+
+    good = plan_request(prefill, decode, 0, 128, rng)
+    want = expectations(prefill, decode, good)
+    cluster.transfer(prefill, decode, good)
+    check_loaded(prefill, decode, good, want)
+    assert_restored(prefill.buffers, original, "prefill after Done")
