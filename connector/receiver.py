@@ -130,8 +130,8 @@ class Receiver:
             if load.spec.request_id in self._loads and now > load.deadline:
                 self._finish_failed(
                     load,
-                    f"load did not complete within {self._timeout_s:.1f} s "
-                    f"(state {load.state.value})",
+                    f"load from {load.key} timed out: not complete within "
+                    f"{self._timeout_s:.1f} s (state {load.state.value})",
                 )
 
     def take_results(self) -> tuple[set[str], list[LoadFailure]]:

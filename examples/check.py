@@ -138,6 +138,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def blocks_in_use(worker_url: str, timeout_s: float = 10.0) -> int:
+    """Blocks a worker still holds once every request is answered; leases and Done
+    notifications may lag, so wait up to ``timeout_s`` for them to drain."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            metrics = parse_metrics(http_get(worker_url.rstrip("/") + "/metrics")[1].decode())
+        except OSError:
+            return -1
+        used = int(
+            metrics['kvbridge_total_blocks{pool="kv"}'] - metrics['kvbridge_free_blocks{pool="kv"}']
+        )
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)
+
+
 def wait_ready(urls: list[str], pids: list[int], timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
@@ -195,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
         for wave in (range(first), range(first, len(prompts))):
             results += list(pool.map(one, wave))
     matched, worst = 0, 0.0
+    if args.show_answers:
+        print(
+            "answers (a random-weight model: the bytes mean nothing; they must equal the reference)"
+        )
     for i, (prompt, answer) in enumerate(results):
         ids = tok.encode(prompt)
         want = reference_generate(model, ids, args.max_tokens, eos_id=None)
@@ -211,7 +232,11 @@ def run(args: argparse.Namespace) -> int:
         worst = max(worst, verdict.max_diff)
         usage = answer.get("usage", {})
         if args.show_answers:
-            print(f"  [{i}] {prompt[-40:]!r} -> {tok.decode(answer['token_ids'])!r}")
+            print(
+                f"  [{i}] ...{prompt[-32:]!r} ({len(ids)} tokens: {usage.get('loaded_tokens')} "
+                f"loaded, {usage.get('cached_tokens')} cached)\n"
+                f"      -> {tok.decode(answer['token_ids'])!r}"
+            )
         if verdict.ok:
             matched += 1
         else:
@@ -219,6 +244,11 @@ def run(args: argparse.Namespace) -> int:
                 f"  MISMATCH prompt {i} ({len(ids)} tokens, loaded {usage.get('loaded_tokens')}, "
                 f"cached {usage.get('cached_tokens')}): {verdict.reason}"
             )
+    leaked = {
+        name: blocks_in_use(url)
+        for name, url in (("prefill", args.prefill), ("decode", args.decode))
+        if url
+    }
     metrics = {}
     if args.decode:
         try:
@@ -237,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
         f"({bytes_read / 2**20:.2f} MiB)   transfer time: {seconds * 1e3:.1f} ms   "
         f"descriptors: {descs}"
     )
-    ok = matched == n
+    if leaked:
+        print("blocks in use after the run: " + ", ".join(f"{k} {v}" for k, v in leaked.items()))
+    ok = matched == n and not any(leaked.values())
     print("RESULT: PASS" if ok else f"RESULT: FAIL (mismatch in {n - matched} of {n} prompts)")
     print(
         f"SUMMARY matched={matched}/{n} bytes={bytes_read} transfer_ms={seconds * 1e3:.2f} "
@@ -256,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("run", help="send prompts through the proxy and compare")
     check.add_argument("--proxy", required=True)
     check.add_argument("--decode", default=None, help="decode worker URL (for /metrics)")
+    check.add_argument("--prefill", default=None, help="prefill worker URL (for /metrics)")
     check.add_argument("--model", default="tiny-hybrid")
     check.add_argument("--num-prompts", type=int, default=8)
     check.add_argument("--max-tokens", type=int, default=16)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ from examples.tokenizer import EOS_ID
 from layouts.errors import KVBridgeError
 from layouts.prefix_hit import GroupHitQuery, longest_prefix_hit
 from layouts.specs import KVCacheKind
+
+logger = logging.getLogger(__name__)
 
 
 class EngineError(KVBridgeError, ValueError):
@@ -198,6 +201,7 @@ class Engine:
         self.running: list[Request] = []
         self._deferred_free: dict[str, list[int]] = {}  # decode: blocks a load may still write
         self._outputs: list[RequestOutput] = []
+        self._finishing: list[tuple[Request, FinishReason]] = []  # sampled their last token
         self.on_loaded: Callable[[Request], None] | None = None  # fault injection hook
 
     # -- requests -------------------------------------------------------------------------
@@ -265,6 +269,9 @@ class Engine:
             self.worker.wait_for_save()
             events = self.scheduler.update_connector_output(self.worker.get_finished())
             self._apply_events(events)
+        for req, reason in self._finishing:  # request_finished comes last in a step
+            self._end(req, reason)
+        self._finishing = []
         out, self._outputs = self._outputs, []
         return out
 
@@ -386,9 +393,9 @@ class Engine:
         token = int(row.argmax())
         req.append_output(token, row.float().numpy() if req.sampling.return_logits else None)
         if token == req.sampling.eos_id:
-            self._end(req, FinishReason.STOP)
+            self._finishing.append((req, FinishReason.STOP))
         elif len(req.output_token_ids) >= req.sampling.max_tokens:
-            self._end(req, FinishReason.LENGTH)
+            self._finishing.append((req, FinishReason.LENGTH))
         else:
             self._emit(req)
 
@@ -447,7 +454,12 @@ class Engine:
             valid = max(req.num_cached_tokens, failure.num_valid_tokens)
             req.num_computed_tokens = valid - valid % self.block_size
             req.num_registered_blocks = req.num_computed_tokens // self.block_size
-            req.recompute_reason = failure.reason
+            logger.warning(
+                "load of %s failed (%s); recomputing from token %d",
+                req.request_id,
+                failure.reason,
+                req.num_computed_tokens,
+            )
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         for failure in events.failed:
@@ -458,7 +470,7 @@ class Engine:
     # -- ending requests ------------------------------------------------------------------
 
     def _end(
-        self, req: Request, reason: FinishReason, *, error: str | None = None, invalid=False
+        self, req: Request, reason: FinishReason, *, error: str | None = None, invalid: bool = False
     ) -> None:
         """Finish ``req``: release or hand over its blocks, and emit its last output."""
         if req.status is RequestStatus.WAITING and req in self.waiting:
@@ -467,7 +479,7 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         req.status = RequestStatus.FINISHED
-        req.finish_reason, req.error, req.error_is_invalid_request = reason, error, invalid
+        req.finish_reason, req.error, req.invalid_request = reason, error, invalid
         if req.scratch_block is not None:
             self.pool.free([req.scratch_block])
             req.scratch_block = None

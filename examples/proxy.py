@@ -172,7 +172,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if request.get("stream"):
                 self._stream(decode, decode_body)
             else:
-                answer = decode.post_json("/v1/completions", decode_body, self.server.timeout_s)
+                answer = decode.post_json(
+                    "/v1/completions", decode_body, self.server.router.timeout_s
+                )
                 self._send(200, json.dumps(answer).encode())
         except UpstreamError as exc:
             if exc.body is not None:
@@ -198,7 +200,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         return body
 
     def _stream(self, decode: Upstream, body: dict) -> None:
-        resp = decode.post("/v1/completions", body, self.server.timeout_s)
+        resp = decode.post("/v1/completions", body, self.server.router.timeout_s)
         try:
             if resp.status != 200:
                 check_status(decode, resp.status, resp.read())
@@ -224,10 +226,9 @@ def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:
 class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr, router: Router, timeout_s: float) -> None:
+    def __init__(self, addr, router: Router) -> None:
         super().__init__(addr, ProxyHandler)
         self.router = router
-        self.timeout_s = timeout_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = ProxyServer((args.host, args.port), router, args.timeout)
+    server = ProxyServer((args.host, args.port), router)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     logger.info("proxy on http://%s:%d", args.host, server.server_address[1])
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import queue
@@ -28,7 +29,7 @@ import sys
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated
 
@@ -71,8 +72,8 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     kv_transfer_params: KVTransferParams | None = None
 
 
-class BadRequest(KVBridgeError, ValueError):
-    """The client's request cannot be served as sent (-> HTTP 4xx)."""
+class HTTPFailure(KVBridgeError):
+    """A request that ends in an HTTP error: the status and the reason to send."""
 
     def __init__(self, reason: str, status: int = 400) -> None:
         super().__init__(reason)
@@ -83,15 +84,15 @@ def parse_body(raw: bytes, model: str) -> CompletionBody:
     try:
         body = msgspec.json.decode(raw, type=CompletionBody)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        raise HTTPFailure(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+        raise HTTPFailure(f"body is not valid JSON: {exc}") from None
     if body.temperature != 0:
-        raise BadRequest(f"temperature={body.temperature}: only greedy decoding (0) is served")
+        raise HTTPFailure(f"temperature={body.temperature}: only greedy decoding (0) is served")
     if body.model not in (None, model):
-        raise BadRequest(f"model {body.model!r} is not served here; this worker serves {model!r}")
+        raise HTTPFailure(f"model {body.model!r} is not served here; this worker serves {model!r}")
     if isinstance(body.prompt, str) and not body.prompt:
-        raise BadRequest("prompt is empty")
+        raise HTTPFailure("prompt is empty")
     return body
 
 
@@ -195,11 +196,11 @@ class EngineLoop:
                 self.engine.add_request(request)
                 self._streams[request.request_id] = stream
             except EngineError as exc:
-                stream.put(BadRequest(str(exc)))
+                stream.put(HTTPFailure(str(exc)))
 
     def _fail_all(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put(RuntimeError(reason))
+            stream.put(HTTPFailure(reason, 500))
             try:
                 self.engine.abort_request(rid, reason)
             except Exception:
@@ -242,7 +243,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             request, body = self._read_request()
-        except BadRequest as exc:
+        except HTTPFailure as exc:
             self._json(exc.status, {"error": str(exc)})
             return
         stream = self.server.loop.submit(request)
@@ -255,14 +256,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
-            raise BadRequest("Content-Length header is required", 411) from None
+            raise HTTPFailure("Content-Length header is required", 411) from None
         if not 0 <= length <= MAX_BODY_BYTES:
-            raise BadRequest(f"body of {length} bytes exceeds {MAX_BODY_BYTES}", 413)
+            raise HTTPFailure(f"body of {length} bytes exceeds {MAX_BODY_BYTES}", 413)
         body = parse_body(self.rfile.read(length), self.server.info["model"])
         params = body.kv_transfer_params
         remote = params is not None and (params.do_remote_prefill or params.do_remote_decode)
         if remote and self.server.loop.engine.scheduler is None:
-            raise BadRequest(
+            raise HTTPFailure(
                 "kv_transfer_params ask for a remote transfer, but this worker runs without "
                 "a KV connector (start it with --role prefill/decode or --kv-transfer-config)"
             )
@@ -276,7 +277,7 @@ class Handler(BaseHTTPRequestHandler):
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         return Request(rid, ids, sampling, body.kv_transfer_params), body
 
-    def _outputs(self, request: Request, stream: queue.Queue):
+    def _outputs(self, request: Request, stream: queue.Queue) -> Iterator[RequestOutput]:
         """Yield the request's outputs until it finishes; abort it on timeout."""
         timeout = self.server.request_timeout_s
         while True:
@@ -284,48 +285,42 @@ class Handler(BaseHTTPRequestHandler):
                 item = stream.get(timeout=timeout)
             except queue.Empty:
                 self.server.loop.abort(request.request_id)
-                raise TimeoutError(f"no output for {timeout} s; request aborted") from None
+                raise HTTPFailure(f"no output for {timeout} s; request aborted", 504) from None
             if isinstance(item, Exception):
                 raise item
+            if item.error is not None:
+                status = 400 if item.invalid_request else 502
+                raise HTTPFailure(item.error, status)
             yield item
             if item.finished:
                 return
 
     def _respond(self, request: Request, body: CompletionBody, stream: queue.Queue) -> None:
-        outs: list[RequestOutput] = []
         try:
-            outs.extend(self._outputs(request, stream))
-        except BadRequest as exc:
-            self._json(exc.status, {"error": str(exc)})
-            return
-        except TimeoutError as exc:
-            self._json(504, {"error": str(exc)})
-            return
-        except RuntimeError as exc:
-            self._json(500, {"error": str(exc)})
-            return
-        last = outs[-1]
-        if last.error is not None:
-            status = 400 if last.invalid_request else 502
-            self._json(status, {"error": last.error, "id": request.request_id})
+            outs = list(self._outputs(request, stream))
+        except HTTPFailure as exc:
+            self._json(exc.status, {"error": str(exc), "id": request.request_id})
             return
         self._json(200, response_body(request, body, outs))
 
     def _stream(self, request: Request, body: CompletionBody, stream: queue.Queue) -> None:
+        outputs = self._outputs(request, stream)
+        try:  # errors before the first token still get a plain JSON answer
+            first = next(outputs)
+        except HTTPFailure as exc:
+            self._json(exc.status, {"error": str(exc), "id": request.request_id})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         try:
-            for out in self._outputs(request, stream):
-                if out.error is not None:
-                    self._event({"error": out.error, "id": request.request_id})
-                    break
+            for out in itertools.chain([first], outputs):
                 self._event(response_body(request, body, [out], delta=True))
             self.wfile.write(b"data: [DONE]\n\n")
         except (BrokenPipeError, ConnectionResetError):
             self.server.loop.abort(request.request_id)
-        except (BadRequest, TimeoutError, RuntimeError) as exc:
+        except HTTPFailure as exc:
             self._event({"error": str(exc), "id": request.request_id})
 
     def _event(self, body: dict) -> None:

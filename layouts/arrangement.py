@@ -154,8 +154,10 @@ def token_major(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrangeme
     )
 
 
+@lru_cache(maxsize=256)
 def same_bytes(geometry: UnitGeometry, a: BlockArrangement, b: BlockArrangement) -> bool:
-    """True when two arrangements put every element at the same byte (no rewrite needed)."""
+    """True when two arrangements put every element at the same byte (no rewrite needed).
+    Cached per triple (rewrites ask once per region)."""
     if a == b:
         return True
     probe = replace(geometry, head_size=1, itemsize=8)
@@ -188,7 +190,6 @@ def element_offsets(geometry: UnitGeometry, arr: BlockArrangement) -> np.ndarray
     units = torch.zeros((1, g.unit_bytes), dtype=torch.uint8)
     units.view(torch.int64).copy_(torch.arange(g.unit_elems, dtype=torch.int64).view(1, -1))
     return canonical_view(units, g, arr).reshape(-1).numpy().copy()
-
 
 
 def _contiguous(shape: tuple[int, ...]) -> list[int]:

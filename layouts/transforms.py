@@ -8,25 +8,27 @@ Every rewrite is one move from a source :class:`BlockArrangement` to a destinati
     merge:    r x m x NHD  ->  1 x n x HND            (receiver, after load)
 
 Scratch memory is bounded by ONE block of the group (all its layers). A rewrite moves
-contiguous runs (``run_permutation``); whole rows are moved with the widest element type
-their alignment allows, because torch's gather/scatter kernels cost per element::
+contiguous runs (``run_permutation``): rows are copied to scratch a batch of whole units
+at a time (never more than the limit), then every run is scattered from scratch straight
+to its destination inside its own row::
 
-    two units or more fit:  rows --gather--> scratch A --permute runs--> scratch B
-                            scratch B --scatter rows--> rows     (batches, A + B <= limit)
-    only one unit fits:     row --copy--> scratch --permute runs--> row   (one row at a time)
+    rows --index_select--> scratch --index_copy_ (run by run)--> same rows
 
-The permute step reads scratch (cache resident) and writes sequentially, so the buffer
-itself is read once and written once, as by a plain copy.
+So the buffer is read once and written once, like a plain copy. Large units (>= 256 KiB)
+are put back by one gather per row instead, which writes the row sequentially. Rows and
+runs move as the widest element type their sizes and alignment allow: torch's
+gather/scatter kernels cost per element, not per byte.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from layouts.allocation import KVCacheBuffers, UnitSlot
+from layouts.allocation import KVCacheBuffers
 from layouts.arrangement import BlockArrangement, UnitGeometry, run_permutation, same_bytes
 from layouts.errors import BlockIdError, LayoutError
 from layouts.layout import KVLayout
@@ -56,93 +58,16 @@ def rewrite_units(
     ``scratch_limit_bytes`` caps the scratch (default: one unit); at least one unit is
     always needed. Block ids must be unique (a block rewritten twice would be scrambled).
     """
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
+    ids = _check_rewrite_ids(block_ids, units.shape[0])
+    if ids.size == 0 or same_bytes(geometry, src, dst):
         return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
-    if np.unique(ids).size != ids.size:
-        raise LayoutError(f"block ids must be unique for an in-place rewrite, got {ids.tolist()}")
-    bad = ids[(ids < 0) | (ids >= units.shape[0])]
-    if bad.size:
-        raise BlockIdError(f"block ids {bad[:8].tolist()} outside [0, {units.shape[0]})")
-    if same_bytes(geometry, src, dst):
-        return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
-    unit_bytes = geometry.unit_bytes
-    limit = max(unit_bytes, scratch_limit_bytes or unit_bytes)
-    run, runs = run_permutation(geometry, src, dst)
-    run_bytes = run * geometry.itemsize
-    device = units.device
-    # gather form of the permutation: destination run k takes source run src_of[k]
-    src_of = np.empty_like(runs)
-    src_of[runs] = np.arange(runs.size, dtype=runs.dtype)
-    ids_t = torch.as_tensor(ids, device=device)
-    batch = min(ids.size, limit // (2 * unit_bytes))
-    if batch >= 1:
-        scratch = _rewrite_batched(units, unit_bytes, ids_t, src_of, run_bytes, batch)
-    else:
-        scratch = _rewrite_row_by_row(units, unit_bytes, ids, src_of, run_bytes)
+    scratch = _scratch(units, geometry, ids.size, scratch_limit_bytes)
+    _rewrite_rows(units, geometry, torch.as_tensor(ids, device=units.device), src, dst, scratch)
     return TransformStats(
         num_blocks=int(ids.size),
-        bytes_moved=int(ids.size) * unit_bytes,
+        bytes_moved=int(ids.size) * geometry.unit_bytes,
         scratch_bytes=scratch.numel(),
     )
-
-
-def _rewrite_batched(
-    units: torch.Tensor,
-    unit_bytes: int,
-    ids: torch.Tensor,
-    src_of: np.ndarray,
-    run_bytes: int,
-    batch: int,
-) -> torch.Tensor:
-    """Rows in batches: gather into scratch A, permute runs into B, scatter B back."""
-    row_dtype = _widest_dtype(unit_bytes, units.stride(0), units.storage_offset())
-    run_dtype = _widest_dtype(run_bytes)
-    run_elems = run_bytes // run_dtype.itemsize
-    num_runs = src_of.size
-    scratch = torch.empty((2 * batch, unit_bytes), dtype=torch.uint8, device=units.device)
-    gathered, permuted = scratch[:batch], scratch[batch:]
-    rows_view = units.view(row_dtype)
-    index = np.arange(batch, dtype=np.int64)[:, None] * num_runs + src_of[None, :]
-    run_index = torch.as_tensor(index.reshape(-1), device=units.device)
-    for start in range(0, ids.numel(), batch):
-        rows = ids[start : start + batch]
-        k = rows.numel()
-        torch.index_select(rows_view, 0, rows, out=gathered[:k].view(row_dtype))
-        torch.index_select(
-            gathered[:k].view(run_dtype).view(k * num_runs, run_elems),
-            0,
-            run_index[: k * num_runs],
-            out=permuted[:k].view(run_dtype).view(k * num_runs, run_elems),
-        )
-        rows_view.index_copy_(0, rows, permuted[:k].view(row_dtype))
-    return scratch
-
-
-def _rewrite_row_by_row(
-    units: torch.Tensor, unit_bytes: int, ids: np.ndarray, src_of: np.ndarray, run_bytes: int
-) -> torch.Tensor:
-    """One unit of scratch: copy a row out, gather its runs back in place. A Python loop
-    over blocks, but each step moves a whole (large) unit, so the loop costs nothing."""
-    run_dtype = _widest_dtype(run_bytes, units.stride(0), units.storage_offset())
-    run_elems = run_bytes // run_dtype.itemsize
-    scratch = torch.empty(unit_bytes, dtype=torch.uint8, device=units.device)
-    scratch_runs = scratch.view(run_dtype).view(-1, run_elems)
-    index = torch.as_tensor(src_of, device=units.device)
-    rows_view = units.view(run_dtype)
-    for row in ids.tolist():
-        scratch.copy_(units[row])
-        torch.index_select(scratch_runs, 0, index, out=rows_view[row].view(-1, run_elems))
-    return scratch
-
-
-def _widest_dtype(*sizes: int) -> torch.dtype:
-    """The widest plain element type whose size divides every size (and offset) given;
-    complex128 is used as a 16-byte bit container, never for arithmetic."""
-    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
-        if all(size % dtype.itemsize == 0 for size in sizes):
-            return dtype
-    raise AssertionError("unreachable: uint8 divides everything")
 
 
 def rewrite_group(
@@ -153,28 +78,124 @@ def rewrite_group(
     dst: BlockArrangement,
 ) -> TransformStats:
     """Rewrite a group's blocks in every region that holds them; scratch <= one block."""
+    slots = buffers.unit_slots(group_id)
     spec = buffers.config.groups[group_id].spec
     if not isinstance(spec, AttentionSpec):
         raise LayoutError(
             f"group {group_id} is a {spec.kind.value} group; state pages have no token "
             f"layout to rewrite"
         )
-    ids = buffers.check_block_ids(block_ids)
+    ids = _check_rewrite_ids(buffers.check_block_ids(block_ids), buffers.config.num_blocks)
+    geometry = slots[0].geometry
+    assert geometry is not None and all(s.geometry == geometry for s in slots)
+    if ids.size == 0 or same_bytes(geometry, src, dst):
+        return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
+    # one scratch for every region of the group: a group block spans all of its slots
     limit = buffers.group_block_bytes(group_id)
-    moved, scratch = 0, 0
-    for slot in buffers.unit_slots(group_id):
-        stats = _rewrite_slot(slot, ids, src, dst, limit)
-        moved += stats.bytes_moved
-        scratch = max(scratch, stats.scratch_bytes)
-    touched = int(ids.size) if moved else 0  # like rewrite_units: a no-op touches nothing
-    return TransformStats(num_blocks=touched, bytes_moved=moved, scratch_bytes=scratch)
+    scratch = _scratch(slots[0].units, geometry, ids.size, limit)
+    ids_t = torch.as_tensor(ids, device=scratch.device)
+    for slot in slots:
+        _rewrite_rows(slot.units, geometry, ids_t, src, dst, scratch)
+    return TransformStats(
+        num_blocks=int(ids.size),
+        bytes_moved=int(ids.size) * geometry.unit_bytes * len(slots),
+        scratch_bytes=scratch.numel(),
+    )
 
 
-def _rewrite_slot(
-    slot: UnitSlot, ids: np.ndarray, src: BlockArrangement, dst: BlockArrangement, limit: int
-) -> TransformStats:
-    assert slot.geometry is not None
-    return rewrite_units(slot.units, slot.geometry, ids, src, dst, scratch_limit_bytes=limit)
+def _check_rewrite_ids(block_ids: np.ndarray, num_rows: int) -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if np.unique(ids).size != ids.size:
+        raise LayoutError(f"block ids must be unique for an in-place rewrite, got {ids.tolist()}")
+    bad = ids[(ids < 0) | (ids >= num_rows)]
+    if bad.size:
+        raise BlockIdError(f"block ids {bad[:8].tolist()} outside [0, {num_rows})")
+    return ids
+
+
+def _scratch(
+    units: torch.Tensor, geometry: UnitGeometry, num_ids: int, limit: int | None
+) -> torch.Tensor:
+    """Whole units of scratch: as many as ``limit`` allows (at least one), no more than ids."""
+    unit_bytes = geometry.unit_bytes
+    batch = max(1, min(num_ids, (limit or unit_bytes) // unit_bytes))
+    return torch.empty((batch, unit_bytes), dtype=torch.uint8, device=units.device)
+
+
+def _rewrite_rows(
+    units: torch.Tensor,
+    geometry: UnitGeometry,
+    ids: torch.Tensor,
+    src: BlockArrangement,
+    dst: BlockArrangement,
+    scratch: torch.Tensor,
+) -> None:
+    """Copy rows to scratch a batch at a time, then put every run of each row in place.
+
+    Large units are rebuilt row by row with a gather (sequential writes into the row);
+    small units with one run scatter per batch, since a torch call per row would cost
+    more than the row's bytes. Measured in ``scripts/bench_layouts.py``."""
+    run, runs = run_permutation(geometry, src, dst)
+    if geometry.unit_bytes >= _ROW_GATHER_MIN_BYTES:
+        _gather_row_by_row(units, ids, runs, run * geometry.itemsize, scratch)
+    else:
+        _scatter_batches(units, ids, runs, run * geometry.itemsize, scratch)
+
+
+_ROW_GATHER_MIN_BYTES = 256 << 10
+
+
+def _gather_row_by_row(
+    units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_bytes: int, scratch: torch.Tensor
+) -> None:
+    batch, unit_bytes = scratch.shape
+    dtype = _widest_dtype(run_bytes, unit_bytes, units.stride(0), units.storage_offset())
+    run_elems = run_bytes // dtype.itemsize
+    src_of = np.empty_like(runs)  # destination run k takes source run src_of[k]
+    src_of[runs] = np.arange(runs.size, dtype=runs.dtype)
+    src_of_t = torch.as_tensor(src_of, device=units.device)
+    elems = units.view(dtype)
+    row_ids = ids.tolist()  # one torch call per (large) row: the loop costs nothing
+    for start in range(0, len(row_ids), batch):
+        rows = row_ids[start : start + batch]
+        part = scratch[: len(rows)].view(dtype)
+        torch.index_select(elems, 0, ids[start : start + batch], out=part)
+        for j, row in enumerate(rows):
+            out = elems[row].view(-1, run_elems)
+            torch.index_select(part[j].view(-1, run_elems), 0, src_of_t, out=out)
+
+
+def _scatter_batches(
+    units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_bytes: int, scratch: torch.Tensor
+) -> None:
+    batch, unit_bytes = scratch.shape
+    row_stride = units.stride(0)
+    # runs must tile the rows' address space: cut them at the row stride if needed
+    piece = math.gcd(run_bytes, row_stride)
+    per_run = run_bytes // piece
+    dst_piece = (runs[:, None] * per_run + np.arange(per_run)).reshape(-1)
+    dtype = _widest_dtype(piece, unit_bytes, row_stride, units.storage_offset())
+    elems = units.view(dtype)
+    piece_elems = piece // dtype.itemsize
+    num_pieces = ((units.shape[0] - 1) * row_stride + unit_bytes) // piece
+    # every piece of every row, as one (num_pieces, piece) table over the same memory
+    pieces = elems.as_strided((num_pieces, piece_elems), (piece_elems, 1))
+    dst_piece_t = torch.as_tensor(dst_piece, device=units.device)
+    for start in range(0, ids.numel(), batch):
+        rows = ids[start : start + batch]
+        part = scratch[: rows.numel()].view(dtype)
+        torch.index_select(elems, 0, rows, out=part)
+        where = torch.add(dst_piece_t[None, :], rows[:, None], alpha=row_stride // piece)
+        pieces.index_copy_(0, where.view(-1), part.view(-1, piece_elems))
+
+
+def _widest_dtype(*sizes: int) -> torch.dtype:
+    """The widest plain element type whose size divides every size (and offset) given;
+    complex128 is used as a 16-byte bit container, never for arithmetic."""
+    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
+        if all(size % dtype.itemsize == 0 for size in sizes):
+            return dtype
+    raise AssertionError("unreachable: uint8 divides everything")
 
 
 def permute_layout(
@@ -257,4 +278,7 @@ def _native(buffers: KVCacheBuffers, group_id: int) -> BlockArrangement:
 
 
 def _block_size(buffers: KVCacheBuffers, group_id: int) -> int:
-    return buffers.config.groups[group_id].spec.block_size
+    groups = buffers.config.groups
+    if not 0 <= group_id < len(groups):
+        raise LayoutError(f"group id {group_id} outside [0, {len(groups)})")
+    return groups[group_id].spec.block_size

@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--pool-mib", type=int, default=512, help="KV pool size per case")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (best kept)")
     args = parser.parse_args()
     args.pool_bytes = args.pool_mib << 20
     torch.set_num_threads(args.threads)

@@ -101,12 +101,19 @@ echo "model $MODEL: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
     "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
     "${FAULT_INJECT:+(fault: $FAULT_INJECT)}"
-"$PY" -m examples.check wait --timeout "$STARTUP_TIMEOUT" \
+# Steps run in the background and are waited for: bash runs the INT/TERM traps only
+# between commands, and `wait` returns at once on a signal while a foreground child does not.
+step() {
+    "$@" &
+    PIDS+=($!)
+    wait "$!"
+}
+step "$PY" -m examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "http://127.0.0.1:$P_PORT/health" --url "http://127.0.0.1:$D_PORT/health" \
     --url "http://127.0.0.1:$X_PORT/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
-"$PY" -m examples.check run --proxy "http://127.0.0.1:$X_PORT" \
-    --decode "http://127.0.0.1:$D_PORT" --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
-    --max-tokens "$MAX_TOKENS" --atol "$ATOL" "${SHOW[@]}"
+step "$PY" -m examples.check run --proxy "http://127.0.0.1:$X_PORT" \
+    --decode "http://127.0.0.1:$D_PORT" --prefill "http://127.0.0.1:$P_PORT" --model "$MODEL" \
+    --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" "${SHOW[@]}"

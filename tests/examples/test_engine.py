@@ -6,6 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from connector.config import KVTransferConfig
+from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
+from connector.params import KVTransferParams
+from connector.scheduler import KVBridgeScheduler
 from examples.engine import (
     Engine,
     EngineConfig,
@@ -92,8 +96,7 @@ def test_batched_engine_matches_reference(model, fmt):
     engine = make_engine(model, max_num_batched_tokens=40, **fmt)
     sampling = SamplingParams(max_tokens=10, return_logits=True)
     reqs = [
-        Request(f"r{i}", prompt(n, shift=i * 7), sampling)
-        for i, n in enumerate((23, 64, 97, 130))
+        Request(f"r{i}", prompt(n, shift=i * 7), sampling) for i, n in enumerate((23, 64, 97, 130))
     ]
     outs = run(engine, reqs)
     for req in reqs:
@@ -177,3 +180,126 @@ def test_bad_requests_raise_engine_errors():
     with pytest.raises(EngineError, match="already in use"):
         engine.add_request(Request("d", prompt(10)))
     assert not engine.pool.num_used
+
+
+# -- the connector calls, with the real scheduler side and a stub worker side ----------------
+
+
+class StubWorker:
+    """Worker side without NIXL: every posted load fails (or every hold ends) at once."""
+
+    def __init__(self) -> None:
+        self.meta = ConnectorMetadata()
+        self.loads: list = []
+        self.sends: list[str] = []
+        self.release_sends = False
+
+    def register_kv_caches(self, buffers) -> None: ...
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self.meta = metadata
+
+    def start_load_kv(self) -> None:
+        self.loads += self.meta.reqs_to_load
+        self.sends += [s.request_id for s in self.meta.reqs_to_send]
+
+    def wait_for_save(self) -> None: ...
+
+    def get_finished(self) -> WorkerOutput:
+        failed = tuple(
+            LoadFailure(
+                request_id=s.request_id,
+                reason="stub: peer went away",
+                invalid_block_ids=s.local_block_ids,
+                num_valid_tokens=s.start_token,
+            )
+            for s in self.loads
+        )
+        done = frozenset(self.sends) if self.release_sends else frozenset()
+        self.loads = []
+        if self.release_sends:
+            self.sends = []
+        return WorkerOutput(failed_loads=failed, finished_sending=done)
+
+    def shutdown(self) -> None: ...
+
+
+def connected_engine(model: str, role: str, **config) -> tuple[Engine, StubWorker]:
+    runner = ModelRunner(RunnerConfig(model=model, block_size=16, num_blocks=128))
+    kv_config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": role, **config})
+    scheduler = KVBridgeScheduler(kv_config, runner.kv_config)
+    worker = StubWorker()
+    engine = Engine(
+        runner,
+        scheduler=scheduler,
+        worker=worker,
+        exclusive_blocks=kv_config.is_producer,
+    )
+    return engine, worker
+
+
+def remote_params(n_tokens: int, num_groups: int) -> KVTransferParams:
+    blocks = list(range(-(-n_tokens // 16)))
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="prefill",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_block_ids=[blocks] * num_groups,
+        remote_block_size=16,
+        num_tokens=n_tokens,
+        remote_request_id="remote-1",
+    )
+
+
+@pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-hybrid-state"])
+def test_decode_recomputes_a_failed_load_and_still_matches(model):
+    engine, _ = connected_engine(model, "kv_consumer")
+    ids = prompt(90)
+    params = remote_params(len(ids), len(engine.group_specs))
+    req = Request("d", ids, SamplingParams(max_tokens=6, return_logits=True), params)
+    out = run(engine, [req])["d"]
+    assert out[-1].num_loaded_tokens == 0
+    assert_matches_reference(model, req, out)
+    engine.pool.assert_all_free()
+
+
+def test_decode_with_fail_policy_reports_the_failed_load():
+    engine, _ = connected_engine("tiny-hybrid", "kv_consumer", failure_policy="fail")
+    ids = prompt(60)
+    req = Request("d", ids, SamplingParams(max_tokens=4), remote_params(len(ids), 2))
+    (out,) = run(engine, [req])["d"]
+    assert out.finish_reason is FinishReason.ERROR and not out.invalid_request
+    assert "KV load failed: stub: peer went away" in out.error
+    engine.pool.assert_all_free()
+
+
+def test_params_for_the_other_role_are_the_clients_error():
+    engine, _ = connected_engine("tiny-hybrid", "kv_consumer")
+    params = KVTransferParams(do_remote_decode=True)
+    (out,) = run(engine, [Request("x", prompt(30), kv_transfer_params=params)])["x"]
+    assert out.finish_reason is FinishReason.ERROR and out.invalid_request
+    assert "kv_producer" in out.error
+    bad = remote_params(30, 1)  # one block list for a two-group model
+    (out,) = run(engine, [Request("y", prompt(30), kv_transfer_params=bad)])["y"]
+    assert out.invalid_request and "2 KV-cache groups" in out.error
+
+
+def test_prefill_holds_blocks_for_the_reader_and_never_shares_them():
+    engine, worker = connected_engine("tiny-hybrid", "kv_producer")
+    ids = prompt(70)
+    hold = KVTransferParams(do_remote_decode=True)
+    out = run(engine, [Request("p1", ids, SamplingParams(max_tokens=1), hold)])["p1"]
+    params = out[-1].kv_transfer_params
+    assert params is not None and params.do_remote_prefill and params.num_tokens == 70
+    assert params.remote_block_ids[0] and params.remote_request_id == "p1"
+    held = engine.pool.num_used
+    assert held > 0
+    # While held (the sender may rewrite them in place), the blocks serve no prefix hit.
+    out = run(engine, [Request("p2", ids, SamplingParams(max_tokens=1), hold)])["p2"]
+    assert out[-1].num_cached_tokens == 0
+    worker.release_sends = True  # the readers are done
+    engine.step()
+    engine.pool.assert_all_free()
+    out = run(engine, [Request("p3", ids, SamplingParams(max_tokens=2))])["p3"]
+    assert out[-1].num_cached_tokens == 64

@@ -33,8 +33,8 @@ def worker_url():
     args = make_parser().parse_args([*argv.split(), "--kv-layout", "HND", "--cross-layers"])
     loop, info = build(args)
     assert isinstance(loop, EngineLoop)
+    loop.start()  # builds the engine on its own thread
     server = WorkerHTTPServer(("127.0.0.1", 0), loop, info, request_timeout_s=30)
-    loop.start()
     thread = _serve(server)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -85,6 +85,7 @@ BAD_REQUESTS = [
     (b'{"prompt": []}', 400, "length >= 1"),
     (b'{"prompt": [1, 2, 999]}', 400, "outside the vocabulary"),
     (b'{"prompt": [1, -2]}', 400, ">= 0"),
+    (b'{"prompt": [1, 999], "stream": true}', 400, "outside the vocabulary"),
     (b'{"prompt": "hi", "temperature": 0.7}', 400, "greedy"),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": "8"}', 400, "Expected `int`, got `str`"),
@@ -148,7 +149,7 @@ def proxy_to(worker_url):
         router = proxy_mod.Router(
             [proxy_mod.Upstream.parse(prefill)], [proxy_mod.Upstream.parse(decode)], 10.0
         )
-        server = proxy_mod.ProxyServer(("127.0.0.1", 0), router, 10.0)
+        server = proxy_mod.ProxyServer(("127.0.0.1", 0), router)
         servers.append((server, _serve(server)))
         return f"http://127.0.0.1:{server.server_address[1]}"
 

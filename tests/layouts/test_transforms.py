@@ -4,6 +4,8 @@ identity, bytes of other blocks and groups are never written, scratch stays <= o
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors, fill_random
 
+from layouts import transforms
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.arrangement import BlockArrangement, UnitGeometry, token_major
 from layouts.errors import BlockIdError, LayoutError
@@ -36,7 +39,14 @@ def split_cases(draw):
     case["sub"] = draw(st.sampled_from(divisors(case["block_size"])))
     case["sub_kernel"] = draw(st.sampled_from(divisors(case["sub"])))
     case["to_layout"] = draw(st.sampled_from([KVLayout.NHD, KVLayout.HND]))
+    case["row_gather"] = draw(st.booleans())
     return case
+
+
+def _kernel_path(row_gather: bool):
+    """Force one of the two put-back strategies (row gather for big units, batch scatter
+    for small ones) whatever the unit size, so that the tests cover both."""
+    return mock.patch.object(transforms, "_ROW_GATHER_MIN_BYTES", 0 if row_gather else 1 << 62)
 
 
 def _native(case: dict) -> Arr:
@@ -69,8 +79,8 @@ def _assert_stats(stats, buffers, case, same: bool):
 
 
 @settings(max_examples=120, deadline=None)
-@given(case=attention_cases())
-def test_permute_moves_every_element_and_round_trips(case):
+@given(case=attention_cases(), row_gather=st.booleans())
+def test_permute_moves_every_element_and_round_trips(case, row_gather):
     buffers = build_side(case, seed=1)
     ids = np.array(case["block_ids"])
     before = NaiveLayout.byte_images(buffers)
@@ -78,14 +88,16 @@ def test_permute_moves_every_element_and_round_trips(case):
     to = OTHER[case["layout"]]
     dst = Arr(1, case["kernel"], to.value)
 
-    stats = permute_layout(buffers, 0, ids, to)
+    with _kernel_path(row_gather):
+        stats = permute_layout(buffers, 0, ids, to)
 
     _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), dst))
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, dst), want)
     _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
     native = buffers.format.native_arrangement(case["block_size"])
     back = BlockArrangement(layout=to, sub_blocks_per_chunk=native.sub_blocks_per_chunk)
-    rewrite_group(buffers, 0, ids, back, native)
+    with _kernel_path(not row_gather):
+        rewrite_group(buffers, 0, ids, back, native)
     for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
         np.testing.assert_array_equal(image, old)
 
@@ -98,26 +110,28 @@ def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case):
     before = NaiveLayout.byte_images(buffers)
     want = NaiveLayout.read(buffers, 0, ids, _native(case))
 
-    stats = split_blocks(
-        buffers,
-        0,
-        ids,
-        sub_block_size=case["sub"],
-        kernel_block_size=case["sub_kernel"],
-        to_layout=case["to_layout"],
-    )
+    with _kernel_path(case["row_gather"]):
+        stats = split_blocks(
+            buffers,
+            0,
+            ids,
+            sub_block_size=case["sub"],
+            kernel_block_size=case["sub_kernel"],
+            to_layout=case["to_layout"],
+        )
 
     _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _chunked(case)), want)
     _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
-    merge_blocks(
-        buffers,
-        0,
-        ids,
-        sub_block_size=case["sub"],
-        kernel_block_size=case["sub_kernel"],
-        from_layout=case["to_layout"],
-    )
+    with _kernel_path(not case["row_gather"]):
+        merge_blocks(
+            buffers,
+            0,
+            ids,
+            sub_block_size=case["sub"],
+            kernel_block_size=case["sub_kernel"],
+            from_layout=case["to_layout"],
+        )
     for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
         np.testing.assert_array_equal(image, old)
 
@@ -131,14 +145,15 @@ def test_merge_assembles_sender_chunks_into_the_native_format(case):
     # what a receiver got: c sender blocks back to back inside each of its blocks
     want = NaiveLayout.read(buffers, 0, ids, _chunked(case))
 
-    stats = merge_blocks(
-        buffers,
-        0,
-        ids,
-        sub_block_size=case["sub"],
-        kernel_block_size=case["sub_kernel"],
-        from_layout=case["to_layout"],
-    )
+    with _kernel_path(case["row_gather"]):
+        stats = merge_blocks(
+            buffers,
+            0,
+            ids,
+            sub_block_size=case["sub"],
+            kernel_block_size=case["sub_kernel"],
+            from_layout=case["to_layout"],
+        )
 
     _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _native(case)), want)
@@ -200,23 +215,27 @@ def test_scratch_never_exceeds_one_block_of_the_group(cross, packing, num_ids):
 
 @pytest.mark.parametrize("column", [0, 2, 16])  # where the units sit inside wider rows
 @pytest.mark.parametrize("num_ids", [1, 3, 6])
-def test_rewrite_units_respects_any_scratch_limit(column, num_ids):
+@pytest.mark.parametrize("heads", [2, 1])  # 1 head: 12-byte runs, cut at a 2-byte stride
+@pytest.mark.parametrize("row_gather", [False, True])
+def test_rewrite_units_respects_any_scratch_limit(column, num_ids, heads, row_gather):
     """Whatever the limit, scratch is whole units, at least one, at most max(limit, unit);
     the result is the same, and rows and columns outside the rewrite are not written."""
     geo = UnitGeometry(
-        num_layers=2, num_kv_parts=2, block_size=4, num_heads=2, head_size=3, itemsize=2
+        num_layers=2, num_kv_parts=2, block_size=4, num_heads=heads, head_size=3, itemsize=2
     )
     unit = geo.unit_bytes
-    src = BlockArrangement(layout=KVLayout.NHD, sub_blocks_per_chunk=2)
+    src = BlockArrangement(layout=KVLayout.NHD)
     dst = BlockArrangement(layout=KVLayout.HND, num_chunks=2)
+    width = unit + (48 if heads == 2 else 46)
     gen = torch.Generator().manual_seed(num_ids)
-    wide = torch.randint(0, 256, (7, unit + 48), dtype=torch.uint8, generator=gen)
+    wide = torch.randint(0, 256, (7, width), dtype=torch.uint8, generator=gen)
     ids = np.random.default_rng(column).permutation(7)[:num_ids]
     want = token_major(wide[:, column : column + unit], geo, src)
     for limit in (None, 1, unit, 2 * unit - 1, 2 * unit, 3 * unit + 5, 5 * unit, 10**9):
         buf = wide.clone()
         units = buf[:, column : column + unit]
-        stats = rewrite_units(units, geo, ids, src, dst, scratch_limit_bytes=limit)
+        with _kernel_path(row_gather):
+            stats = rewrite_units(units, geo, ids, src, dst, scratch_limit_bytes=limit)
         assert stats.num_blocks == num_ids and stats.bytes_moved == num_ids * unit
         assert stats.scratch_bytes % unit == 0
         assert unit <= stats.scratch_bytes <= max(unit, limit or unit)
@@ -261,6 +280,16 @@ def test_rewrite_errors_name_the_values():
         permute_layout(buffers, 0, np.array([1, 9]), KVLayout.HND)
     with pytest.raises(BlockIdError, match=r"\[-2\]"):
         split_blocks(buffers, 1, np.array([-2]), sub_block_size=8)
+    with pytest.raises(LayoutError, match=r"group id 5 outside \[0, 3\)"):
+        permute_layout(buffers, 5, np.array([0]), KVLayout.HND)
+    with pytest.raises(LayoutError, match=r"group id -1 outside \[0, 3\)"):
+        rewrite_group(
+            buffers,
+            -1,
+            np.array([0]),
+            BlockArrangement(layout=KVLayout.NHD),
+            BlockArrangement(layout=KVLayout.HND),
+        )
     with pytest.raises(LayoutError, match="group 2 is a state group"):
         rewrite_group(
             buffers,
