@@ -466,7 +466,10 @@ def main() -> None:
         print(f"  done: {row.name}", flush=True)
     raw_s = rows[0].seconds
     print()
-    header = f"{'what':<46} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} {'prep ms':>8} {'pick ms':>8}"
+    header = (
+        f"{'what':<46} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
+        f"{'prep ms':>8} {'pick ms':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -24,33 +24,10 @@ from handshake.errors import (
 from handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeSecurity
 from handshake.listener import HandshakeListener, ListenerConfig
 from handshake.messages import PROTOCOL_VERSION, ErrorCode, WorkerDescription, encode
+from tests.handshake.descriptions import make_description
 
 SECRET = b"s" * 32
 FAST = ClientConfig(timeout_s=5.0, retries=0)
-
-
-def make_description(engine_id: str = "prefill-0", rank: int = 0) -> WorkerDescription:
-    return WorkerDescription(
-        protocol_version=PROTOCOL_VERSION,
-        engine_id=engine_id,
-        agent_name=f"{engine_id}-agent-{rank}",
-        rank=rank,
-        tp_size=2,
-        model_name="tiny",
-        dtype="bfloat16",
-        num_layers=4,
-        num_kv_heads=8,
-        head_size=128,
-        compat_hash="abc",
-        block_size=64,
-        kernel_block_size=16,
-        kv_layout="NHD",
-        kv_packing="blocks_first",
-        cross_layer=False,
-        groups=[],
-        regions=[],
-        nixl_metadata=f"md-{engine_id}-{rank}".encode(),
-    )
 
 
 def serve(

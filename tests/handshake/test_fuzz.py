@@ -25,6 +25,7 @@ from handshake.messages import (
     decode_reply,
     encode,
 )
+from tests.handshake.descriptions import make_description
 
 MAX_BYTES = 4096
 SECRET = b"f" * 32
@@ -34,27 +35,7 @@ FUZZ = settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
-DESCRIPTION = WorkerDescription(
-    protocol_version=PROTOCOL_VERSION,
-    engine_id="prefill-fuzz",
-    agent_name="prefill-fuzz-agent",
-    rank=0,
-    tp_size=1,
-    model_name="tiny",
-    dtype="float16",
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=64,
-    compat_hash="abc",
-    block_size=16,
-    kernel_block_size=16,
-    kv_layout="NHD",
-    kv_packing="kv_split",
-    cross_layer=False,
-    groups=[],
-    regions=[],
-    nixl_metadata=b"nixl-md",
-)
+DESCRIPTION = make_description("prefill-fuzz", agent_name="prefill-fuzz-agent")
 REQUEST = encode(MetadataRequest(PROTOCOL_VERSION, requester_engine_id="decode-fuzz"))
 
 

@@ -24,33 +24,10 @@ from handshake.messages import (
     decode_reply,
     encode,
 )
+from tests.handshake.descriptions import make_description
 
 REPLY_TIMEOUT_MS = 5000
 MAX_BYTES = 4096
-
-
-def make_description(engine_id: str = "prefill-0", rank: int = 0) -> WorkerDescription:
-    return WorkerDescription(
-        protocol_version=PROTOCOL_VERSION,
-        engine_id=engine_id,
-        agent_name=f"{engine_id}-agent-{rank}",
-        rank=rank,
-        tp_size=1,
-        model_name="tiny",
-        dtype="float16",
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=64,
-        compat_hash="abc",
-        block_size=16,
-        kernel_block_size=16,
-        kv_layout="HND",
-        kv_packing="kv_split",
-        cross_layer=True,
-        groups=[],
-        regions=[],
-        nixl_metadata=b"\x00nixl\xff",
-    )
 
 
 @pytest.fixture
