@@ -105,8 +105,13 @@ def rewrite_group(
 
 def _check_rewrite_ids(block_ids: np.ndarray, num_rows: int) -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if np.unique(ids).size != ids.size:
-        raise LayoutError(f"block ids must be unique for an in-place rewrite, got {ids.tolist()}")
+    unique, counts = np.unique(ids, return_counts=True)
+    if unique.size != ids.size:
+        repeated = unique[counts > 1][:8].tolist()
+        raise LayoutError(
+            f"block ids must be unique for an in-place rewrite (a block rewritten twice is "
+            f"scrambled); repeated: {repeated}"
+        )
     bad = ids[(ids < 0) | (ids >= num_rows)]
     if bad.size:
         raise BlockIdError(f"block ids {bad[:8].tolist()} outside [0, {num_rows})")

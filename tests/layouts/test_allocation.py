@@ -241,3 +241,31 @@ def test_kernel_block_size_must_divide_every_attention_block_size():
         KVCacheBuffers(config, CacheFormat(kernel_block_size=3))
     with pytest.raises(LayoutError, match="kernel_block_size=16 does not divide block_size=8"):
         KVCacheBuffers(config, CacheFormat(kernel_block_size=16))
+
+
+@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize("packing", list(KVPacking))
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_hybrid_groups_read_their_own_columns(cross, packing, layout):
+    """Every attention group of a hybrid config reads (token-major and through the model's
+    views) exactly what the reference finds at its own layers' bytes."""
+    config = _hybrid_config(num_blocks=4)
+    buffers = KVCacheBuffers(
+        config,
+        CacheFormat(layout=layout, kernel_block_size=4, cross_layer=cross, packing=packing),
+    )
+    fill_random(buffers, 21)
+    ids = np.array([3, 1, 2])
+    for gid in (0, 1):
+        group = config.groups[gid]
+        bs = group.spec.block_size
+        expected = NaiveLayout.read(buffers, gid, ids, Arr(1, 4, layout.value))
+        got = read_group_token_major(buffers, gid, ids)
+        np.testing.assert_array_equal(as_uint(got).transpose(0, 2, 1, 3, 4), expected)
+        everything = NaiveLayout.read(buffers, gid, np.arange(4), Arr(1, 4, layout.value))
+        for li, name in enumerate(group.layer_names):
+            for p, view in enumerate(buffers.attention_views(name)):
+                want = everything[li, :, p].reshape(4, bs // 4, 4, *everything.shape[3:])
+                if layout is KVLayout.HND:
+                    want = want.transpose(0, 1, 3, 2, 4)
+                np.testing.assert_array_equal(as_uint(view), want)

@@ -274,8 +274,8 @@ def test_noop_rewrites_touch_nothing():
 
 def test_rewrite_errors_name_the_values():
     buffers = _hybrid(cross=True)
-    with pytest.raises(LayoutError, match=r"unique.*\[3, 1, 3\]"):
-        permute_layout(buffers, 0, np.array([3, 1, 3]), KVLayout.HND)
+    with pytest.raises(LayoutError, match=r"must be unique.*repeated: \[3\]"):
+        permute_layout(buffers, 0, np.array([3, 1, 3, 5]), KVLayout.HND)
     with pytest.raises(BlockIdError, match=r"\[9\] outside the pool \[0, 9\)"):
         permute_layout(buffers, 0, np.array([1, 9]), KVLayout.HND)
     with pytest.raises(BlockIdError, match=r"\[-2\]"):
