@@ -83,6 +83,7 @@ class Sender:
                 reason=f"unknown request {msg.request_id!r} on this prefill (never kept, "
                 "already done, or its lease expired)",
             )
+        pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
         try:
             for rw in msg.rewrites:
                 self._rewrite(
