@@ -146,3 +146,7 @@ class LeaseBook:
     @property
     def num_live(self) -> int:
         return sum(1 for record in self._records.values() if record.is_live)
+
+    @property
+    def num_kept_blocks(self) -> int:
+        return sum(len(r.kept_block_ids) for r in self._records.values() if r.is_live)

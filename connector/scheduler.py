@@ -442,6 +442,21 @@ class KVBridgeScheduler:
         return self._sends.state(request_id)
 
     @property
+    def num_held_sends(self) -> int:
+        """Prefill requests whose blocks are kept for a reader."""
+        return self._sends.num_live
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Prefill blocks kept for readers."""
+        return self._sends.num_kept_blocks
+
+    @property
+    def num_live_loads(self) -> int:
+        """Decode requests not yet loaded, recomputed, failed, released or aborted."""
+        return len(self._loads)
+
+    @property
     def num_live_requests(self) -> int:
         """Decode requests not yet ended plus prefill requests still holding blocks."""
         return len(self._loads) + self._sends.num_live

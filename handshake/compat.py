@@ -34,7 +34,15 @@ def _group_fingerprints(config: KVCacheConfig) -> list[tuple[str, list[str], lis
         spec = g.spec
         fields: list[object] = [
             str(getattr(spec, name))
-            for name in ("num_kv_heads", "head_size", "dtype", "sliding_window", "shapes", "dtypes")
+            for name in (
+                "num_kv_heads",
+                "head_size",
+                "dtype",
+                "sliding_window",
+                "shapes",
+                "dtypes",
+                "kv_interleaved",
+            )
             if hasattr(spec, name)
         ]
         out.append((spec.kind.value, list(g.layer_names), fields))
@@ -82,7 +90,14 @@ def check_compatible(
         prefix = f"groups[{lg.group_id}]"
         if lg.layer_names != rg.layer_names:
             diffs.append((f"{prefix}.layer_names", lg.layer_names, rg.layer_names))
-        for name in ("kind", "num_kv_heads", "head_size", "dtype", "sliding_window"):
+        for name in (
+            "kind",
+            "num_kv_heads",
+            "head_size",
+            "dtype",
+            "sliding_window",
+            "kv_interleaved",
+        ):
             a, b = getattr(lg.spec, name), getattr(rg.spec, name)
             if a != b:
                 diffs.append((f"{prefix}.spec.{name}", a, b))

@@ -92,6 +92,7 @@ def spec_to_wire(spec: KVCacheSpec) -> WireSpec:
         dtype=dtype_name(spec.dtype),
         sliding_window=getattr(spec, "sliding_window", 0),
         page_size_bytes=spec.page_size_bytes,
+        kv_interleaved=spec.kv_interleaved,
     )
 
 
@@ -113,9 +114,14 @@ def spec_from_wire(wire: WireSpec) -> KVCacheSpec:
         return MLASpec(**common)
     if kind is KVCacheKind.SLIDING_WINDOW:
         return SlidingWindowSpec(
-            num_kv_heads=wire.num_kv_heads, sliding_window=wire.sliding_window, **common
+            num_kv_heads=wire.num_kv_heads,
+            sliding_window=wire.sliding_window,
+            kv_interleaved=wire.kv_interleaved,
+            **common,
         )
-    return FullAttentionSpec(num_kv_heads=wire.num_kv_heads, **common)
+    return FullAttentionSpec(
+        num_kv_heads=wire.num_kv_heads, kv_interleaved=wire.kv_interleaved, **common
+    )
 
 
 def describe(

@@ -16,7 +16,8 @@ field) is a new ``PROTOCOL_VERSION``.
 
 Protocol history:
     1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply;
-        MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty).
+        MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty);
+        WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class WireSpec(msgspec.Struct, frozen=True):
     state_shapes: list[list[int]] = msgspec.field(default_factory=list)
     state_dtypes: list[str] = msgspec.field(default_factory=list)
     page_size_bytes: int = 0
+    kv_interleaved: bool = False  # K|V side by side per (head, token): one part
 
 
 class WireGroup(msgspec.Struct, frozen=True):

@@ -95,6 +95,28 @@ class KVCacheBuffers:
                 self.tensors.append(t)
                 self._layer_bytes[name] = t
 
+    @classmethod
+    def adopt(
+        cls,
+        config: KVCacheConfig,
+        fmt: CacheFormat,
+        tensors: list[torch.Tensor],
+        layer_bytes: dict[str, torch.Tensor],
+        *,
+        device: torch.device,
+    ) -> KVCacheBuffers:
+        """Buffers over memory someone else allocated (see ``layouts.external``, which
+        checks shapes and strides): ``tensors`` are what NIXL registers, ``layer_bytes``
+        each layer's ``(num_blocks, page_bytes)`` uint8 rows."""
+        self = cls.__new__(cls)
+        self.config, self.format, self.device = config, fmt, torch.device(device)
+        for g in config.groups:
+            if isinstance(g.spec, AttentionSpec):
+                fmt.kernel_block_size_for(g.spec.block_size)
+        self.tensors = list(tensors)
+        self._layer_bytes = dict(layer_bytes)
+        return self
+
     # -- views for the model -------------------------------------------------------------
 
     def layer_bytes(self, layer_name: str) -> torch.Tensor:
@@ -117,7 +139,7 @@ class KVCacheBuffers:
         kb = self.format.kernel_block_size_for(spec.block_size)
         r = spec.block_size // kb
         parts = spec.num_kv_parts
-        heads, dim = spec.num_kv_heads, spec.head_size
+        heads, dim = spec.num_kv_heads, spec.part_head_size
         elems = rows.view(spec.dtype)
         row = rows.stride(0) // spec.itemsize
         sub_elems = kb * heads * dim
@@ -231,7 +253,7 @@ class KVCacheBuffers:
                 num_kv_parts=parts or spec.num_kv_parts,
                 block_size=spec.block_size,
                 num_heads=spec.num_kv_heads,
-                head_size=spec.head_size,
+                head_size=spec.part_head_size,
                 itemsize=spec.itemsize,
             )
             assert geometry.unit_bytes == units.shape[1], (geometry, units.shape)

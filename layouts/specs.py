@@ -64,12 +64,18 @@ def _positive(owner: str, **values: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
-    """K and V of ``block_size`` tokens x ``num_kv_heads`` heads x ``head_size`` per block."""
+    """K and V of ``block_size`` tokens x ``num_kv_heads`` heads x ``head_size`` per block.
+
+    ``kv_interleaved``: K and V of one (head, token) sit side by side, ``[K | V]`` along
+    the innermost axis (vLLM 0.32's "content" axis ``C = head_size_k + head_size_v``). The
+    block then has one part whose rows are ``2 * head_size`` wide instead of two parts.
+    """
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    kv_interleaved: bool = False
 
     kind = KVCacheKind.FULL_ATTENTION
 
@@ -84,8 +90,13 @@ class AttentionSpec:
 
     @property
     def num_kv_parts(self) -> int:
-        """2 for separate K and V, 1 for a single latent (MLA)."""
-        return 2
+        """2 for separate K and V, 1 for a single latent (MLA) or interleaved K|V."""
+        return 1 if self.kv_interleaved else 2
+
+    @property
+    def part_head_size(self) -> int:
+        """Elements per (head, token) in one part: ``head_size``, doubled when interleaved."""
+        return 2 * self.head_size if self.kv_interleaved else self.head_size
 
     @property
     def itemsize(self) -> int:
@@ -93,8 +104,8 @@ class AttentionSpec:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token across heads, one of K or V."""
-        return self.num_kv_heads * self.head_size * self.itemsize
+        """Bytes of one token across heads in one part (K, V, or interleaved K|V)."""
+        return self.num_kv_heads * self.part_head_size * self.itemsize
 
     @property
     def page_size_bytes(self) -> int:
@@ -134,6 +145,8 @@ class MLASpec(AttentionSpec):
         super().__post_init__()
         if self.num_kv_heads != 1:
             raise LayoutError(f"MLASpec: num_kv_heads={self.num_kv_heads} must be 1")
+        if self.kv_interleaved:
+            raise LayoutError("MLASpec: a latent cache has no K and V to interleave")
 
     @property
     def num_kv_parts(self) -> int:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run kvbridge's checks: ruff, then pytest.
-# Idempotent: a second run skips the installs and goes straight to the checks.
+# Set up (if needed) and run kvbridge's checks: ruff, then pytest (vLLM tests included,
+# so the venv gets the vllm extra). Idempotent: a second run skips the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm}"
 source scripts/setup_env.sh
 
 .venv/bin/ruff check .

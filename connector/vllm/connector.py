@@ -1,0 +1,166 @@
+"""``KVBridgeConnector``: kvbridge as a vLLM V1 KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "connector.vllm",
+                           "kv_role": "kv_producer", "engine_id": "prefill-0",
+                           "kv_port": 5600, "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kv_ip": "127.0.0.1",
+                                                         "lease_s": 30}}'
+
+This class only routes vLLM's calls to the side it runs on (``scheduler_side`` in the
+engine core, ``worker_side`` in each worker); kvbridge's logic lives in ``connector/``.
+It supports vLLM's hybrid allocator (``SupportsHMA``): every KV-cache group keeps its
+own block list end to end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from connector.vllm import translate
+from connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from connector.vllm.scheduler_side import VLLMSchedulerSide
+    from connector.vllm.worker_side import VLLMWorkerSide
+
+
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = translate.transfer_config(vllm_config.kv_transfer_config)
+        kv_config = translate.kv_cache_config(kv_cache_config)
+        self._scheduler: VLLMSchedulerSide | None = None
+        self._worker: VLLMWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connector.vllm.scheduler_side import VLLMSchedulerSide
+
+            self._scheduler = VLLMSchedulerSide(config, kv_config)
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            from connector.vllm.worker_side import VLLMWorkerSide
+
+            layout, _ = translate.kv_layout(kv_cache_config)
+            self._worker = VLLMWorkerSide(
+                config,
+                kv_config,
+                model_name=str(vllm_config.model_config.model),
+                layout_hint=layout,
+                rank=get_tensor_model_parallel_rank(),
+                tp_size=get_tensor_model_parallel_world_size(),
+            )
+
+    @property
+    def scheduler_side(self) -> VLLMSchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> VLLMWorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker_side.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request runs only once its KV is in place
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # pull mode: the forward pass wrote the KV where decode reads it
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        sending, recving, _ = self.worker_side.transfer_results()
+        return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sending, recving, failed = self.worker_side.transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.worker_meta()
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        if self._worker is not None:
+            return self._worker.stats()
+        return self.scheduler_side.stats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.scheduler_side.request_finished(request, [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    # -- stats ------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

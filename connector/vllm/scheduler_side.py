@@ -1,0 +1,162 @@
+"""vLLM's scheduler-side connector calls, mapped onto :class:`KVBridgeScheduler`.
+
+vLLM frees a delayed request's blocks only when a worker lists the request in
+``finished_sending`` / ``finished_recving``; kvbridge's scheduler decides frees itself
+(decode done, lease expiry, aborts). The worker side therefore reports every request the
+scheduler released (``ConnectorMetadata.reqs_freed``) as finished, and the scheduler side
+only drains kvbridge's block books (vLLM owns the blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from connector.config import KVTransferConfig
+from connector.lifecycle import LoadState, SendState
+from connector.metadata import WorkerOutput
+from connector.params import KVTransferParams
+from connector.scheduler import KVBridgeScheduler
+from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from connector.vllm.stats import CounterDelta, KVBridgeStats
+from connector.vllm.translate import engine_block_ids, parse_params
+from layouts.errors import KVBridgeError
+from layouts.groups import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM request states whose KV is complete and may be handed to a remote decode.
+_HANDOVER_STATES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class RequestView:
+    """A vLLM ``Request`` as :class:`connector.api.ConnectorRequest` (params parsed once)."""
+
+    __slots__ = ("kv_transfer_params", "prompt_token_ids", "request_id")
+
+    def __init__(self, request: Any, params: KVTransferParams | None) -> None:
+        self.request_id: str = request.request_id
+        self.prompt_token_ids: Sequence[int] = request.prompt_token_ids or ()
+        self.kv_transfer_params = params
+
+
+class VLLMSchedulerSide:
+    def __init__(self, config: KVTransferConfig, kv_config: KVCacheConfig) -> None:
+        self.sched = KVBridgeScheduler(config, kv_config)
+        self._views: dict[str, RequestView] = {}  # requests kvbridge may still load for
+        self._bad_params: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self._delta = CounterDelta()
+
+    def _view(self, request: Any) -> RequestView | None:
+        """The request's view; None (and counted, logged once) when its params are bad."""
+        rid = request.request_id
+        view = self._views.get(rid)
+        if view is not None:
+            return view
+        if rid in self._bad_params:
+            return None
+        try:
+            params = parse_params(request.kv_transfer_params)
+        except KVBridgeError as exc:
+            self._bad_params.add(rid)
+            self.counters["bad_params"] += 1
+            logger.error("request %s: %s; serving it without kvbridge", rid, exc)
+            return None
+        return RequestView(request, params)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        view = self._view(request)
+        if view is None or view.kv_transfer_params is None:
+            return 0, False
+        try:
+            count, is_async = self.sched.get_num_new_matched_tokens(view, num_computed_tokens)
+        except KVBridgeError as exc:
+            self._bad_params.add(view.request_id)
+            self.counters["bad_params"] += 1
+            logger.error("request %s: %s; computing it locally", view.request_id, exc)
+            return 0, False
+        if self.sched.load_state(view.request_id) is not None:
+            self._views[view.request_id] = view
+        return count, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        view = self._views.get(request.request_id)
+        if view is None:
+            return
+        block_ids = engine_block_ids(blocks.get_block_ids())
+        self.sched.update_state_after_alloc(view, block_ids, num_external_tokens)
+
+    def build_connector_meta(self) -> KVBridgeMetadata:
+        for rid, view in list(self._views.items()):
+            state = self.sched.load_state(rid)
+            if state is None:
+                del self._views[rid]
+            elif state in (LoadState.MATCHED, LoadState.FULL_HIT):
+                self.sched.request_waiting(view)  # still queued: keep prefill's lease alive
+        return KVBridgeMetadata(self.sched.build_connector_meta())
+
+    # -- both -----------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._bad_params.discard(rid)
+        view = self._views.pop(rid, None) or self._view(request)
+        self._bad_params.discard(rid)
+        if view is None:
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status not in _HANDOVER_STATES:
+            # Aborted or failed: nothing to hand over; release whatever kvbridge holds.
+            self.sched.request_aborted(rid)
+            return self.sched.defers_free(rid), None
+        try:
+            delay, params = self.sched.request_finished(view, engine_block_ids(block_ids))
+        except KVBridgeError as exc:
+            logger.error("request %s: cannot keep its KV for a remote decode: %s", rid, exc)
+            return False, None
+        if params is not None:
+            self.sched.take_blocks_to_free(rid)  # vLLM frees all of them on finished_sending
+        return delay, None if params is None else params.to_dict()
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        output = (
+            worker_meta.output
+            if isinstance(worker_meta, KVBridgeWorkerMetadata)
+            else WorkerOutput()
+        )
+        events = self.sched.update_connector_output(output)
+        for rid in events.free_request_ids:
+            self.sched.take_blocks_to_free(rid)
+        for failure in (*events.recompute, *events.failed):
+            logger.warning("KV load of %s failed: %s", failure.request_id, failure.reason)
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> KVBridgeStats:
+        s = self.sched
+        current: dict[str, float] = dict(self.counters)
+        for state in SendState:
+            if state in (SendState.DONE, SendState.EXPIRED, SendState.ABORTED):
+                current[f"sends_{state.name.lower()}"] = s.send_outcomes[state]
+        for state in (
+            LoadState.LOADED,
+            LoadState.RECOMPUTED,
+            LoadState.FAILED,
+            LoadState.ABORTED,
+            LoadState.RELEASED,
+        ):
+            current[f"loads_{state.name.lower()}"] = s.load_outcomes[state]
+        data: dict[str, float] = self._delta.take(current)
+        data["held_requests"] = s.num_held_sends
+        data["held_blocks"] = s.num_held_blocks
+        data["loading_requests"] = s.num_live_loads
+        return KVBridgeStats(data=data)

@@ -1,0 +1,155 @@
+"""vLLM's objects in kvbridge's words: transfer config, KV-cache groups, params, layouts.
+
+One place maps each vLLM notion onto kvbridge's; the connector modules only call these.
+Everything here reads attributes (duck typing) so that it can be tested without building a
+vLLM engine; vLLM spec classes are told apart by class name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from connector.config import ConfigError, KVTransferConfig
+from connector.params import KVTransferParams
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.layout import KVLayout
+from layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
+
+# vLLM's --kv-transfer-config keys that kvbridge reads from the top level (vLLM 0.32 has
+# no kv_ip: the side-channel host goes in kv_connector_extra_config).
+_TOP_LEVEL = ("kv_role", "engine_id", "kv_port", "kv_buffer_device")
+
+# vLLM 0.32 KVCacheLayout names -> (kvbridge layout, cross-layer?). See
+# vllm/v1/kv_cache_layout.py: a permutation of the logical [L, B, H, N, C].
+_VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
+    "LBHNC": (KVLayout.HND, False),
+    "LBNHC": (KVLayout.NHD, False),
+    "BLHNC": (KVLayout.HND, True),
+    "BLNHC": (KVLayout.NHD, True),
+}
+
+# Keys vLLM itself adds to kv_transfer_params on the way out (its scheduler reports the
+# prefill's prefix hit to the frontend); they are vLLM's, not kvbridge's, and are dropped.
+_VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
+
+NULL_BLOCK_ID = 0  # vLLM's block pool hands block 0 out as the "null" placeholder
+
+
+def transfer_config(vllm_kv_config: Any) -> KVTransferConfig:
+    """kvbridge's config from vLLM's ``KVTransferConfig``.
+
+    Top-level vLLM keys map one to one; ``kv_load_failure_policy`` is the failure policy
+    (vLLM's scheduler applies it, so kvbridge must agree); every other kvbridge key
+    (``kv_ip``, ``lease_s``, ``secret``, ``extra``, ...) goes in
+    ``kv_connector_extra_config``.
+    """
+    extra_config = dict(getattr(vllm_kv_config, "kv_connector_extra_config", None) or {})
+    clash = sorted(set(extra_config) & {*_TOP_LEVEL, "failure_policy", "kv_role"})
+    if clash:
+        where = {
+            "failure_policy": "kv_load_failure_policy",
+        }
+        hints = ", ".join(f"{k} -> {where.get(k, k)}" for k in clash)
+        raise ConfigError(
+            f"kv_connector_extra_config sets {clash}; set them at the top level of "
+            f"--kv-transfer-config instead ({hints})"
+        )
+    role = getattr(vllm_kv_config, "kv_role", None)
+    if role is None:
+        raise ConfigError("kv_role is required (kv_producer, kv_consumer or kv_both)")
+    raw: dict[str, Any] = {
+        "kv_role": getattr(role, "value", role),
+        "engine_id": vllm_kv_config.engine_id,
+        "kv_port": vllm_kv_config.kv_port,
+        "kv_buffer_device": vllm_kv_config.kv_buffer_device or "cpu",
+        "failure_policy": getattr(vllm_kv_config, "kv_load_failure_policy", "fail"),
+        **extra_config,
+    }
+    if raw["kv_buffer_device"] != "cpu":
+        raise ConfigError(
+            f"kv_buffer_device={raw['kv_buffer_device']!r}: kvbridge's vLLM connector has been "
+            f"run on CPU memory only so far; use 'cpu'"
+        )
+    return KVTransferConfig.from_dict(raw)
+
+
+def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
+    kind = type(vspec).__name__
+    where = f"KV-cache group {group_id} ({kind}, layers {list(layer_names)[:3]}...)"
+    if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
+        raise ConfigError(
+            f"{where}: kvbridge moves full attention, sliding window and MLA groups; "
+            f"{kind} is not supported yet"
+        )
+    head_size_v = getattr(vspec, "head_size_v", None)
+    if head_size_v not in (None, vspec.head_size):
+        raise ConfigError(f"{where}: head_size_v={head_size_v} != head_size={vspec.head_size}")
+    for name in ("page_size_padded", "num_head_slots", "state_content_bytes"):
+        if getattr(vspec, name, None) is not None:
+            raise ConfigError(f"{where}: {name}={getattr(vspec, name)} is not supported")
+    quant = getattr(vspec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+        raise ConfigError(f"{where}: quantised KV caches ({quant}) are not supported")
+    common = {"block_size": vspec.block_size, "head_size": vspec.head_size, "dtype": vspec.dtype}
+    if kind == "FullAttentionSpec":
+        return FullAttentionSpec(num_kv_heads=vspec.num_kv_heads, **common)
+    if kind == "SlidingWindowSpec":
+        return SlidingWindowSpec(
+            num_kv_heads=vspec.num_kv_heads, sliding_window=vspec.sliding_window, **common
+        )
+    return MLASpec(**common)
+
+
+def kv_cache_config(vllm_kv_cache_config: Any) -> KVCacheConfig:
+    """kvbridge's groups from vLLM's ``KVCacheConfig`` (same order, same block ids)."""
+    groups = []
+    for gid, g in enumerate(vllm_kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
+            raise ConfigError(
+                f"KV-cache group {gid} is host-resident or excluded from transfer; "
+                f"not supported by kvbridge yet"
+            )
+        groups.append(
+            KVCacheGroup(
+                group_id=gid,
+                layer_names=tuple(g.layer_names),
+                spec=_spec(gid, g.layer_names, g.kv_cache_spec),
+            )
+        )
+    return KVCacheConfig(groups=tuple(groups), num_blocks=vllm_kv_cache_config.num_blocks)
+
+
+def kv_layout(vllm_kv_cache_config: Any) -> tuple[KVLayout | None, bool | None]:
+    """The layout vLLM resolved for the cache, if it says (None when it does not)."""
+    name = getattr(vllm_kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        return None, None
+    name = getattr(name, "name", name)
+    if name not in _VLLM_LAYOUTS:
+        raise ConfigError(
+            f"vLLM KV-cache layout {name!r} is not supported; kvbridge reads "
+            f"{sorted(_VLLM_LAYOUTS)}"
+        )
+    return _VLLM_LAYOUTS[name]
+
+
+def parse_params(raw: object) -> KVTransferParams | None:
+    """``request.kv_transfer_params`` (a dict from the API) as kvbridge params.
+
+    vLLM-style proxies send placeholder keys as ``None`` (``"remote_block_ids": null``);
+    they mean "not set" and are dropped, as are vLLM's own annotations. Any other unknown
+    key, or a bad value, raises ``ParamsError`` naming the field.
+    """
+    if raw is None:
+        return None
+    if isinstance(raw, KVTransferParams):
+        return raw
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if v is not None and k not in _VLLM_ANNOTATIONS}
+    return KVTransferParams.from_dict(raw)
+
+
+def engine_block_ids(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """vLLM's per-group block ids with the null placeholder as -1 (kvbridge's "no block")."""
+    return [[-1 if b == NULL_BLOCK_ID else int(b) for b in ids] for ids in block_ids]

@@ -1,0 +1,121 @@
+"""vLLM's worker-side connector calls, mapped onto :class:`KVBridgeWorker`.
+
+vLLM allocates the KV tensors; ``layouts.external`` describes them (or refuses them with
+the layer, shape and strides at fault) and kvbridge registers that memory with NIXL as it
+is. Loads are asynchronous (decode requests wait in ``WAITING_FOR_REMOTE_KVS``), so the
+per-layer hooks have nothing to do; the forward pass itself is the "save".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from connector.config import ConfigError, KVTransferConfig
+from connector.metadata import WorkerOutput
+from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from connector.vllm.stats import CounterDelta, KVBridgeStats
+from connector.worker import KVBridgeWorker, ModelInfo
+from layouts.external import adopt_kv_caches
+from layouts.groups import KVCacheConfig
+from layouts.layout import KVLayout
+from layouts.specs import AttentionSpec, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMWorkerSide:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_config: KVCacheConfig,
+        *,
+        model_name: str,
+        layout_hint: KVLayout | None,
+        rank: int,
+        tp_size: int,
+    ) -> None:
+        if tp_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={tp_size}: kvbridge's vLLM connector runs at tensor-"
+                f"parallel size 1 so far (each decode rank would need its own prefill rank's "
+                f"heads); start vLLM with --tensor-parallel-size 1"
+            )
+        self.kv_config = kv_config
+        self.layout_hint = layout_hint
+        spec = kv_config.groups[0].spec
+        assert isinstance(spec, AttentionSpec)
+        self.worker = KVBridgeWorker(
+            config,
+            ModelInfo(
+                model_name=model_name,
+                dtype=dtype_name(spec.dtype),
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+            ),
+            rank=rank,
+            tp_size=tp_size,
+        )
+        self._freed: set[str] = set()  # released by the scheduler: vLLM must free them
+        self._output = WorkerOutput()
+        self._delta = CounterDelta()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        # Layers that share another layer's cache (no spec of their own) are not in the
+        # groups and are not transferred separately.
+        tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
+        buffers = adopt_kv_caches(self.kv_config, tensors, layout_hint=self.layout_hint)
+        logger.info(
+            "kvbridge adopted %d KV-cache tensors (%s, %s, %d blocks, %d B pages, %s)",
+            len(buffers.tensors),
+            "cross-layer" if buffers.format.cross_layer else buffers.format.packing.value,
+            buffers.format.layout.value,
+            buffers.config.num_blocks,
+            buffers.config.page_size_bytes,
+            ", ".join(f"g{g.group_id}={g.spec.kind.value}" for g in buffers.config.groups),
+        )
+        self.worker.register_kv_caches(buffers)
+
+    def bind(self, metadata: Any) -> None:
+        if not isinstance(metadata, KVBridgeMetadata):
+            raise TypeError(f"expected KVBridgeMetadata, got {type(metadata).__name__}")
+        self._freed.update(metadata.meta.reqs_freed)
+        self.worker.bind_connector_metadata(metadata.meta)
+
+    def start_load_kv(self) -> None:
+        self.worker.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for vLLM; failed loads are
+        also 'finished receiving' so vLLM releases them from the wait state."""
+        out = self.worker.get_finished()
+        self._output = out
+        failed = {f.request_id for f in out.failed_loads}
+        sending = set(out.finished_sending) | self._freed
+        self._freed = set()
+        return sending, set(out.finished_recving) | failed, failed
+
+    def worker_meta(self) -> KVBridgeWorkerMetadata | None:
+        out, self._output = self._output, WorkerOutput()
+        empty = not (
+            out.finished_sending
+            or out.finished_recving
+            or out.failed_loads
+            or out.expired_leases
+            or out.heartbeats
+        )
+        return None if empty else KVBridgeWorkerMetadata(out)
+
+    def stats(self) -> KVBridgeStats | None:
+        metrics = self.worker.metrics
+        data = self._delta.take({k: float(v) for k, v in vars(metrics).items()})
+        return KVBridgeStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

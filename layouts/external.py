@@ -1,0 +1,271 @@
+"""Describe KV-cache tensors kvbridge did not allocate (an engine's, e.g. vLLM's).
+
+An engine hands over one tensor per attention layer. Its *logical* shape may list the
+axes in any order (vLLM keeps a logical ``[B, H, N, C]`` and permutes strides for the
+physical layout), so the description works on the *physical* order: axes sorted by
+stride, size-1 axes dropped. That order must be one of::
+
+    blocks_first  (kernel_blocks, [parts,] *block)     parts = 2 for K, V; absent if one
+    kv_split      (parts, kernel_blocks, *block)        parts = 2 only
+    block = (kb, H, D') NHD or (H, kb, D') HND;  D' = D, or 2*D when K|V are interleaved
+
+with every axis inside a block dense. The block axis may be sparser than one page: then
+the layers are views into one canonical cross-layer buffer, which is accepted when every
+layer shares one storage, one block stride of ``num_layers * page`` bytes, and sits at
+``i * page`` in the group-major layer order kvbridge uses (see ``allocation.py``).
+
+Anything else is a :class:`ExternalLayoutError` naming the layer, its shape and strides,
+and the shapes that would have been accepted; never a silent wrong read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from layouts.allocation import CacheFormat, KVCacheBuffers
+from layouts.errors import LayoutError
+from layouts.groups import KVCacheConfig
+from layouts.layout import KVLayout, KVPacking
+from layouts.specs import AttentionSpec, KVCacheKind
+
+
+class ExternalLayoutError(LayoutError):
+    """An engine's KV-cache tensor has a shape or strides kvbridge cannot describe."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerFormat:
+    """How one handed-in layer tensor stores its blocks."""
+
+    layout: KVLayout
+    packing: KVPacking
+    kernel_block_size: int
+    kv_interleaved: bool
+    block_stride_bytes: int  # distance between logical blocks
+    base_addr: int  # address of block 0
+
+
+def _physical(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sizes and element strides in memory order (outermost first), size-1 axes dropped."""
+    axes = [(st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1]
+    axes.sort(key=lambda a: -a[0])
+    return [sz for _, sz in axes], [st for st, _ in axes]
+
+
+def _block_shape(layout: KVLayout, kb: int, heads: int, width: int) -> list[int]:
+    return [kb, heads, width] if layout is KVLayout.NHD else [heads, kb, width]
+
+
+def _candidates(
+    spec: AttentionSpec, num_blocks: int
+) -> list[tuple[KVLayout, KVPacking, int, bool, list[int]]]:
+    """Every accepted (layout, packing, kernel block, interleaved, physical shape)."""
+    out = []
+    bs = spec.block_size
+    kernel_sizes = [kb for kb in range(bs, 0, -1) if bs % kb == 0]
+    is_mla = spec.kind is KVCacheKind.MLA
+    for kv_interleaved in [False] if is_mla else [False, True]:
+        parts = 1 if kv_interleaved or is_mla else 2
+        width = spec.head_size * (2 if kv_interleaved else 1)
+        for kb in kernel_sizes:
+            nk = num_blocks * (bs // kb)
+            for layout in (KVLayout.NHD, KVLayout.HND):
+                block = _block_shape(layout, kb, spec.num_kv_heads, width)
+                shapes = [(KVPacking.BLOCKS_FIRST, [nk, parts, *block])]
+                if parts == 2:
+                    shapes.append((KVPacking.KV_SPLIT, [parts, nk, *block]))
+                for packing, shape in shapes:
+                    out.append((layout, packing, kb, kv_interleaved, [s for s in shape if s != 1]))
+    return out
+
+
+def describe_layer(
+    name: str,
+    tensor: torch.Tensor,
+    spec: AttentionSpec,
+    num_blocks: int,
+    *,
+    layout_hint: KVLayout | None = None,
+) -> LayerFormat:
+    """The format of one attention layer's tensor; raises :class:`ExternalLayoutError`."""
+    where = (
+        f"layer {name!r}: tensor shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}, "
+        f"dtype {tensor.dtype}"
+    )
+    if tensor.dtype.itemsize != spec.itemsize or (
+        tensor.dtype != spec.dtype and tensor.dtype != torch.uint8
+    ):
+        raise ExternalLayoutError(f"{where}: expected dtype {spec.dtype} for its KV-cache spec")
+    if any(st < 0 for st in tensor.stride()):
+        raise ExternalLayoutError(f"{where}: negative strides are not supported")
+    sizes, strides = _physical(tensor)
+    matches = [c for c in _candidates(spec, num_blocks) if c[4] == sizes]
+    if layout_hint is not None and len({c[0] for c in matches}) > 1:
+        matches = [c for c in matches if c[0] is layout_hint]
+    if not matches:
+        accepted = sorted(
+            {
+                f"{c[1].value} {c[0].value} kb={c[2]}{' K|V' if c[3] else ''}: {c[4]}"
+                for c in _candidates(spec, num_blocks)
+                if c[2] == spec.block_size
+            }
+        )
+        raise ExternalLayoutError(
+            f"{where} (memory order {sizes}) matches no layout kvbridge knows for "
+            f"{num_blocks} blocks of {spec.block_size} tokens x {spec.num_kv_heads} heads x "
+            f"{spec.head_size}; expected one of {accepted} (size-1 axes dropped; kernel "
+            f"blocks that divide the block size also accepted)"
+        )
+    distinct = {(c[0], c[1], c[2], c[3]) for c in matches}
+    if len(distinct) > 1:
+        raise ExternalLayoutError(
+            f"{where}: the shape fits several layouts {sorted(str(d) for d in distinct)}; "
+            f"pass the engine's layout (NHD or HND) to tell them apart"
+        )
+    layout, packing, kb, kv_interleaved, _ = matches[0]
+    # Density: every axis inside the outermost one must be packed; the outermost may be
+    # sparser only for blocks-first (views into a cross-layer buffer).
+    for i in range(len(sizes) - 1, 0, -1):
+        want = 1 if i == len(sizes) - 1 else strides[i + 1] * sizes[i + 1]
+        if strides[i] != want:
+            raise ExternalLayoutError(
+                f"{where}: axis of size {sizes[i]} (memory order {sizes}) has element stride "
+                f"{strides[i]}, expected {want}; only the block axis may be strided"
+            )
+    page_elems = spec.page_size_bytes // spec.itemsize
+    r = spec.block_size // kb
+    outer_dense = strides[0] == strides[1] * sizes[1] if len(sizes) > 1 else strides[0] == 1
+    if packing is KVPacking.KV_SPLIT or r > 1:
+        if not outer_dense:
+            raise ExternalLayoutError(
+                f"{where}: a strided outer axis is only supported for blocks-first layers "
+                f"whose kernel block equals the block size ({spec.block_size}); got "
+                f"{packing.value} with kernel block {kb}"
+            )
+        block_stride = page_elems
+    else:
+        block_stride = strides[0]
+        if block_stride < page_elems:
+            raise ExternalLayoutError(f"{where}: block stride {block_stride} < page {page_elems}")
+    return LayerFormat(
+        layout=layout,
+        packing=packing,
+        kernel_block_size=kb,
+        kv_interleaved=kv_interleaved,
+        block_stride_bytes=block_stride * spec.itemsize,
+        base_addr=tensor.data_ptr(),
+    )
+
+
+def adopt_kv_caches(
+    config: KVCacheConfig,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout_hint: KVLayout | None = None,
+) -> KVCacheBuffers:
+    """Wrap an engine's per-layer tensors as :class:`KVCacheBuffers` (no copy).
+
+    ``config`` names every layer and its spec; its attention specs are given the
+    ``kv_interleaved`` flag the tensors show. Every layer must be present; tensors for
+    layers outside ``config`` are an error (the caller filters shared or unused layers).
+    """
+    missing = [n for n in config.layer_names if n not in tensors]
+    extra = sorted(set(tensors) - set(config.layer_names))
+    if missing or extra:
+        raise ExternalLayoutError(
+            f"KV-cache tensors do not match the KV-cache config: missing {missing}, "
+            f"unexpected {extra}"
+        )
+    formats: dict[str, LayerFormat] = {}
+    for g in config.groups:
+        if not isinstance(g.spec, AttentionSpec):
+            raise ExternalLayoutError(
+                f"group {g.group_id} ({g.spec.kind.value}, layers {list(g.layer_names)}): only "
+                f"attention groups can be adopted from an engine so far"
+            )
+        for name in g.layer_names:
+            formats[name] = describe_layer(
+                name, tensors[name], g.spec, config.num_blocks, layout_hint=layout_hint
+            )
+    first = formats[config.layer_names[0]]
+    for name, f in formats.items():
+        same = (f.layout, f.packing, f.kernel_block_size) == (
+            first.layout,
+            first.packing,
+            first.kernel_block_size,
+        )
+        if not same:
+            raise ExternalLayoutError(
+                f"layer {name!r} is {f.packing.value} {f.layout.value} kb={f.kernel_block_size}"
+                f" but layer {config.layer_names[0]!r} is {first.packing.value} "
+                f"{first.layout.value} kb={first.kernel_block_size}; kvbridge needs one format"
+            )
+    groups = tuple(
+        replace(g, spec=replace(g.spec, kv_interleaved=formats[g.layer_names[0]].kv_interleaved))
+        for g in config.groups
+    )
+    config = replace(config, groups=groups)
+    page = config.page_size_bytes
+    cross_layer = first.block_stride_bytes != page
+    fmt = CacheFormat(
+        layout=first.layout,
+        kernel_block_size=first.kernel_block_size,
+        cross_layer=cross_layer,
+        packing=first.packing if not cross_layer else KVPacking.BLOCKS_FIRST,
+    )
+    if cross_layer:
+        return _adopt_cross_layer(config, fmt, tensors, formats)
+    layer_bytes = {
+        name: _byte_rows(tensors[name], config.num_blocks, page, page)
+        for name in config.layer_names
+    }
+    return KVCacheBuffers.adopt(
+        config, fmt, list(layer_bytes.values()), layer_bytes, device=tensors[name].device
+    )
+
+
+def _byte_rows(t: torch.Tensor, rows: int, row_bytes: int, stride: int) -> torch.Tensor:
+    """``(rows, row_bytes)`` uint8 over ``t``'s storage from its lowest address."""
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (rows, row_bytes), (stride, 1)
+    )
+    return out
+
+
+def _adopt_cross_layer(
+    config: KVCacheConfig,
+    fmt: CacheFormat,
+    tensors: Mapping[str, torch.Tensor],
+    formats: Mapping[str, LayerFormat],
+) -> KVCacheBuffers:
+    page = config.page_size_bytes
+    names = config.layer_names
+    row = page * len(names)
+    first = tensors[names[0]]
+    storage = first.untyped_storage().data_ptr()
+    base = formats[names[0]].base_addr
+    for i, name in enumerate(names):
+        f, t = formats[name], tensors[name]
+        problems = []
+        if t.untyped_storage().data_ptr() != storage:
+            problems.append("lives in another storage than the first layer")
+        if f.block_stride_bytes != row:
+            problems.append(f"block stride {f.block_stride_bytes} B, expected {row} B")
+        if f.base_addr - base != i * page:
+            problems.append(
+                f"starts {f.base_addr - base} B after the first layer, expected "
+                f"{i * page} B (layer {i} of {list(names)})"
+            )
+        if problems:
+            raise ExternalLayoutError(
+                f"layer {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} is a "
+                f"strided (cross-layer) view but {'; '.join(problems)}; a cross-layer buffer "
+                f"must hold every layer's page of a block side by side, group-major"
+            )
+    buf = _byte_rows(first, config.num_blocks, row, row)
+    layer_bytes = {name: buf[:, i * page : (i + 1) * page] for i, name in enumerate(names)}
+    return KVCacheBuffers.adopt(config, fmt, [buf], layer_bytes, device=first.device)

@@ -1,0 +1,130 @@
+"""vLLM's configs and params in kvbridge's words, built from vLLM's own config classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.config.kv_transfer import KVTransferConfig as VLLMTransferConfig
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec as VFull,
+)
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig as VKVCacheConfig,
+)
+from vllm.v1.kv_cache_interface import (
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.kv_cache_interface import (
+    SlidingWindowSpec as VSliding,
+)
+
+from connector.config import ConfigError, FailurePolicy, KVRole
+from connector.params import ParamsError
+from connector.vllm import translate
+from layouts.layout import KVLayout
+from layouts.specs import KVCacheKind
+
+pytestmark = pytest.mark.vllm
+
+
+def _vcfg(**kw) -> VLLMTransferConfig:
+    base = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_producer", "engine_id": "p0"}
+    return VLLMTransferConfig(**{**base, **kw})
+
+
+def test_transfer_config_maps_top_level_and_extra_keys():
+    cfg = translate.transfer_config(
+        _vcfg(
+            kv_port=6100,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kv_ip": "127.0.0.2", "lease_s": 7, "extra": {"a": 1}},
+        )
+    )
+    assert cfg.kv_role is KVRole.PRODUCER and cfg.engine_id == "p0"
+    assert (cfg.kv_ip, cfg.kv_port, cfg.lease_s) == ("127.0.0.2", 6100, 7)
+    assert cfg.failure_policy is FailurePolicy.RECOMPUTE and cfg.extra == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"failure_policy": "fail"}, r"failure_policy -> kv_load_failure_policy"),
+        ({"kv_port": 1}, r"top level"),
+        ({"lease_s": -1}, r"lease_s=-1 must be positive"),
+        ({"typo_key": 1}, r"unknown kv-transfer-config keys \['typo_key'\]"),
+    ],
+)
+def test_bad_transfer_config_is_a_config_error(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        translate.transfer_config(_vcfg(kv_connector_extra_config=extra))
+
+
+def test_vram_buffer_device_is_refused_for_now():
+    with pytest.raises(ConfigError, match="kv_buffer_device='cuda'"):
+        translate.transfer_config(_vcfg(kv_buffer_device="cuda"))
+
+
+def _full(bs: int = 32) -> VFull:
+    return VFull(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+
+def test_hybrid_groups_keep_order_kind_and_window():
+    sw = VSliding(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64
+    )
+    vcfg = VKVCacheConfig(
+        num_blocks=100,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["a.1", "a.3"], kv_cache_spec=_full()),
+            KVCacheGroupSpec(layer_names=["a.0", "a.2"], kv_cache_spec=sw),
+        ],
+        kv_cache_layout="LBHNC",
+    )
+    cfg = translate.kv_cache_config(vcfg)
+    assert cfg.num_blocks == 100
+    assert [g.layer_names for g in cfg.groups] == [("a.1", "a.3"), ("a.0", "a.2")]
+    assert [g.spec.kind for g in cfg.groups] == [
+        KVCacheKind.FULL_ATTENTION,
+        KVCacheKind.SLIDING_WINDOW,
+    ]
+    assert cfg.groups[1].spec.sliding_window == 64
+    assert translate.kv_layout(vcfg) == (KVLayout.HND, False)
+
+
+def test_unsupported_group_kind_and_layout_are_named():
+    mamba = MambaSpec(
+        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    vcfg = VKVCacheConfig(
+        num_blocks=10,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=mamba)],
+    )
+    with pytest.raises(ConfigError, match="MambaSpec is not supported yet"):
+        translate.kv_cache_config(vcfg)
+    vcfg.kv_cache_layout = "BHLNC"
+    with pytest.raises(ConfigError, match="'BHLNC' is not supported"):
+        translate.kv_layout(vcfg)
+
+
+def test_params_drop_vllm_proxy_placeholders_and_name_bad_fields():
+    p = translate.parse_params(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_block_ids": None,
+            "remote_prefill_cached_tokens": 64,
+        }
+    )
+    assert p is not None and p.do_remote_decode and not p.remote_block_ids
+    with pytest.raises(ParamsError, match="unknown field `remote_blocks`"):
+        translate.parse_params({"do_remote_prefill": True, "remote_blocks": [1]})
+    assert translate.parse_params(None) is None
+    with pytest.raises(ParamsError, match="remote_port"):
+        translate.parse_params({"do_remote_prefill": True, "remote_port": "x"})
+
+
+def test_null_block_becomes_placeholder():
+    assert translate.engine_block_ids([[0, 0, 5], [7]]) == [[-1, -1, 5], [7]]
