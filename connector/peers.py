@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from connector.transport import DescList, TransferEngine
+from handshake.affinity import unpin_current_thread
 from handshake.client import HandshakeClient
 from handshake.compat import check_compatible
 from handshake.description import PeerLayout, parse_description
@@ -69,7 +70,11 @@ class PeerDirectory:
         self._local = local_layout
         self._peers: dict[PeerKey, Peer] = {}
         self._results: queue.Queue[tuple[PeerKey, WorkerDescription | Exception]] = queue.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-handshake")
+        # Handshake threads (and the client's ZMQ I/O thread, started from them) may run on
+        # every core, whatever the engine pinned its step thread to.
+        self._pool = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="kvbridge-handshake", initializer=unpin_current_thread
+        )
         self._local_lists: dict[tuple, DescList] = {}
         self.handshakes = 0
         self.failures = 0

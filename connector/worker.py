@@ -34,6 +34,7 @@ from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.receiver import Receiver
 from connector.sender import Sender
 from connector.transport import TransferEngine
+from handshake.affinity import unpinned
 from handshake.client import ClientConfig, HandshakeClient
 from handshake.compat import compat_hash
 from handshake.description import WorkerIdentity, describe, parse_description
@@ -106,7 +107,8 @@ class KVBridgeWorker:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
         self._buffers = buffers
-        engine = self._engine_factory(self.agent_name)
+        with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
+            engine = self._engine_factory(self.agent_name)
         self._engine = engine
         engine.register(buffers.tensors)
         identity = WorkerIdentity(

@@ -22,6 +22,7 @@ from types import MappingProxyType, TracebackType
 
 import zmq
 
+from handshake.affinity import unpinned
 from handshake.errors import (
     AuthenticationError,
     HandshakeError,
@@ -153,8 +154,9 @@ class HandshakeListener:
                 "it can read this worker's memory layout; set HandshakeSecurity.secret",
                 cfg.host,
             )
-        self._ctx = zmq.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.ROUTER)
+        with unpinned():  # the ZMQ I/O thread starts with the first socket
+            self._ctx = zmq.Context(io_threads=1)
+            sock = self._ctx.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -181,7 +183,8 @@ class HandshakeListener:
         self._thread = threading.Thread(
             target=self._serve, args=(sock,), name=f"kvbridge-handshake-{self._port}", daemon=True
         )
-        self._thread.start()
+        with unpinned():
+            self._thread.start()
         logger.info("handshake listener serving on %s:%d", cfg.host, self._port)
         return self
 
