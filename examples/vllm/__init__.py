@@ -1,0 +1,1 @@
+"""Run real vLLM prefill / decode API servers side by side and compare with a single server."""

@@ -1,0 +1,245 @@
+"""kvbridge vs vLLM's NixlConnector on the same vLLM servers: TTFT through the proxy.
+
+::
+
+    .venv/bin/python scripts/bench_vllm.py                       # the default grid
+    .venv/bin/python scripts/bench_vllm.py --lengths 256 1024 --concurrency 1 4
+
+For each connector (kvbridge, then nixl) one prefill server, one decode server and the
+proxy run side by side (same model, same block sizes, same machine). At every point
+(prompt length x concurrency) the client sends streaming requests through the proxy and
+takes the time to the first streamed token (TTFT: prefill + handover + KV load + first
+decode step). Decode's Prometheus metrics give the KV load time, bytes and descriptors
+per request. Then every configuration in ``--refused`` (prefill -> decode block sizes) is
+tried once per connector and reported as served or refused.
+
+Prints one table row per point with the kvbridge / NixlConnector TTFT ratio (< 1: kvbridge
+is faster). Prompts are unique per request (no prefix-cache hits anywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.vllm.client import RequestError, complete, make_prompts
+from examples.vllm.metrics import scrape
+from examples.vllm.run_pd import PDServers, start_pd
+
+# Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors sum)
+LOAD_METRICS = {
+    "kvbridge": (
+        "vllm:kvbridge_transfer_seconds_total",
+        "vllm:kvbridge_transfers_total",
+        "vllm:kvbridge_bytes_read_total",
+        "vllm:kvbridge_descriptors_posted_total",
+    ),
+    "nixl": (
+        "vllm:nixl_xfer_time_seconds_sum",
+        "vllm:nixl_xfer_time_seconds_count",
+        "vllm:nixl_bytes_transferred_sum",
+        "vllm:nixl_num_descriptors_sum",
+    ),
+}
+
+
+@dataclass
+class Point:
+    connector: str
+    length: int
+    concurrency: int
+    ttft_s: list[float]
+    errors: int
+    load_ms: float | None
+    bytes_per_req: float | None
+    descs_per_req: float | None
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.ttft_s)
+        if not xs:
+            return float("nan")
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def ttft(url: str, model: str, prompt: list[int], timeout_s: float) -> float:
+    """Seconds until the first streamed completion chunk arrives through ``url``."""
+    host, port = url.removeprefix("http://").split(":")
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    start = time.monotonic()
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RequestError(url, resp.status, resp.read(300).decode(errors="replace"))
+        while True:
+            line = resp.readline()
+            if not line:
+                raise RequestError(url, resp.status, "stream ended before the first token")
+            if line.startswith(b"data:") and b'"text"' in line:
+                return time.monotonic() - start
+    finally:
+        conn.close()
+
+
+def run_point(
+    pd: PDServers, length: int, concurrency: int, requests: int, seed: int, timeout_s: float
+) -> Point:
+    prompts = [
+        make_prompts(1, length, seed=seed * 1_000_003 + i)[0][:length] for i in range(requests)
+    ]
+    before = scrape(pd.decode_url)
+    results: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    queue = list(prompts)
+
+    def worker() -> None:
+        nonlocal errors
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt = queue.pop()
+            try:
+                t = ttft(pd.proxy_url, pd.model_name, prompt, timeout_s)
+                with lock:
+                    results.append(t)
+            except (RequestError, OSError) as exc:
+                with lock:
+                    errors += 1
+                print(f"    request failed: {exc}", flush=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = scrape(pd.decode_url)
+    secs, count, nbytes, descs = (
+        after.get(n, 0.0) - before.get(n, 0.0) for n in LOAD_METRICS[pd.connector]
+    )
+    loads = count if count > 0 else None
+    return Point(
+        connector=pd.connector,
+        length=length,
+        concurrency=concurrency,
+        ttft_s=results,
+        errors=errors,
+        load_ms=1e3 * secs / loads if loads else None,
+        bytes_per_req=nbytes / len(results) if results else None,
+        descs_per_req=descs / len(results) if results else None,
+    )
+
+
+def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
+    with start_pd(
+        connector=connector,
+        prefill_block_size=prefill_bs,
+        decode_block_size=decode_bs,
+        with_reference=False,
+        max_model_len=args.max_model_len,
+        progress=False,
+    ) as pd:
+        prompt = make_prompts(1, 300, seed=99)[0]
+        before = scrape(pd.decode_url)
+        try:
+            complete(pd.proxy_url, pd.model_name, prompt, max_tokens=4, timeout_s=args.timeout)
+        except RequestError as exc:
+            return f"refused ({exc.status}: {exc.reason[:80]})"
+        after = scrape(pd.decode_url)
+        key = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+        moved = after.get(key, 0.0) - before.get(key, 0.0)
+        return f"served, {moved:.0f} prompt tokens from the connector"
+
+
+def fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--requests", type=int, default=8, help="requests per point (>= concurrency)")
+    ap.add_argument("--prefill-block-size", type=int, default=32)
+    ap.add_argument("--decode-block-size", type=int, default=32)
+    ap.add_argument("--connectors", nargs="+", default=["kvbridge", "nixl"])
+    ap.add_argument("--refused", nargs="*", default=["64:32"], help="prefill:decode sizes")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+
+    points: dict[tuple[str, int, int], Point] = {}
+    for connector in args.connectors:
+        print(
+            f"== {connector}: prefill {args.prefill_block_size} -> decode {args.decode_block_size}",
+            flush=True,
+        )
+        with start_pd(
+            connector=connector,
+            prefill_block_size=args.prefill_block_size,
+            decode_block_size=args.decode_block_size,
+            with_reference=False,
+            max_model_len=args.max_model_len,
+        ) as pd:
+            ttft(pd.proxy_url, pd.model_name, make_prompts(1, 64, seed=1)[0], args.timeout)
+            for length in args.lengths:
+                for conc in args.concurrency:
+                    n = max(args.requests, conc)
+                    p = run_point(
+                        pd, length, conc, n, seed=length * 10 + conc, timeout_s=args.timeout
+                    )
+                    points[(connector, length, conc)] = p
+                    print(
+                        f"  len {length:5d} conc {conc}: TTFT p50 {p.pct(0.5) * 1e3:8.1f} ms "
+                        f"p90 {p.pct(0.9) * 1e3:8.1f} ms, load {fmt(p.load_ms)} ms, "
+                        f"{fmt(p.bytes_per_req, 1 / 1024, 0)} KiB, "
+                        f"{fmt(p.descs_per_req, 1, 0)} desc, errors {p.errors}",
+                        flush=True,
+                    )
+
+    print(
+        "\n| prompt | conc | kvbridge TTFT p50 / p90 (ms) | NixlConnector TTFT p50 / p90 (ms) "
+        "| ratio p50 / p90 | decode KV load (ms) kvb / nixl | KiB/req | desc/req kvb / nixl |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        for conc in args.concurrency:
+            k, x = points.get(("kvbridge", length, conc)), points.get(("nixl", length, conc))
+            if k is None or x is None:
+                continue
+            r50, r90 = k.pct(0.5) / x.pct(0.5), k.pct(0.9) / x.pct(0.9)
+            print(
+                f"| {length} | {conc} | {k.pct(0.5) * 1e3:.0f} / {k.pct(0.9) * 1e3:.0f} "
+                f"| {x.pct(0.5) * 1e3:.0f} / {x.pct(0.9) * 1e3:.0f} | {r50:.2f} / {r90:.2f} "
+                f"| {fmt(k.load_ms)} / {fmt(x.load_ms)} | {fmt(k.bytes_per_req, 1 / 1024, 0)} "
+                f"| {fmt(k.descs_per_req, 1, 0)} / {fmt(x.descs_per_req, 1, 0)} |"
+            )
+    for spec in args.refused:
+        pb, db = (int(v) for v in spec.split(":"))
+        for connector in args.connectors:
+            outcome = try_config(connector, pb, db, args)
+            print(f"| prefill {pb} -> decode {db} | {connector}: {outcome} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""kvbridge inside real vLLM API servers: P/D output equals a single server.
+
+One set of servers serves the whole module (starting vLLM costs a minute or more):
+
+    L32 L64 L128   tiny-llama, block sizes 32/64/128, kvbridge kv_both, policy recompute
+    G32 G64        tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
+    proxy          examples.proxy, prefill L128 -> decode L32
+
+Every pair of llama servers is one P/D direction (prefill larger or smaller than
+decode). The reference for a pair is a third server that computes the prompt itself.
+Prompts are unique per test so that no prefix cache serves them by accident. The tests
+that kill a prefill server run last.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
+from examples.vllm.metrics import scrape
+from examples.vllm.models import ensure_model
+from examples.vllm.procs import Service, start_all, stop_all
+from examples.vllm.servers import ServerSpec, proxy_service, vllm_service
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+MAX_TOKENS = 8
+LOGPROB_TOL = 1e-4
+TIMEOUT_S = 120.0
+LEASE = {"lease_s": 15, "heartbeat_s": 3}
+BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama: layers x K,V x kv heads x head dim x fp32
+M = "vllm:kvbridge_"
+
+
+@dataclass
+class Cluster:
+    servers: dict[str, Service]
+    models: dict[str, str]  # server name -> served model name
+
+    def url(self, name: str) -> str:
+        return self.servers[name].url
+
+    def metrics(self, name: str) -> dict[str, float]:
+        return scrape(self.url(name))
+
+    def run(self, name: str, prompt: list[int], **extra) -> Completion:
+        model = self.models[name[0]]
+        return complete(
+            self.url(name), model, prompt, max_tokens=MAX_TOKENS, timeout_s=TIMEOUT_S, extra=extra
+        )
+
+    def pd(self, prefill: str, decode: str, prompt: list[int]) -> Completion:
+        """vLLM's P/D flow by hand: prefill keeps the KV, decode loads it."""
+        params = self.prefill(prefill, prompt)
+        return self.run(decode, prompt, kv_transfer_params=params)
+
+    def prefill(self, name: str, prompt: list[int]) -> dict:
+        model = self.models[name[0]]
+        first = complete(
+            self.url(name),
+            model,
+            prompt,
+            max_tokens=1,
+            timeout_s=TIMEOUT_S,
+            extra={"kv_transfer_params": {"do_remote_decode": True}},
+        )
+        assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
+        return first.kv_transfer_params
+
+
+def _spec(name: str, model: Path, block_size: int, policy: str) -> ServerSpec:
+    return ServerSpec(
+        name,
+        model,
+        block_size=block_size,
+        connector="kvbridge",
+        role="both",
+        kv_extra=dict(LEASE),
+        failure_policy=policy,
+        max_model_len=2048,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    llama, gemma = ensure_model("tiny-llama"), ensure_model("tiny-gemma3")
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    specs = [
+        _spec("L32", llama, 32, "recompute"),
+        _spec("L64", llama, 64, "recompute"),
+        _spec("L128", llama, 128, "recompute"),
+        _spec("G32", gemma, 32, "fail"),
+        _spec("G64", gemma, 64, "fail"),
+    ]
+    servers = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
+    try:
+        start_all(list(servers.values()), timeout_s=900)
+        proxy = proxy_service([servers["L128"].url], [servers["L32"].url], logs)
+        servers["proxy"] = proxy
+        start_all([proxy], timeout_s=60)
+        yield Cluster(servers, {"L": llama.name, "G": gemma.name})
+    finally:
+        stop_all(list(servers.values()))
+
+
+def _assert_same(reference: Completion, got: Completion) -> None:
+    cmp = compare(reference, got)
+    assert cmp.first_mismatch is None, f"tokens differ at {cmp.first_mismatch}"
+    assert cmp.max_logprob_diff <= LOGPROB_TOL, cmp
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(M + name + "_total", 0.0) - before.get(M + name + "_total", 0.0)
+
+
+def _wait_for(what: str, predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+PAIRS = [
+    ("L32", "L32", "L64"),
+    ("L32", "L64", "L128"),
+    ("L64", "L32", "L128"),
+    ("L32", "L128", "L64"),
+    ("L128", "L32", "L64"),
+    ("L64", "L128", "L32"),
+    ("L128", "L64", "L32"),
+]
+
+
+@pytest.mark.parametrize(("prefill", "decode", "reference"), PAIRS)
+def test_pd_equals_single_server(cluster, prefill, decode, reference):
+    prompts = make_prompts(2, 200, seed=1000 * int(prefill[1:]) + int(decode[1:]))
+    before = cluster.metrics(decode)
+    got = [cluster.pd(prefill, decode, p) for p in prompts]
+    after = cluster.metrics(decode)
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run(reference, p), g)
+    assert _delta(before, after, "loads_loaded") == len(prompts)
+    assert _delta(before, after, "loads_recomputed") == 0
+    pb, db = int(prefill[1:]), int(decode[1:])
+    lcm = math.lcm(pb, db)
+    want = sum((len(p) - 1) // lcm * lcm for p in prompts) * BYTES_PER_TOKEN
+    assert _delta(before, after, "bytes_read") == want
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("G64", "G32"), ("G32", "G64")])
+def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
+    prompts = make_prompts(2, 300, seed=77 + int(prefill[1:]))
+    before = cluster.metrics(decode)
+    got = [cluster.pd(prefill, decode, p) for p in prompts]
+    after = cluster.metrics(decode)
+    assert _delta(before, after, "loads_loaded") == len(prompts)
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run(prefill, p), g)
+
+
+def test_through_the_proxy(cluster):
+    prompt = make_prompts(1, 150, seed=4242)[0]
+    before = cluster.metrics("L32")
+    got = cluster.run("proxy", prompt)
+    assert _delta(before, cluster.metrics("L32"), "loads_loaded") == 1
+    _assert_same(cluster.run("L64", prompt), got)
+
+
+def test_decode_prefix_hit_loads_only_the_rest(cluster):
+    shared = make_prompts(1, 300, seed=9001)[0][:256]
+    warm = [*shared, *make_prompts(1, 40, seed=9002)[0][1:]]
+    cluster.run("L32", warm)  # decode now caches the first 256 tokens
+    prompt = [*shared, *make_prompts(1, 150, seed=9003)[0][1:]]
+    before = cluster.metrics("L32")
+    got = cluster.pd("L64", "L32", prompt)
+    after = cluster.metrics("L32")
+    loaded_tokens = (len(prompt) - 1) // 64 * 64 - 256
+    assert loaded_tokens > 0
+    assert _delta(before, after, "bytes_read") == loaded_tokens * BYTES_PER_TOKEN
+    _assert_same(cluster.run("L128", prompt), got)
+
+
+def _kill(svc: Service) -> None:
+    """SIGKILL a server's whole process group (no shutdown path runs), then reap it."""
+    assert svc.proc is not None
+    os.killpg(svc.proc.pid, signal.SIGKILL)
+    stop_all([svc], timeout_s=10)
+
+
+def _held(cluster: Cluster, name: str) -> float:
+    return cluster.metrics(name).get(M + "held_requests", -1.0)
+
+
+def test_client_disconnect_mid_stream_frees_prefill_blocks(cluster):
+    prompt = make_prompts(1, 200, seed=5150)[0]
+    before = cluster.metrics("L128")
+    host, port = cluster.url("proxy").removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
+    body = {
+        "model": cluster.models["L"],
+        "prompt": prompt,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline()  # the first streamed chunk: decode has loaded and is generating
+    conn.close()  # the client goes away mid-answer
+    _wait_for("prefill to release the request", lambda: _held(cluster, "L128") == 0)
+    _wait_for(
+        "decode to drop the aborted request",
+        lambda: cluster.metrics("L32").get("vllm:num_requests_running", 1) == 0,
+    )
+    after = cluster.metrics("L128")
+    assert _delta(before, after, "sends_done") + _delta(before, after, "sends_aborted") == 1
+
+
+def test_prefill_kept_blocks_are_freed_when_no_decode_comes(cluster):
+    before = cluster.metrics("L64")
+    cluster.prefill("L64", make_prompts(1, 120, seed=31337)[0])
+    assert _held(cluster, "L64") == 1
+    _wait_for("the lease to expire", lambda: _held(cluster, "L64") == 0, timeout_s=60)
+    assert _delta(before, cluster.metrics("L64"), "sends_expired") == 1
+
+
+def test_bad_params_are_refused_by_name_and_the_request_computed_locally(cluster):
+    prompt = make_prompts(1, 100, seed=808)[0]
+    before = cluster.metrics("L32")
+    bad = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_blocks": [[1]]}
+    got = cluster.run("L32", prompt, kv_transfer_params=bad)
+    assert _delta(before, cluster.metrics("L32"), "bad_params") == 1
+    _assert_same(cluster.run("L64", prompt), got)
+
+
+def test_zz_prefill_killed_decode_recomputes_and_keeps_serving(cluster):
+    prompts = make_prompts(2, 180, seed=6006)
+    params = [cluster.prefill("L128", p) for p in prompts]
+    _kill(cluster.servers["L128"])  # with the KV still held for decode
+    before = cluster.metrics("L32")
+    got = [
+        cluster.run("L32", p, kv_transfer_params=kp) for p, kp in zip(prompts, params, strict=True)
+    ]
+    after = cluster.metrics("L32")
+    assert _delta(before, after, "loads_recomputed") == len(prompts)
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run("L64", p), g)
+    fresh = make_prompts(1, 90, seed=6007)[0]
+    _assert_same(cluster.run("L64", fresh), cluster.pd("L64", "L32", fresh))
+
+
+def test_zz_prefill_killed_decode_fails_the_request_and_keeps_serving(cluster):
+    prompt = make_prompts(1, 180, seed=7007)[0]
+    params = cluster.prefill("G64", prompt)
+    _kill(cluster.servers["G64"])
+    with pytest.raises(RequestError) as info:
+        cluster.run("G32", prompt, kv_transfer_params=params)
+    assert info.value.status >= 400, info.value
+    assert cluster.metrics("G32").get(M + "loads_failed_total", 0) >= 1
+    fresh = make_prompts(1, 90, seed=7008)[0]
+    assert len(cluster.run("G32", fresh).token_ids) == MAX_TOKENS
