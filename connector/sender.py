@@ -55,8 +55,10 @@ class Sender:
         metrics: ConnectorMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        rewrites_in_place: bool = True,
     ) -> None:
         self._buffers = buffers
+        self._rewrites_in_place = rewrites_in_place
         self._metrics = metrics
         self._clock = clock
         self._pending: dict[str, _Pending] = {}
@@ -84,6 +86,13 @@ class Sender:
                 "already done, or its lease expired)",
             )
         pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
+        if msg.rewrites and not self._rewrites_in_place:
+            return Prepared(
+                request_id=msg.request_id,
+                ok=False,
+                reason="this prefill does not rewrite blocks in place (its engine may read "
+                "them meanwhile); read them in their native arrangement",
+            )
         try:
             for rw in msg.rewrites:
                 self._rewrite(

@@ -69,8 +69,13 @@ class KVBridgeWorker:
         tp_size: int = 1,
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rewrites_in_place: bool = True,
     ) -> None:
+        """``rewrites_in_place=False``: the engine may run its own requests on a block
+        while a reader holds it (a prefix cache that hits held blocks), so this worker
+        never rewrites blocks after save; readers read them natively (more descriptors)."""
         self.config = config
+        self.rewrites_in_place = rewrites_in_place
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -138,6 +143,7 @@ class KVBridgeWorker:
             compat_hash=digest,
             side_channel_host=self.config.kv_ip,
             side_channel_port=self._listener.port,
+            rewrites_in_place=self.rewrites_in_place,
         )
         request = MetadataRequest(
             protocol_version=self._description.protocol_version,
@@ -153,7 +159,9 @@ class KVBridgeWorker:
         self._peers = PeerDirectory(
             engine, client, self._description, parse_description(self._description)
         )
-        self._sender = Sender(buffers, self.metrics, clock=self._clock)
+        self._sender = Sender(
+            buffers, self.metrics, clock=self._clock, rewrites_in_place=self.rewrites_in_place
+        )
         self._receiver = Receiver(
             engine,
             self._peers,

@@ -70,6 +70,7 @@ class PeerLayout:
     format: CacheFormat
     block_size: int
     regions: tuple[RegionInfo, ...]
+    rewrites_in_place: bool = True  # the sender may rewrite its blocks after save
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -132,6 +133,7 @@ def describe(
     compat_hash: str,
     side_channel_host: str = "",
     side_channel_port: int = 0,
+    rewrites_in_place: bool = True,
 ) -> WorkerDescription:
     """The description a worker publishes for its buffers."""
     config, fmt = buffers.config, buffers.format
@@ -183,6 +185,7 @@ def describe(
         nixl_metadata=nixl_metadata,
         side_channel_host=side_channel_host,
         side_channel_port=side_channel_port,
+        rewrites_in_place=rewrites_in_place,
     )
 
 
@@ -247,6 +250,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         format=fmt,
         block_size=desc.block_size,
         regions=regions,
+        rewrites_in_place=desc.rewrites_in_place,
     )
 
 

@@ -17,7 +17,8 @@ field) is a new ``PROTOCOL_VERSION``.
 Protocol history:
     1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply;
         MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty);
-        WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis).
+        WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis);
+        WorkerDescription.rewrites_in_place (default true).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     nixl_metadata: bytes
     side_channel_host: str = ""
     side_channel_port: int = 0
+    # false: this worker's blocks may be read by its own running requests while a reader
+    # holds them (an engine's prefix cache), so it never rewrites them after save
+    rewrites_in_place: bool = True
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

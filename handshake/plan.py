@@ -14,6 +14,12 @@ group the plan fixes:
   per chunk when both sides are cross-layer, one per layer against a per-layer peer, one
   per (layer, K/V) against a kv-split peer; state groups move ``state_bytes`` per layer.
 
+A sender that may not rewrite its blocks (``rewrites_in_place`` false: an engine whose
+prefix cache lets running requests read a block while a reader holds it) is read in its
+native arrangement instead: every piece is cut where its bytes stop being contiguous there
+(e.g. one piece per head when an HND 128-token block feeds 32-token chunks). That costs
+descriptors, so pieces smaller than ``MIN_NATIVE_PIECE_BYTES`` are refused by name.
+
 Token chunk ``q`` (tokens ``q*u .. q*u+u-1``) lives in local block ``q // r_local`` at
 chunk ``q % r_local`` and in remote block ``q // r_remote`` at chunk ``q % r_remote``.
 Descriptor tables list ``block x chunk x piece`` rows; :meth:`GroupPlan.indices` picks
@@ -24,17 +30,19 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
+from layouts.arrangement import BlockArrangement, UnitGeometry, element_offsets, same_bytes
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVPacking
 from layouts.specs import AttentionSpec, KVCacheKind, StateSpec
+
+MIN_NATIVE_PIECE_BYTES = 512  # smallest piece worth a descriptor when reading natively
 
 
 class Granularity(enum.IntEnum):
@@ -92,6 +100,7 @@ class GroupPlan:
     sender: Rewrite | None
     receiver: Rewrite | None
     streams: tuple[PieceStream, ...]
+    native_read: bool = False  # pieces read the sender's native bytes (it may not rewrite)
 
     @property
     def descriptors_per_chunk(self) -> int:
@@ -162,6 +171,7 @@ class GroupPlan:
             f"block, {self.descriptors_per_chunk} desc x {piece_bytes} B "
             f"per chunk; transform: {side.value}"
             + (f" [sender {self.sender}]" if self.sender else "")
+            + (" [sender read in its native arrangement]" if self.native_read else "")
             + (f" [receiver {self.receiver}]" if self.receiver else "")
         )
 
@@ -193,9 +203,13 @@ class TransferPlan:
         return "\n".join(lines)
 
 
-def negotiate(local: PeerLayout, remote: PeerLayout) -> TransferPlan:
+def negotiate(
+    local: PeerLayout, remote: PeerLayout, *, min_native_piece_bytes: int | None = None
+) -> TransferPlan:
     """The plan for reading ``remote``'s blocks into ``local``'s, or
     :class:`IncompatiblePeerError` naming what cannot be bridged."""
+    if min_native_piece_bytes is None:
+        min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
     peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
     if local.identity.tp_size != remote.identity.tp_size:
         raise IncompatiblePeerError(
@@ -225,7 +239,7 @@ def negotiate(local: PeerLayout, remote: PeerLayout) -> TransferPlan:
             if isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
             else:
-                plans.append(_attention_plan(local, remote, lg, rg))
+                plans.append(_attention_plan(local, remote, lg, rg, min_native_piece_bytes))
         except LayoutError as exc:
             raise IncompatiblePeerError(
                 [(f"groups[{lg.group_id}]", str(local.format), str(remote.format))],
@@ -252,7 +266,11 @@ def _granularity(side: PeerLayout, spec: AttentionSpec) -> Granularity:
 
 
 def _attention_plan(
-    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+    local: PeerLayout,
+    remote: PeerLayout,
+    lg: KVCacheGroup,
+    rg: KVCacheGroup,
+    min_native_piece_bytes: int,
 ) -> GroupPlan:
     lspec, rspec = lg.spec, rg.spec
     assert isinstance(lspec, AttentionSpec) and isinstance(rspec, AttentionSpec)
@@ -294,6 +312,15 @@ def _attention_plan(
     ):
         receiver = Rewrite(src=receiver_src, dst=l_native)
     streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
+    native_read = sender is not None and not remote.rewrites_in_place
+    if native_read:
+        assert sender is not None
+        geometry = _geometries(remote, rg.group_id, rspec)[0]
+        streams = tuple(
+            _native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
+            for s in streams
+        )
+        sender = None
     return GroupPlan(
         group_id=lg.group_id,
         kind=lg.kind,
@@ -303,6 +330,69 @@ def _attention_plan(
         sender=sender,
         receiver=receiver,
         streams=streams,
+        native_read=native_read,
+    )
+
+
+def _native_stream(
+    stream: PieceStream,
+    geometry: UnitGeometry,
+    rewrite: Rewrite,
+    chunks: int,
+    group_id: int,
+    min_piece_bytes: int,
+) -> PieceStream:
+    """``stream`` re-cut to read the sender's ``rewrite.src`` bytes where the plan wanted
+    its ``rewrite.dst`` bytes: each piece splits into runs contiguous in ``src``."""
+    # Elements of one head row (head_size x itemsize bytes) never split: probe with them.
+    elem = geometry.head_size * geometry.itemsize
+    probe = replace(geometry, head_size=1, itemsize=8)
+    dst, src = element_offsets(probe, rewrite.dst), element_offsets(probe, rewrite.src)
+    src_at = np.empty_like(dst)
+    src_at[dst] = src  # element at dst position p lies at src position src_at[p]
+    chunk = probe.unit_elems // chunks
+    if stream.remote_chunk_bytes != chunk * elem or stream.length % elem:
+        raise LayoutError(f"group {group_id}: pieces do not cover whole head rows")
+    n = stream.length // elem
+    per_chunk = np.stack(
+        [
+            np.concatenate(
+                [src_at[q * chunk + off // elem + np.arange(n)] for off in stream.remote_offsets]
+            )
+            for q in range(chunks)
+        ]
+    )
+    stride = int(per_chunk[1, 0] - per_chunk[0, 0]) if chunks > 1 else 0
+    if not np.array_equal(per_chunk, per_chunk[:1] + stride * np.arange(chunks)[:, None]):
+        raise LayoutError(
+            f"group {group_id}: the sender's {rewrite.src} blocks cannot be read as "
+            f"{rewrite.dst} chunks without a rewrite (chunks are not evenly spaced)"
+        )
+    first = per_chunk[0]
+    breaks = np.flatnonzero(np.diff(first) != 1) + 1
+    starts = np.concatenate([breaks, np.arange(0, first.size, n)])
+    run = int(np.gcd.reduce(np.concatenate([[n], starts])))
+    length = run * elem
+    if length < min_piece_bytes:
+        raise LayoutError(
+            f"group {group_id}: reading the sender's {rewrite.src} blocks as {rewrite.dst} "
+            f"chunks without a rewrite needs {length}-byte pieces (fewer than "
+            f"{min_piece_bytes}); the sender does not rewrite blocks in place"
+        )
+    local_offsets = []
+    remote_offsets = []
+    for k, off in enumerate(stream.local_offsets):
+        for j in range(0, n, run):
+            local_offsets.append(off + j * elem)
+            remote_offsets.append(int(first[k * n + j]) * elem)
+    return PieceStream(
+        local_region=stream.local_region,
+        remote_region=stream.remote_region,
+        local_offsets=tuple(local_offsets),
+        remote_offsets=tuple(remote_offsets),
+        length=length,
+        local_chunk_bytes=stream.local_chunk_bytes,
+        remote_chunk_bytes=stride * elem if chunks > 1 else stream.remote_chunk_bytes,
     )
 
 
@@ -318,7 +408,7 @@ def _geometries(side: PeerLayout, group_id: int, spec: AttentionSpec) -> list[Un
             num_kv_parts=parts,
             block_size=spec.block_size,
             num_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
+            head_size=spec.part_head_size,
             itemsize=spec.itemsize,
         )
     )

@@ -222,8 +222,11 @@ def adopt_kv_caches(
         name: _byte_rows(tensors[name], config.num_blocks, page, page)
         for name in config.layer_names
     }
+    # vLLM's hybrid allocator gives layer i of every group the same tensor (the groups
+    # share one block pool): register each piece of memory once.
+    unique = {(t.data_ptr(), t.numel()): t for t in layer_bytes.values()}
     return KVCacheBuffers.adopt(
-        config, fmt, list(layer_bytes.values()), layer_bytes, device=tensors[name].device
+        config, fmt, list(unique.values()), layer_bytes, device=tensors[name].device
     )
 
 

@@ -58,6 +58,9 @@ class VLLMWorkerSide:
             ),
             rank=rank,
             tp_size=tp_size,
+            # vLLM's prefix cache lets new requests read a finished request's blocks while
+            # decode still holds them: they must stay exactly as vLLM wrote them
+            rewrites_in_place=False,
         )
         self._freed: set[str] = set()  # released by the scheduler: vLLM must free them
         self._output = WorkerOutput()

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -162,6 +164,7 @@ class Service:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         _live.add(self)
 
@@ -243,6 +246,15 @@ class Service:
 # -- groups ------------------------------------------------------------------------------
 
 _live: set[Service] = set()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launching process dies, however it dies
+    (a killed test run must not leave servers behind; atexit covers normal exits only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def start_all(

@@ -88,6 +88,7 @@ def make_side(
     clock: FakeClock,
     *,
     num_blocks: int = 64,
+    rewrites_in_place: bool = True,
     **extra_config: object,
 ) -> Side:
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
@@ -103,7 +104,7 @@ def make_side(
             **extra_config,
         }
     )
-    worker = KVBridgeWorker(config, MODEL, clock=clock)
+    worker = KVBridgeWorker(config, MODEL, clock=clock, rewrites_in_place=rewrites_in_place)
     worker.register_kv_caches(buffers)
     sched = KVBridgeScheduler(config, kv, clock=clock)
     return Side(

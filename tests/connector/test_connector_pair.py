@@ -92,6 +92,36 @@ def test_happy_path_loads_frees_and_restores(pair):
     _assert_pools_full(prefill, decode)
 
 
+def test_prefill_that_may_not_rewrite_is_read_natively(clock, monkeypatch):
+    """vLLM's prefill: its prefix cache may read a held block, so it is never rewritten."""
+    monkeypatch.setattr("handshake.plan.MIN_NATIVE_PIECE_BYTES", 64)  # tiny test heads
+    fmt = CacheFormat(layout=KVLayout.HND)
+    prefill = make_side(
+        "kv_producer", "prefill", 64, fmt, "FS", clock, lease_s=30.0, rewrites_in_place=False
+    )
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "FS", clock)
+    try:
+        p = Request("p1", token_ids(200), _remote_decode())
+        params = prefill_finish(prefill, p)
+        snapshot = [t.clone() for t in prefill.buffers.tensors]
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 192
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "load")
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 192))
+        assert prefill.worker.metrics.sender_rewrites == 0
+        for before, after in zip(snapshot, prefill.buffers.tensors, strict=True):
+            assert torch.equal(before, after)
+        # one descriptor per (layer, kernel sub-block, K/V, head): 8 tokens x 4 dims x 2 B
+        m = decode.worker.metrics
+        assert m.bytes_read == 64 * m.descriptors_posted
+        run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill freed")
+        _finish_decode(decode, d)
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
 def test_partial_prefix_hit_reads_only_the_rest(pair):
     prefill, decode = pair
     p = Request("p1", token_ids(200), _remote_decode())
@@ -269,3 +299,25 @@ def _remote_decode():
     from connector.params import KVTransferParams
 
     return KVTransferParams(do_remote_decode=True)
+
+
+def test_sender_that_may_not_rewrite_refuses_a_prepare_with_rewrites(clock):
+    from connector.metadata import SendSpec
+    from connector.metrics import ConnectorMetrics
+    from connector.notifications import GroupRewrite, Prepare, WireArrangement
+    from connector.sender import Sender
+    from layouts.arrangement import BlockArrangement
+
+    prefill = make_side("kv_producer", "prefill", 64, CacheFormat(layout=KVLayout.HND), "F", clock)
+    try:
+        snapshot = [t.clone() for t in prefill.buffers.tensors]
+        sender = Sender(prefill.buffers, ConnectorMetrics(), clock=clock, rewrites_in_place=False)
+        sender.add(SendSpec(request_id="r", block_ids=((3, 4),), first_block=(0,), lease_s=30.0))
+        src = WireArrangement.of(BlockArrangement(layout=KVLayout.HND))
+        dst = WireArrangement.of(BlockArrangement(layout=KVLayout.HND, num_chunks=4))
+        reply = sender.on_prepare(Prepare(request_id="r", rewrites=[GroupRewrite(0, src, dst)]))
+        assert not reply.ok and "does not rewrite blocks in place" in reply.reason
+        for before, after in zip(snapshot, prefill.buffers.tensors, strict=True):
+            assert torch.equal(before, after)
+    finally:
+        prefill.worker.shutdown()

@@ -51,7 +51,15 @@ class Side:
     layout: PeerLayout
 
 
-def make_side(engine: str, block_size: int, fmt: CacheFormat, kinds: str, num_blocks: int) -> Side:
+def make_side(
+    engine: str,
+    block_size: int,
+    fmt: CacheFormat,
+    kinds: str,
+    num_blocks: int,
+    *,
+    rewrites_in_place: bool = True,
+) -> Side:
     config = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
     buffers = KVCacheBuffers(config, fmt)
     for t in buffers.tensors:
@@ -65,7 +73,13 @@ def make_side(engine: str, block_size: int, fmt: CacheFormat, kinds: str, num_bl
         num_kv_heads=2,
         head_size=4,
     )
-    desc = describe(identity, buffers, nixl_metadata=b"", compat_hash=compat_hash(identity, config))
+    desc = describe(
+        identity,
+        buffers,
+        nixl_metadata=b"",
+        compat_hash=compat_hash(identity, config),
+        rewrites_in_place=rewrites_in_place,
+    )
     return Side(buffers=buffers, layout=parse_description(desc))
 
 

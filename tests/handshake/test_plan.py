@@ -27,14 +27,17 @@ def _fmt(layout: str, cross: bool, kernel: int | None = None, packing: str = "bl
     )
 
 
-def _run(b_remote, f_remote, b_local, f_local, kinds="F", seed=0):
+def _run(b_remote, f_remote, b_local, f_local, kinds="F", seed=0, *, in_place=True):
     rng = np.random.default_rng(seed)
     n_remote, n_local = NUM_TOKENS // b_remote, NUM_TOKENS // b_local
-    remote = make_side("prefill", b_remote, f_remote, kinds, num_blocks=n_remote + 5)
+    remote = make_side(
+        "prefill", b_remote, f_remote, kinds, num_blocks=n_remote + 5, rewrites_in_place=in_place
+    )
     local = make_side("decode", b_local, f_local, kinds, num_blocks=n_local + 5)
-    plan = negotiate(local.layout, remote.layout)
+    plan = negotiate(local.layout, remote.layout, min_native_piece_bytes=1)
     rids = rng.permutation(n_remote + 5)[:n_remote]
     lids = rng.permutation(n_local + 5)[:n_local]
+    sender_bytes = [t.clone() for t in remote.buffers.tensors]
     for g in plan.groups:
         if g.kind.value == "state":
             continue
@@ -44,6 +47,10 @@ def _run(b_remote, f_remote, b_local, f_local, kinds="F", seed=0):
         got = read_group_token_major(local.buffers, g.group_id, lids)
         assert torch.equal(got, want), f"group {g.group_id} differs under\n{plan}"
         assert moved == chunks.size * g.descriptors_per_chunk
+    if not in_place:  # the sender's blocks were read as they are, never rewritten
+        assert plan.sender_rewrites() == {}
+        for before, after in zip(sender_bytes, remote.buffers.tensors, strict=True):
+            assert torch.equal(before, after)
     return plan
 
 
@@ -95,6 +102,43 @@ def test_kernel_block_sizes_and_packings(b_remote, k_remote, b_local, k_local, l
 @pytest.mark.parametrize("packing", ["kv_split", "blocks_first"])
 def test_cross_layer_against_per_layer_kernel_blocks(x_remote, x_local, packing):
     _run(64, _fmt("HND", x_remote, 16, packing), 32, _fmt("NHD", x_local, 8, packing))
+
+
+@pytest.mark.parametrize("b_remote,b_local", [(128, 32), (64, 16), (32, 32), (16, 64)])
+@pytest.mark.parametrize("l_remote,l_local", [("HND", "HND"), ("NHD", "HND"), ("HND", "NHD")])
+@pytest.mark.parametrize("x_remote,x_local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("kernel", [None, 16])
+def test_sender_that_may_not_rewrite_is_read_natively(
+    b_remote, b_local, l_remote, l_local, x_remote, x_local, kernel
+):
+    plan = _run(
+        b_remote,
+        _fmt(l_remote, x_remote, kernel),
+        b_local,
+        _fmt(l_local, x_local),
+        kinds="FS",
+        in_place=False,
+    )
+    assert all(g.sender is None for g in plan.groups)
+
+
+def test_native_read_of_larger_hnd_blocks_costs_one_descriptor_per_head():
+    # vLLM on CPU: per-layer HND blocks, prefill 128 tokens -> decode 32 tokens
+    for in_place in (True, False):
+        plan = _run(128, _fmt("HND", False), 32, _fmt("HND", False), in_place=in_place)
+        g = plan.groups[0]
+        assert g.native_read is not in_place
+        assert (g.sender is None) is not in_place
+        # two layers, K and V, two heads: the rewrite gives one piece per layer, reading
+        # natively one per (layer, K/V, head)
+        assert g.descriptors_per_chunk == (2 if in_place else 8)
+
+
+def test_native_read_with_tiny_pieces_is_refused_by_name():
+    remote = make_side("p", 64, _fmt("NHD", False), "F", 8, rewrites_in_place=False)
+    local = make_side("d", 16, _fmt("HND", False), "F", 8)
+    with pytest.raises(IncompatiblePeerError, match=r"(?s)8-byte pieces.*does not rewrite"):
+        negotiate(local.layout, remote.layout)
 
 
 @pytest.mark.parametrize("kinds", ["FS", "FSM", "MSF"])

@@ -88,6 +88,7 @@ def _spec(name: str, model: Path, block_size: int, policy: str) -> ServerSpec:
         kv_extra=dict(LEASE),
         failure_policy=policy,
         max_model_len=2048,
+        enforce_eager=True,  # no torch.compile warm-up: starts ~3x faster on CPU
     )
 
 

@@ -141,6 +141,18 @@ def test_vllm_cpu_interleaved_layout_values():
     torch.testing.assert_close(got, want)
 
 
+def test_hybrid_groups_sharing_tensors_register_each_allocation_once():
+    """vLLM's hybrid allocator: layer i of every group is the same tensor."""
+    config = _config(block_size=4, num_blocks=3, hybrid=True)
+    shared = [torch.zeros(3, H, 4, 2 * D, dtype=torch.float16) for _ in range(2)]
+    tensors = {"l0": shared[0], "l1": shared[0], "l2": shared[1], "l3": shared[1]}
+    buffers = adopt_kv_caches(config, tensors, layout_hint=KVLayout.HND)
+    assert sorted(t.data_ptr() for t in buffers.tensors) == sorted(t.data_ptr() for t in shared)
+    assert buffers.layer_bytes("l0").data_ptr() == buffers.layer_bytes("l1").data_ptr()
+    shared[0][1, 0, 2, 3] = 7.0  # group 0 and group 1 see the same bytes
+    assert torch.equal(buffers.layer_bytes("l0")[1], buffers.layer_bytes("l1")[1])
+
+
 def test_interleaved_and_split_specs_are_different_pages_of_the_same_size():
     split = FullAttentionSpec(block_size=4, num_kv_heads=H, head_size=D, dtype=torch.float16)
     inter = FullAttentionSpec(
