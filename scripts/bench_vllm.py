@@ -156,6 +156,7 @@ def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
         decode_block_size=decode_bs,
         with_reference=False,
         max_model_len=args.max_model_len,
+        enforce_eager=not args.compile,
         progress=False,
     ) as pd:
         prompt = make_prompts(1, 300, seed=99)[0]
@@ -185,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refused", nargs="*", default=["64:32"], help="prefill:decode sizes")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM's torch.compile warm-up (default: --enforce-eager, ~3x faster start)",
+    )
     args = ap.parse_args(argv)
 
     points: dict[tuple[str, int, int], Point] = {}
@@ -199,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_block_size=args.decode_block_size,
             with_reference=False,
             max_model_len=args.max_model_len,
+            enforce_eager=not args.compile,
         ) as pd:
             ttft(pd.proxy_url, pd.model_name, make_prompts(1, 64, seed=1)[0], args.timeout)
             for length in args.lengths:

@@ -66,6 +66,7 @@ def kv_transfer_setup(
     tensor_parallel_size: int = 1,
     host: str = HOST,
     failure_policy: str | None = None,
+    engine_id: str | None = None,
 ) -> KVSetup:
     """The kv-transfer config of server ``role`` (prefill / decode) for ``connector``.
 
@@ -96,7 +97,7 @@ def kv_transfer_setup(
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "connector.vllm",
             "kv_role": _KVBRIDGE_ROLES[role],
-            "engine_id": f"{role}-{index}",
+            "engine_id": engine_id or f"{role}-{index}",
             "kv_port": free_port(host, span=tensor_parallel_size),
             "kv_buffer_device": "cpu",
             # vLLM 0.32's KVTransferConfig has no kv_ip: kvbridge reads it from the extra
@@ -206,6 +207,7 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
                 extra=spec.kv_extra,
                 tensor_parallel_size=spec.tensor_parallel_size,
                 failure_policy=spec.failure_policy,
+                engine_id=spec.name,  # unique among the servers started together
             )
             argv += ["--kv-transfer-config", kv.to_json()]
             env.update(kv.env)
