@@ -186,6 +186,7 @@ def describe(
         side_channel_host=side_channel_host,
         side_channel_port=side_channel_port,
         rewrites_in_place=rewrites_in_place,
+        block_packing=fmt.block_packing,
     )
 
 
@@ -208,6 +209,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
             kernel_block_size=desc.kernel_block_size or None,
             cross_layer=desc.cross_layer,
             packing=KVPacking.parse(desc.kv_packing),
+            block_packing=desc.block_packing,
         )
         regions = tuple(
             RegionInfo(

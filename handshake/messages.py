@@ -18,7 +18,7 @@ Protocol history:
     1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply;
         MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty);
         WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis);
-        WorkerDescription.rewrites_in_place (default true).
+        WorkerDescription.rewrites_in_place (default true), block_packing (default "").
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # false: this worker's blocks may be read by its own running requests while a reader
     # holds them (an engine's prefix cache), so it never rewrites them after save
     rewrites_in_place: bool = True
+    # non-empty: the engine's private element order inside a page (CacheFormat.block_packing)
+    block_packing: str = ""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -218,6 +218,7 @@ def negotiate(
             hint="different tensor-parallel sizes are not supported yet; run both sides "
             "with the same TP size",
         )
+    _check_block_packing(local, remote, peer)
     if len(local.config.groups) != len(remote.config.groups):
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
@@ -252,6 +253,33 @@ def negotiate(
         remote_agent_name=remote.identity.agent_name,
         groups=tuple(plans),
     )
+
+
+def _check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str) -> None:
+    """Pages in an engine's private element order move whole: same order, same size."""
+    lp, rp = local.format.block_packing, remote.format.block_packing
+    if not lp and not rp:
+        return
+    if lp != rp:
+        raise IncompatiblePeerError(
+            [("block_packing", lp or "(kvbridge layout)", rp or "(kvbridge layout)")],
+            peer=peer,
+            hint="the two engines order the elements of a block differently",
+        )
+    mismatched = [
+        (f"groups[{lg.group_id}].block_size", lg.spec.block_size, rg.spec.block_size)
+        for lg, rg in zip(local.config.groups, remote.config.groups, strict=False)
+        if lg.spec.block_size != rg.spec.block_size
+    ]
+    if mismatched:
+        raise IncompatiblePeerError(
+            mismatched,
+            peer=peer,
+            hint=f"{lp!r} blocks keep their elements in the engine's own order (vLLM's CPU "
+            f"attention stores K transposed per block), so a block cannot be cut into "
+            f"token chunks by byte ranges; kvbridge moves such blocks whole, which needs "
+            f"the same block size on both sides",
+        )
 
 
 # -- attention groups ------------------------------------------------------------------

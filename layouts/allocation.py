@@ -40,6 +40,10 @@ class CacheFormat:
     kernel_block_size: int | None = None  # None: same as the manager block size
     cross_layer: bool = False
     packing: KVPacking = KVPacking.BLOCKS_FIRST  # per-layer only; pages are [K|V] in rows
+    # Non-empty: the engine orders the elements of each page its own way (e.g. vLLM's CPU
+    # attention stores K transposed), named by this id. kvbridge then moves pages whole
+    # and only between sides with the same id and the same block size.
+    block_packing: str = ""
 
     def kernel_block_size_for(self, block_size: int) -> int:
         kb = self.kernel_block_size or block_size

@@ -165,12 +165,15 @@ def adopt_kv_caches(
     tensors: Mapping[str, torch.Tensor],
     *,
     layout_hint: KVLayout | None = None,
+    block_packing: str = "",
 ) -> KVCacheBuffers:
     """Wrap an engine's per-layer tensors as :class:`KVCacheBuffers` (no copy).
 
     ``config`` names every layer and its spec; its attention specs are given the
     ``kv_interleaved`` flag the tensors show. Every layer must be present; tensors for
     layers outside ``config`` are an error (the caller filters shared or unused layers).
+    ``block_packing``: the engine's id for a page order the shape does not show (its
+    kernels' private element order, see ``CacheFormat.block_packing``); "" if none.
     """
     missing = [n for n in config.layer_names if n not in tensors]
     extra = sorted(set(tensors) - set(config.layer_names))
@@ -215,6 +218,7 @@ def adopt_kv_caches(
         kernel_block_size=first.kernel_block_size,
         cross_layer=cross_layer,
         packing=first.packing if not cross_layer else KVPacking.BLOCKS_FIRST,
+        block_packing=block_packing,
     )
     if cross_layer:
         return _adopt_cross_layer(config, fmt, tensors, formats)

@@ -70,12 +70,18 @@ class VLLMWorkerSide:
         # Layers that share another layer's cache (no spec of their own) are not in the
         # groups and are not transferred separately.
         tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
-        buffers = adopt_kv_caches(self.kv_config, tensors, layout_hint=self.layout_hint)
+        buffers = adopt_kv_caches(
+            self.kv_config,
+            tensors,
+            layout_hint=self.layout_hint,
+            block_packing=block_packing(self.kv_config, tensors),
+        )
         logger.info(
-            "kvbridge adopted %d KV-cache tensors (%s, %s, %d blocks, %d B pages, %s)",
+            "kvbridge adopted %d KV-cache tensors (%s, %s%s, %d blocks, %d B pages, %s)",
             len(buffers.tensors),
             "cross-layer" if buffers.format.cross_layer else buffers.format.packing.value,
             buffers.format.layout.value,
+            f", packed {buffers.format.block_packing}" if buffers.format.block_packing else "",
             buffers.config.num_blocks,
             buffers.config.page_size_bytes,
             ", ".join(f"g{g.group_id}={g.spec.kind.value}" for g in buffers.config.groups),
@@ -122,3 +128,26 @@ class VLLMWorkerSide:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def block_packing(kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> str:
+    """vLLM's id for the element order inside its CPU attention blocks ("" elsewhere).
+
+    vLLM's CPU attention shows a ``[blocks, H, block_size, 2 * head_size]`` tensor but its
+    kernels (``cpu_attn_reshape_and_cache``) store each head's K transposed,
+    ``[head_size, block_size]``, followed by V ``[block_size, head_size]``, in an order
+    chosen per instruction set. Such blocks are byte-identical only to blocks of the same
+    size and instruction set, which the id names.
+    """
+    from vllm.platforms import current_platform
+
+    if not any(t.device.type == "cpu" for t in tensors.values()) or not current_platform.is_cpu():
+        return ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isas = set()
+    for g in kv_config.groups:
+        spec = g.spec
+        if isinstance(spec, AttentionSpec):
+            isas.add(f"{_get_attn_isa(spec.dtype, spec.block_size, spec.head_size)}")
+    return "vllm-cpu-attn:" + "+".join(sorted(isas))

@@ -239,3 +239,26 @@ def test_state_group_moves_state_bytes_per_layer():
             assert torch.equal(
                 lv[5].contiguous().view(torch.uint8), rv[3].contiguous().view(torch.uint8)
             )
+
+
+def test_engine_packed_blocks_move_whole_between_equal_block_sizes():
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    plan = _run(32, fmt, 32, fmt, kinds="FS")
+    assert plan.transform_side is TransformSide.NONE
+    assert all(g.remote_chunks_per_block == g.local_chunks_per_block == 1 for g in plan.groups)
+
+
+@pytest.mark.parametrize("b_remote,b_local", [(64, 32), (32, 64)])
+def test_engine_packed_blocks_of_different_sizes_are_refused_by_name(b_remote, b_local):
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    remote = make_side("p", b_remote, fmt, "F", 8)
+    local = make_side("d", b_local, fmt, "F", 8)
+    with pytest.raises(IncompatiblePeerError, match=r"(?s)groups\[0\]\.block_size.*moves such"):
+        negotiate(local.layout, remote.layout)
+
+
+def test_engine_packed_against_kvbridge_layout_is_refused():
+    remote = make_side("p", 32, CacheFormat(layout=KVLayout.HND, block_packing="x"), "F", 8)
+    local = make_side("d", 32, CacheFormat(layout=KVLayout.HND), "F", 8)
+    with pytest.raises(IncompatiblePeerError, match="block_packing"):
+        negotiate(local.layout, remote.layout)

@@ -1,0 +1,57 @@
+"""vLLM's CPU attention keeps its own element order inside a block: kvbridge must know.
+
+The tensor vLLM hands to connectors is ``[blocks, H, block_size, 2 * head_size]``, but
+the kernels that fill it (``cpu_attn_reshape_and_cache``) store each head's K transposed.
+These tests run that kernel, so a vLLM change to the order shows up here first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from connector.vllm.worker_side import block_packing
+from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.specs import FullAttentionSpec
+
+pytestmark = pytest.mark.vllm
+
+NB, H, BS, D = 2, 2, 32, 32
+
+
+def _fill(block_size: int) -> torch.Tensor:
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache = torch.zeros(NB, H, block_size, 2 * D)
+    key_cache, value_cache = cache.view(NB, H, 2 * block_size, D).chunk(2, dim=2)
+    t = torch.arange(block_size).view(-1, 1, 1)
+    h = torch.arange(H).view(1, -1, 1)
+    d = torch.arange(D).view(1, 1, -1)
+    key = (1 + 10_000 * t + 100 * h + d).float()
+    slots = torch.arange(block_size) + block_size  # block 1
+    isa = _get_attn_isa(torch.float32, block_size, D)
+    ops.cpu_attn_reshape_and_cache(key, -key, key_cache, value_cache, slots, isa)
+    return cache
+
+
+def test_cpu_attention_stores_k_transposed_so_token_chunks_are_not_byte_ranges():
+    page = _fill(BS)[1].reshape(-1)
+    # K of (token 1, head 0, dim 0) sits right after token 0: tokens are the inner axis
+    assert page[1].item() == 1 + 10_000 * 1
+    assert page[BS].item() == 1 + 1  # then dim 1 of token 0
+    # so the first half of the page's bytes is not "the first half of the tokens"
+    first_half = page[: page.numel() // 2]
+    tokens_there = {int(abs(v.item()) - 1) // 10_000 for v in first_half}
+    assert tokens_there == set(range(BS))
+
+
+def test_block_packing_names_the_instruction_set_on_cpu():
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
+    config = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
+    )
+    packing = block_packing(config, {"l0": torch.zeros(NB, H, BS, 2 * D)})
+    assert packing.startswith("vllm-cpu-attn:") and packing.split(":")[1]
