@@ -63,8 +63,11 @@ class PeerDirectory:
         client: HandshakeClient,
         local_description: WorkerDescription,
         local_layout: PeerLayout,
+        *,
+        can_repack: bool = False,
     ) -> None:
         self._engine = engine
+        self._can_repack = can_repack
         self._client = client
         self._local_description = local_description
         self._local = local_layout
@@ -121,7 +124,7 @@ class PeerDirectory:
         try:
             check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
             layout = parse_description(desc)
-            plan = negotiate(self._local, layout)
+            plan = negotiate(self._local, layout, can_repack=self._can_repack)
             agent = self._engine.add_peer(desc.nixl_metadata)
             peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
             for g in plan.groups:

@@ -31,6 +31,10 @@ from layouts.errors import KVBridgeError
 from layouts.specs import KVCacheKind, SlidingWindowSpec
 from layouts.transforms import rewrite_group
 
+# (group id, local block ids, remote block size): the engine repacks local blocks that
+# each received whole, smaller remote pages (engine-packed formats, see handshake.plan)
+Repacker = Callable[[int, np.ndarray, int], None]
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,8 +69,10 @@ class Receiver:
         *,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        repacker: Repacker | None = None,
     ) -> None:
         self._engine = engine
+        self._repacker = repacker
         self._peers = peers
         self._buffers = buffers
         self._metrics = metrics
@@ -239,6 +245,11 @@ class Receiver:
                         g.receiver.dst,
                     )
                     self._metrics.receiver_rewrites += stats.num_blocks
+                if g.repack_from and g.group_id in load.touched:
+                    assert self._repacker is not None  # negotiation needs one for repacks
+                    ids = load.touched[g.group_id]
+                    self._repacker(g.group_id, ids, g.repack_from)
+                    self._metrics.receiver_rewrites += int(ids.size)
         self._metrics.transfers += 1
         self._metrics.bytes_read += load.num_bytes
         self._metrics.transfer_seconds += self._clock() - load.started

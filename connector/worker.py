@@ -31,7 +31,7 @@ from connector.notifications import (
 )
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
-from connector.receiver import Receiver
+from connector.receiver import Receiver, Repacker
 from connector.sender import Sender
 from connector.transport import TransferEngine
 from handshake.affinity import unpinned
@@ -70,12 +70,16 @@ class KVBridgeWorker:
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
+        repacker: Repacker | None = None,
     ) -> None:
         """``rewrites_in_place=False``: the engine may run its own requests on a block
         while a reader holds it (a prefix cache that hits held blocks), so this worker
-        never rewrites blocks after save; readers read them natively (more descriptors)."""
+        never rewrites blocks after save; readers read them natively (more descriptors).
+        ``repacker``: for engine-packed pages (``CacheFormat.block_packing``), the engine's
+        way to repack local blocks that received whole smaller remote pages."""
         self.config = config
         self.rewrites_in_place = rewrites_in_place
+        self._repacker = repacker
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -107,6 +111,12 @@ class KVBridgeWorker:
     @property
     def side_channel_port(self) -> int:
         return self._listener.port if self._listener else 0
+
+    def set_repacker(self, repacker: Repacker) -> None:
+        """The engine's repacker for its packed pages (before ``register_kv_caches``)."""
+        if self._engine is not None:
+            raise KVBridgeError("set_repacker() must come before register_kv_caches()")
+        self._repacker = repacker
 
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
@@ -157,7 +167,11 @@ class KVBridgeWorker:
             request=request,
         )
         self._peers = PeerDirectory(
-            engine, client, self._description, parse_description(self._description)
+            engine,
+            client,
+            self._description,
+            parse_description(self._description),
+            can_repack=self._repacker is not None,
         )
         self._sender = Sender(
             buffers, self.metrics, clock=self._clock, rewrites_in_place=self.rewrites_in_place
@@ -170,6 +184,7 @@ class KVBridgeWorker:
             self._send,
             timeout_s=self.config.transfer_timeout_s,
             clock=self._clock,
+            repacker=self._repacker,
         )
 
     # -- per step -------------------------------------------------------------------------

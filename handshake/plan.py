@@ -101,6 +101,9 @@ class GroupPlan:
     receiver: Rewrite | None
     streams: tuple[PieceStream, ...]
     native_read: bool = False  # pieces read the sender's native bytes (it may not rewrite)
+    # engine-packed pages: each local block receives whole remote pages of this many
+    # tokens, which the reader's engine packer repacks after load (0: nothing to repack)
+    repack_from: int = 0
 
     @property
     def descriptors_per_chunk(self) -> int:
@@ -172,6 +175,7 @@ class GroupPlan:
             f"per chunk; transform: {side.value}"
             + (f" [sender {self.sender}]" if self.sender else "")
             + (" [sender read in its native arrangement]" if self.native_read else "")
+            + (f" [engine repacks {self.repack_from}-token pages]" if self.repack_from else "")
             + (f" [receiver {self.receiver}]" if self.receiver else "")
         )
 
@@ -204,10 +208,15 @@ class TransferPlan:
 
 
 def negotiate(
-    local: PeerLayout, remote: PeerLayout, *, min_native_piece_bytes: int | None = None
+    local: PeerLayout,
+    remote: PeerLayout,
+    *,
+    min_native_piece_bytes: int | None = None,
+    can_repack: bool = False,
 ) -> TransferPlan:
     """The plan for reading ``remote``'s blocks into ``local``'s, or
-    :class:`IncompatiblePeerError` naming what cannot be bridged."""
+    :class:`IncompatiblePeerError` naming what cannot be bridged. ``can_repack``: the
+    local engine can repack its packed pages from smaller ones after load."""
     if min_native_piece_bytes is None:
         min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
     peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
@@ -218,7 +227,7 @@ def negotiate(
             hint="different tensor-parallel sizes are not supported yet; run both sides "
             "with the same TP size",
         )
-    _check_block_packing(local, remote, peer)
+    packed = _check_block_packing(local, remote, peer, can_repack)
     if len(local.config.groups) != len(remote.config.groups):
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
@@ -237,7 +246,9 @@ def negotiate(
                 peer=peer,
             )
         try:
-            if isinstance(lg.spec, StateSpec):
+            if packed:
+                plans.append(_packed_plan(local, remote, lg, rg))
+            elif isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
             else:
                 plans.append(_attention_plan(local, remote, lg, rg, min_native_piece_bytes))
@@ -255,31 +266,96 @@ def negotiate(
     )
 
 
-def _check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str) -> None:
-    """Pages in an engine's private element order move whole: same order, same size."""
+def _check_block_packing(
+    local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool
+) -> bool:
+    """Pages in an engine's private element order: same order on both sides, and the
+    reader's blocks a multiple of the sender's when its engine repacks (else equal).
+    True when the sides are packed."""
     lp, rp = local.format.block_packing, remote.format.block_packing
     if not lp and not rp:
-        return
+        return False
     if lp != rp:
         raise IncompatiblePeerError(
             [("block_packing", lp or "(kvbridge layout)", rp or "(kvbridge layout)")],
             peer=peer,
             hint="the two engines order the elements of a block differently",
         )
-    mismatched = [
+    pairs = list(zip(local.config.groups, remote.config.groups, strict=False))
+    larger_sender = [
         (f"groups[{lg.group_id}].block_size", lg.spec.block_size, rg.spec.block_size)
-        for lg, rg in zip(local.config.groups, remote.config.groups, strict=False)
-        if lg.spec.block_size != rg.spec.block_size
+        for lg, rg in pairs
+        if rg.spec.block_size > lg.spec.block_size
+        or (not can_repack and rg.spec.block_size != lg.spec.block_size)
+        or lg.spec.block_size % rg.spec.block_size
     ]
-    if mismatched:
+    if larger_sender:
+        how = (
+            "a reader repacks whole smaller pages into its blocks after load, so the "
+            "sender's blocks must not be larger than the reader's"
+            if can_repack
+            else "this reader cannot repack them, so both sides need the same block size"
+        )
         raise IncompatiblePeerError(
-            mismatched,
+            larger_sender,
             peer=peer,
             hint=f"{lp!r} blocks keep their elements in the engine's own order (vLLM's CPU "
             f"attention stores K transposed per block), so a block cannot be cut into "
-            f"token chunks by byte ranges; kvbridge moves such blocks whole, which needs "
-            f"the same block size on both sides",
+            f"token chunks by byte ranges; kvbridge moves such blocks whole and {how}",
         )
+    return True
+
+
+def _packed_plan(
+    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+) -> GroupPlan:
+    """Whole remote pages, one per layer and remote block, side by side in local pages."""
+    b_local, b_remote = lg.spec.block_size, rg.spec.block_size
+    r_local = b_local // b_remote
+
+    def layer_regions(side: PeerLayout, group_id: int) -> dict[int, tuple[int, int]]:
+        out = {}
+        for idx, info in enumerate(side.regions):
+            if info.group_id != group_id:
+                continue
+            if info.layer_index < 0 or info.kv_part >= 0:
+                raise LayoutError("engine-packed pages must be per-layer, K and V together")
+            out[info.layer_index] = (idx, info.region.block_bytes)
+        return out
+
+    lr, rr = layer_regions(local, lg.group_id), layer_regions(remote, rg.group_id)
+    if set(lr) != set(rr):
+        raise LayoutError(f"layers do not correspond: local {sorted(lr)} vs remote {sorted(rr)}")
+    streams = []
+    for layer in sorted(lr):
+        (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
+        if lbytes != rbytes * r_local:
+            raise LayoutError(
+                f"layer {layer}: local pages of {lbytes} B do not hold {r_local} remote "
+                f"pages of {rbytes} B"
+            )
+        streams.append(
+            PieceStream(
+                local_region=li,
+                remote_region=ri,
+                local_offsets=(0,),
+                remote_offsets=(0,),
+                length=rbytes,
+                local_chunk_bytes=rbytes,
+                remote_chunk_bytes=rbytes,
+            )
+        )
+    return GroupPlan(
+        group_id=lg.group_id,
+        kind=lg.kind,
+        wire_tokens=b_remote,
+        local_chunks_per_block=r_local,
+        remote_chunks_per_block=1,
+        sender=None,
+        receiver=None,
+        streams=tuple(streams),
+        repack_from=b_remote if r_local > 1 else 0,
+    )
 
 
 # -- attention groups ------------------------------------------------------------------

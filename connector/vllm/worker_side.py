@@ -17,6 +17,7 @@ import torch
 from connector.config import ConfigError, KVTransferConfig
 from connector.metadata import WorkerOutput
 from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from connector.vllm.packing import CpuAttnRepacker
 from connector.vllm.stats import CounterDelta, KVBridgeStats
 from connector.worker import KVBridgeWorker, ModelInfo
 from layouts.external import adopt_kv_caches
@@ -70,12 +71,12 @@ class VLLMWorkerSide:
         # Layers that share another layer's cache (no spec of their own) are not in the
         # groups and are not transferred separately.
         tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
+        packing = block_packing(self.kv_config, tensors)
         buffers = adopt_kv_caches(
-            self.kv_config,
-            tensors,
-            layout_hint=self.layout_hint,
-            block_packing=block_packing(self.kv_config, tensors),
+            self.kv_config, tensors, layout_hint=self.layout_hint, block_packing=packing
         )
+        if packing:
+            self.worker.set_repacker(CpuAttnRepacker(self.kv_config, tensors))
         logger.info(
             "kvbridge adopted %d KV-cache tensors (%s, %s%s, %d blocks, %d B pages, %s)",
             len(buffers.tensors),

@@ -262,3 +262,17 @@ def test_engine_packed_against_kvbridge_layout_is_refused():
     local = make_side("d", 32, CacheFormat(layout=KVLayout.HND), "F", 8)
     with pytest.raises(IncompatiblePeerError, match="block_packing"):
         negotiate(local.layout, remote.layout)
+
+
+def test_engine_packed_smaller_sender_pages_land_side_by_side_for_a_repack():
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    remote = make_side("p", 32, fmt, "FS", 8)
+    local = make_side("d", 128, fmt, "FS", 8)
+    plan = negotiate(local.layout, remote.layout, can_repack=True)
+    for g in plan.groups:
+        assert (g.repack_from, g.local_chunks_per_block, g.remote_chunks_per_block) == (32, 4, 1)
+        assert g.descriptors_per_chunk == 2  # one whole page per layer
+        page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
+        assert g.local_offsets(g.streams[0]).tolist() == [0, page, 2 * page, 3 * page]
+    with pytest.raises(IncompatiblePeerError, match="must not be larger"):
+        negotiate(remote.layout, local.layout, can_repack=True)

@@ -145,6 +145,7 @@ PAIRS = [
     ("L32b", "L32a", "L128b"),
     ("L128a", "L128b", "L32a"),
     ("L128b", "L128a", "L32b"),
+    ("L32a", "L128b", "L128a"),  # decode 4x larger: whole pages side by side, then repacked
 ]
 
 
@@ -160,11 +161,15 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
         _assert_same(cluster.run(reference, p), g)
     assert _delta(before, after, "loads_loaded") == len(prompts)
     assert _delta(before, after, "loads_recomputed") == 0
-    block = _size(decode)
+    block = max(_size(decode), _size(prefill))
     want = sum((len(p) - 1) // block * block for p in prompts) * BYTES_PER_TOKEN
     assert _delta(before, after, "bytes_read") == want
-    # whole pages: one descriptor per (block, layer)
-    assert _delta(before, after, "descriptors_posted") == want // BYTES_PER_TOKEN // block * 4
+    # whole prefill pages: one descriptor per (prefill block, layer)
+    assert (
+        _delta(before, after, "descriptors_posted") == want // BYTES_PER_TOKEN // _size(prefill) * 4
+    )
+    repacked = _delta(before, after, "receiver_rewrites")
+    assert repacked == (want // BYTES_PER_TOKEN // block if _size(decode) > _size(prefill) else 0)
 
 
 @pytest.mark.parametrize(

@@ -55,3 +55,52 @@ def test_block_packing_names_the_instruction_set_on_cpu():
     )
     packing = block_packing(config, {"l0": torch.zeros(NB, H, BS, 2 * D)})
     assert packing.startswith("vllm-cpu-attn:") and packing.split(":")[1]
+
+
+def test_page_map_is_measured_from_the_kernel():
+    from connector.vllm.packing import page_map
+
+    m = page_map(torch.float32, BS, H, D)
+    t, h, d = 5, 1, 7
+    if _isa_name() == "vec":  # x86 without AMX: K transposed, then V row-major, per head
+        assert m[0, t, h, d] == h * 2 * BS * D + d * BS + t
+        assert m[1, t, h, d] == h * 2 * BS * D + BS * D + t * D + d
+    assert sorted(m.reshape(-1).tolist()) == list(range(2 * BS * H * D))
+
+
+def _isa_name() -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(torch.float32, BS, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
+def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(dtype, small, large):
+    from connector.vllm.packing import _write, repack_layer
+
+    g = torch.Generator().manual_seed(small + large)
+    tokens = 2 * large
+    key = torch.randn(tokens, H, D, generator=g).to(dtype)
+    value = torch.randn(tokens, H, D, generator=g).to(dtype)
+    src = torch.zeros(2 * large // small + 1, H, small, 2 * D, dtype=dtype)
+    src_ids = torch.arange(1, 1 + tokens // small)  # prefill blocks 1.. hold the tokens
+    _write(src, key, value, (src_ids.view(-1, 1) * small + torch.arange(small)).reshape(-1))
+    dst = torch.zeros(4, H, large, 2 * D, dtype=dtype)
+    dst_ids = torch.tensor([3, 1])  # decode blocks for tokens 0..large-1, large..2*large-1
+    r = large // small
+    for j, b in enumerate(dst_ids.tolist()):  # what the transfer leaves: pages side by side
+        pages = src[src_ids[j * r : (j + 1) * r]].reshape(-1)
+        dst[b].view(-1).copy_(pages)
+    repack_layer(dst, dst_ids, small)
+    want = torch.zeros_like(dst)
+    _write(want, key, value, (dst_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1))
+    assert torch.equal(dst[dst_ids].view(torch.uint8), want[dst_ids].view(torch.uint8))
+    assert not torch.equal(dst[dst_ids], pages_side_by_side(src, src_ids, dst_ids, r))
+
+
+def pages_side_by_side(src, src_ids, dst_ids, r):
+    """The bytes before the repack: they differ from a packed large block."""
+    return torch.stack(
+        [src[src_ids[j * r : (j + 1) * r]].reshape(-1) for j in range(len(dst_ids))]
+    ).view(len(dst_ids), *src.shape[1:-2], -1, src.shape[-1])

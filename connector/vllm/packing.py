@@ -1,0 +1,112 @@
+"""vLLM's CPU attention pages: their element order, and repacking smaller pages into them.
+
+vLLM's CPU attention hands connectors ``[blocks, H, block_size, 2 * head_size]`` tensors,
+but its kernel ``cpu_attn_reshape_and_cache`` stores each block in an order chosen per
+instruction set (on x86 without AMX: per head, K transposed ``[head_size, block_size]``,
+then V ``[block_size, head_size]``). A page therefore cannot be cut into token chunks by
+byte ranges. kvbridge moves such pages whole; a decode block ``r`` times larger than
+prefill's receives ``r`` prefill pages side by side, and :class:`CpuAttnRepacker` turns
+them into one page of its own: it reads the small pages through their element map and
+writes K and V back with vLLM's own kernel.
+
+The element map is measured, not assumed: :func:`page_map` runs the kernel on a scratch
+block whose values encode each element's index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from layouts.errors import KVBridgeError
+from layouts.groups import KVCacheConfig
+
+_DIGIT_BASE = 64  # small integers are exact in every float dtype the kernel accepts
+
+
+def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size)
+
+
+def _write(key_cache_of: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -> None:
+    """``cpu_attn_reshape_and_cache`` on one layer's ``[blocks, H, B, 2D]`` tensor."""
+    import vllm._custom_ops as ops
+
+    nb, heads, block_size, width = key_cache_of.shape
+    d = width // 2
+    key_cache, value_cache = key_cache_of.view(nb, heads, 2 * block_size, d).chunk(2, dim=2)
+    isa = _isa(key_cache_of.dtype, block_size, d)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+
+@lru_cache(maxsize=32)
+def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int) -> np.ndarray:
+    """Element offset inside one page of every ``(K/V, token, head, dim)`` element.
+
+    Runs vLLM's kernel a few times on a scratch page whose values are the base-64 digits
+    of each element's index (exact in fp32, fp16 and bf16), then inverts what it wrote.
+    """
+    n = 2 * block_size * num_heads * head_size
+    index = torch.arange(n, dtype=torch.int64).view(2, block_size, num_heads, head_size)
+    found = torch.zeros(n, dtype=torch.int64)
+    page = torch.zeros(1, num_heads, block_size, 2 * head_size, dtype=dtype)
+    slots = torch.arange(block_size, dtype=torch.int64)
+    scale, passes = 1, 0
+    while scale < n:
+        digit = (index // scale) % _DIGIT_BASE + 1  # 0 marks an element never written
+        page.zero_()
+        _write(page, digit[0].to(dtype), digit[1].to(dtype), slots)
+        got = page.reshape(-1).to(torch.float64).round().to(torch.int64)
+        if got.min() < 1 or got.max() > _DIGIT_BASE:
+            raise KVBridgeError(
+                f"vLLM's CPU attention kernel left elements unwritten or changed values in a "
+                f"{block_size}-token {dtype} page; kvbridge cannot map its element order"
+            )
+        found += (got - 1) * scale
+        scale *= _DIGIT_BASE
+        passes += 1
+    offsets = np.empty(n, dtype=np.int64)
+    offsets[found.numpy()] = np.arange(n)
+    if not np.array_equal(np.sort(found.numpy()), np.arange(n)):
+        raise KVBridgeError(
+            f"vLLM's CPU attention page order for {block_size}-token {dtype} blocks is not a "
+            f"permutation ({passes} probes); kvbridge cannot map it"
+        )
+    return offsets.reshape(2, block_size, num_heads, head_size)
+
+
+class CpuAttnRepacker:
+    """Repacks local blocks that each hold ``r`` whole remote pages, layer by layer."""
+
+    def __init__(self, kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._layers = {g.group_id: g.layer_names for g in kv_config.groups}
+        self._tensors = dict(tensors)
+
+    def __call__(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+        for name in self._layers[group_id]:
+            repack_layer(self._tensors[name], ids, remote_block_size)
+
+
+def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size: int) -> None:
+    """Blocks ``block_ids`` of one layer ``[blocks, H, B, 2D]`` each hold ``B / b`` pages
+    of ``b = remote_block_size`` tokens side by side; rewrite them as ``B``-token pages."""
+    _, heads, block_size, width = cache.shape
+    d, b = width // 2, remote_block_size
+    if block_size % b:
+        raise KVBridgeError(f"{block_size}-token blocks cannot hold {b}-token pages")
+    r, n = block_size // b, int(block_ids.numel())
+    if n == 0:
+        return
+    offsets = torch.from_numpy(page_map(cache.dtype, b, heads, d).reshape(-1))
+    pages = cache.index_select(0, block_ids).reshape(n, r, -1)
+    canonical = pages[:, :, offsets].reshape(n, r, 2, b, heads, d)
+    key = canonical[:, :, 0].reshape(n * block_size, heads, d).contiguous()
+    value = canonical[:, :, 1].reshape(n * block_size, heads, d).contiguous()
+    slots = (block_ids.view(-1, 1) * block_size + torch.arange(block_size)).reshape(-1)
+    _write(cache, key, value, slots)
