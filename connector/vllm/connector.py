@@ -17,6 +17,7 @@ own block list end to end.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,9 +38,21 @@ if TYPE_CHECKING:
     from connector.vllm.worker_side import VLLMWorkerSide
 
 
+def _log_through_vllm() -> None:
+    """kvbridge's loggers write where vLLM's do (vLLM configures only its own logger)."""
+    handlers = logging.getLogger("vllm").handlers
+    for name in ("connector", "handshake", "layouts"):
+        log = logging.getLogger(name)
+        if not log.handlers and handlers:
+            log.handlers = list(handlers)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+
+
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         config = translate.transfer_config(vllm_config.kv_transfer_config)
         kv_config = translate.kv_cache_config(kv_cache_config)
         self._scheduler: VLLMSchedulerSide | None = None
