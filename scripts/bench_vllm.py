@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.vllm.client import RequestError, complete, make_prompts
+from examples.vllm.client import RequestError, compare, complete, make_prompts
 from examples.vllm.metrics import scrape
 from examples.vllm.run_pd import PDServers, start_pd
 
@@ -150,25 +150,36 @@ def run_point(
 
 
 def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
+    """Serve one prompt through the proxy and compare it with a single server."""
     with start_pd(
         connector=connector,
         prefill_block_size=prefill_bs,
         decode_block_size=decode_bs,
-        with_reference=False,
+        with_reference=True,
         max_model_len=args.max_model_len,
         enforce_eager=not args.compile,
         progress=False,
     ) as pd:
         prompt = make_prompts(1, 300, seed=99)[0]
+        assert pd.reference_url is not None
+        ref = complete(
+            pd.reference_url, pd.model_name, prompt, max_tokens=8, timeout_s=args.timeout
+        )
         before = scrape(pd.decode_url)
         try:
-            complete(pd.proxy_url, pd.model_name, prompt, max_tokens=4, timeout_s=args.timeout)
+            got = complete(
+                pd.proxy_url, pd.model_name, prompt, max_tokens=8, timeout_s=args.timeout
+            )
         except RequestError as exc:
-            return f"refused ({exc.status}: {exc.reason[:80]})"
+            return f"request failed (HTTP {exc.status}: {exc.reason[:80]})"
         after = scrape(pd.decode_url)
         key = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
         moved = after.get(key, 0.0) - before.get(key, 0.0)
-        return f"served, {moved:.0f} prompt tokens from the connector"
+        same = compare(ref, got).tokens_equal
+        return (
+            f"served, {moved:.0f} prompt tokens from the connector, "
+            f"{same}/{len(ref.token_ids)} tokens equal a single server"
+        )
 
 
 def fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -183,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-block-size", type=int, default=32)
     ap.add_argument("--decode-block-size", type=int, default=32)
     ap.add_argument("--connectors", nargs="+", default=["kvbridge", "nixl"])
-    ap.add_argument("--refused", nargs="*", default=["64:32"], help="prefill:decode sizes")
+    ap.add_argument(
+        "--refused",
+        nargs="*",
+        default=["64:32", "32:64"],
+        help="prefill:decode block sizes to try once per connector (refusals, wrong tokens)",
+    )
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument(

@@ -84,6 +84,14 @@ class VLLMSchedulerSide:
             return 0, False
         if self.sched.load_state(view.request_id) is not None:
             self._views[view.request_id] = view
+            logger.info(
+                "request %s: %d prompt tokens, %d computed locally, %d to load from %s",
+                view.request_id,
+                len(request.prompt_token_ids),
+                num_computed_tokens,
+                count,
+                view.kv_transfer_params.remote_engine_id if view.kv_transfer_params else "",
+            )
         return count, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

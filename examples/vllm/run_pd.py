@@ -320,10 +320,6 @@ def run_prompts(pd: PDServers, cfg: RunConfig, prompts: list[list[int]]) -> list
     for outcome, prompt, ref in zip(outcomes, prompts, refs, strict=True):
         if ref is None:
             continue
-        if any(o.error for o in outcomes):
-            for svc in (pd.prefill, pd.decode):
-                for line in svc.error_lines():
-                    print(f"{svc.name} log: {line[:300]}")
         dead = pd.dead()
         if dead:
             outcome.error = f"not sent: {', '.join(dead)} exited"
