@@ -116,8 +116,7 @@ class VLLMSchedulerSide:
         self, request: Any, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._bad_params.discard(rid)
-        view = self._views.pop(rid, None) or self._view(request)
+        view = self._views.pop(rid, None) or self._view(request)  # bad params: counted once
         self._bad_params.discard(rid)
         if view is None:
             return False, None

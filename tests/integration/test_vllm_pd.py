@@ -216,7 +216,8 @@ def test_through_the_proxy(cluster):
 
 
 def test_decode_prefix_hit_loads_only_the_rest(cluster):
-    shared = make_prompts(1, 300, seed=9001)[0][:256]
+    shared = make_prompts(1, 500, seed=9001)[0][:256]
+    assert len(shared) == 256
     warm = [*shared, *make_prompts(1, 40, seed=9002)[0][1:]]
     cluster.run("L32b", warm)  # decode now caches the first 256 tokens
     prompt = [*shared, *make_prompts(1, 150, seed=9003)[0][1:]]
@@ -310,6 +311,10 @@ def test_zz_prefill_killed_decode_fails_the_request_and_keeps_serving(cluster):
     with pytest.raises(RequestError) as info:
         cluster.run("G32b", prompt, kv_transfer_params=params)
     assert info.value.status >= 400, info.value
-    assert cluster.metrics("G32b").get(M + "loads_failed_total", 0) >= 1
+    _wait_for(
+        "decode to count the failed transfer",
+        lambda: cluster.metrics("G32b").get(M + "transfer_failures_total", 0) >= 1,
+        timeout_s=30,
+    )
     fresh = make_prompts(1, 90, seed=7008)[0]
     assert len(cluster.run("G32b", fresh).token_ids) == MAX_TOKENS
