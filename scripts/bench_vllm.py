@@ -102,8 +102,10 @@ def ttft(url: str, model: str, prompt: list[int], timeout_s: float) -> float:
 def run_point(
     pd: PDServers, length: int, concurrency: int, requests: int, seed: int, timeout_s: float
 ) -> Point:
+    # make_prompts(1, n) is ~0.6 n tokens long: ask for 2 n and cut at exactly `length`
     prompts = [
-        make_prompts(1, length, seed=seed * 1_000_003 + i)[0][:length] for i in range(requests)
+        make_prompts(1, 2 * length, seed=seed * 1_000_003 + i)[0][:length]
+        for i in range(requests)
     ]
     before = scrape(pd.decode_url)
     results: list[float] = []
