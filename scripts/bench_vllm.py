@@ -104,8 +104,7 @@ def run_point(
 ) -> Point:
     # make_prompts(1, n) is ~0.6 n tokens long: ask for 2 n and cut at exactly `length`
     prompts = [
-        make_prompts(1, 2 * length, seed=seed * 1_000_003 + i)[0][:length]
-        for i in range(requests)
+        make_prompts(1, 2 * length, seed=seed * 1_000_003 + i)[0][:length] for i in range(requests)
     ]
     before = scrape(pd.decode_url)
     results: list[float] = []
@@ -209,10 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="vLLM's torch.compile warm-up (default: --enforce-eager, ~3x faster start)",
     )
+    ap.add_argument("--refused-only", action="store_true", help="only the --refused rows")
     args = ap.parse_args(argv)
+    if args.refused_only:
+        args.connectors_for_grid = []
+    else:
+        args.connectors_for_grid = args.connectors
 
     points: dict[tuple[str, int, int], Point] = {}
-    for connector in args.connectors:
+    for connector in args.connectors_for_grid:
         print(
             f"== {connector}: prefill {args.prefill_block_size} -> decode {args.decode_block_size}",
             flush=True,

@@ -9,7 +9,8 @@ Environment (defaults in brackets): ``CONNECTOR`` [kvbridge] or nixl; ``MODEL``
 (multiples of 32 on CPU); ``NUM_PROMPTS`` [4]; ``MAX_TOKENS`` [16]; ``PROMPT_TOKENS``
 [100] (approximate prompt length; prompts spread over ~0.6x..1.4x); ``KVBRIDGE_EXTRA``
 (JSON object, kvbridge's ``kv_connector_extra_config``); ``LOGPROB_TOL`` [1e-3];
-``START_TIMEOUT_S`` [600]; ``REQUEST_TIMEOUT_S`` [120]; ``ENFORCE_EAGER`` [1]
+``START_TIMEOUT_S`` [600]; ``REQUEST_TIMEOUT_S`` [120]; ``FAILURE_POLICY`` [recompute]
+(decode's ``kv_load_failure_policy``: recompute or fail); ``ENFORCE_EAGER`` [1]
 (``--enforce-eager`` on every server: ~3x faster start on CPU; 0 gives vLLM's default
 torch.compile warm-up, 2-5 minutes here);
 ``LOG_DIR`` [out/vllm-pd/<run>]; ``REQUIRE_TRANSFER`` [1]: fail when decode's metrics
@@ -116,10 +117,13 @@ def start_pd(
     model_root: Path | None = None,
     extra_args: tuple[str, ...] = (),
     progress: bool = True,
+    failure_policy: str = "recompute",
 ) -> PDServers:
     """Start prefill, decode (and a reference server) together, then the proxy.
 
-    The reference server has no connector and decode's block size. Raises
+    The reference server has no connector and decode's block size. ``failure_policy`` is
+    vLLM's ``kv_load_failure_policy`` on prefill and decode (vLLM's default is "fail").
+    Raises
     :class:`~examples.vllm.procs.ServiceError` (after stopping everything) when a server
     does not come up within ``start_timeout_s``.
     """
@@ -143,6 +147,7 @@ def start_pd(
             connector=connector,
             role="prefill",
             kv_extra=kv_extra,
+            failure_policy=failure_policy,
             **common,
         ),
         ServerSpec(
@@ -151,6 +156,7 @@ def start_pd(
             connector=connector,
             role="decode",
             kv_extra=kv_extra,
+            failure_policy=failure_policy,
             **common,
         ),
     ]
@@ -209,6 +215,7 @@ class RunConfig:
     request_timeout_s: float = 120.0
     enforce_eager: bool = True
     require_transfer: bool = True
+    failure_policy: str = "recompute"
     log_dir: Path | None = None
 
     @classmethod
@@ -245,6 +252,7 @@ class RunConfig:
             request_timeout_s=num("REQUEST_TIMEOUT_S", 120.0, float),
             enforce_eager=env.get("ENFORCE_EAGER", "1").strip() not in ("0", "false"),
             require_transfer=env.get("REQUIRE_TRANSFER", "1").strip() not in ("0", "false"),
+            failure_policy=env.get("FAILURE_POLICY", "recompute").strip() or "recompute",
             log_dir=Path(env["LOG_DIR"]) if env.get("LOG_DIR") else None,
         )
         cfg.validate()
@@ -259,6 +267,10 @@ class RunConfig:
             value = getattr(self, name)
             if value <= 0 or value % 32:
                 raise ValueError(f"{name.upper()}={value}: vLLM on CPU needs a multiple of 32")
+        if self.failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"FAILURE_POLICY must be recompute or fail, not {self.failure_policy!r}"
+            )
         if self.num_prompts < 1 or self.max_tokens < 1 or self.prompt_tokens < 2:
             raise ValueError("NUM_PROMPTS, MAX_TOKENS >= 1 and PROMPT_TOKENS >= 2 are required")
         longest = int(self.prompt_tokens * 1.4) + 4 + self.max_tokens
@@ -373,6 +385,7 @@ def run(cfg: RunConfig) -> int:
                 prefill_block_size=cfg.prefill_block_size,
                 decode_block_size=cfg.decode_block_size,
                 kv_extra=cfg.kv_extra,
+                failure_policy=cfg.failure_policy,
                 enforce_eager=cfg.enforce_eager,
                 start_timeout_s=cfg.start_timeout_s,
                 proxy_timeout_s=cfg.request_timeout_s,
