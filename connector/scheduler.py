@@ -33,6 +33,7 @@ Which prefill blocks are kept, and the lease: see :mod:`connector.retention`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -50,6 +51,9 @@ from connector.retention import (
     retained_block_range,
 )
 from layouts.groups import KVCacheConfig
+from layouts.specs import SlidingWindowSpec
+
+logger = logging.getLogger(__name__)
 
 
 def _read_margin(config: KVTransferConfig) -> int:
@@ -141,6 +145,16 @@ class KVBridgeScheduler:
         lcm = math.lcm(self._local_lcm, params.remote_block_size)
         loadable = max(0, min(params.num_tokens, len(request.prompt_token_ids) - 1))
         record.num_load_tokens = loadable // lcm * lcm
+        if not self._windows_covered(params, record.num_load_tokens, num_computed_tokens):
+            # Aligning the end down to the lcm moved a sliding window before the first
+            # block prefill still has for it: load nothing (compute locally), release prefill.
+            logger.info(
+                "request %s: the sliding window ending at token %d starts before prefill's "
+                "first kept block; computing it locally",
+                rid,
+                record.num_load_tokens,
+            )
+            record.num_load_tokens = 0
         record.num_computed_tokens = num_computed_tokens
         self._loads[rid] = record
         if record.num_load_tokens > num_computed_tokens:
@@ -148,6 +162,18 @@ class KVBridgeScheduler:
             return record.num_load_tokens - num_computed_tokens, True
         record.advance(LoadState.FULL_HIT)
         return 0, False
+
+    def _windows_covered(self, params: KVTransferParams, end: int, start: int) -> bool:
+        """Whether prefill kept every block a sliding-window group needs to load
+        ``[start, end)`` (it sends such groups from their first in-window block)."""
+        if not params.remote_first_block or end <= start:
+            return True
+        for spec, first in zip(self._specs, params.remote_first_block, strict=True):
+            if isinstance(spec, SlidingWindowSpec):
+                lo = max(start, end - spec.sliding_window)
+                if lo // params.remote_block_size < first:
+                    return False
+        return True
 
     def update_state_after_alloc(
         self,

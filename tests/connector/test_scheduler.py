@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -859,3 +860,18 @@ def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng
     assert sum(prefill.sched.send_outcomes.values()) == len(reqs)
     decode.assert_clean()
     prefill.assert_clean()
+
+
+def test_window_before_prefills_first_kept_block_is_computed_locally() -> None:
+    """vLLM frees out-of-window blocks during prefill: the params start the window group
+    at its first kept block. Aligning the load end down can need older blocks."""
+    eng = Engine(KVRole.CONSUMER, kinds=(FULL, SW), block_size=64)  # window 24
+    n = 178  # prefill 32-token blocks keep window blocks from (178 - 24) // 32 = 4
+    params = remote_params(n, num_groups=2, block_size=32)
+    params = msgspec.structs.replace(params, remote_first_block=[0, 4])
+    req = Req("w", prompt(n), params)
+    # lcm 64: load tokens [0, 128); the window needs tokens 104..127, in prefill block 3
+    assert admit(eng, req) == 0
+    assert eng.sched.load_state("w") is LoadState.RELEASING  # prefill is told to free
+    ok = Req("v", prompt(n), msgspec.structs.replace(params, remote_first_block=[0, 3]))
+    assert admit(eng, ok) == 128
