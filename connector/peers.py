@@ -25,7 +25,8 @@ from handshake.client import HandshakeClient
 from handshake.compat import check_compatible
 from handshake.description import PeerLayout, parse_description
 from handshake.messages import WorkerDescription
-from handshake.plan import GroupPlan, PieceStream, TransferPlan, negotiate
+from handshake.plan import negotiate
+from handshake.plan_model import GroupPlan, PieceStream, TransferPlan
 from layouts.descriptors import block_descriptors
 from layouts.errors import KVBridgeError
 

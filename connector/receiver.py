@@ -25,7 +25,7 @@ from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.transport import TransferEngine, XferHandle, XferState
-from handshake.plan import GroupPlan, TransferPlan
+from handshake.plan_model import GroupPlan, TransferPlan
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 from layouts.specs import KVCacheKind, SlidingWindowSpec

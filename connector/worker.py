@@ -70,16 +70,13 @@ class KVBridgeWorker:
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
-        repacker: Repacker | None = None,
     ) -> None:
         """``rewrites_in_place=False``: the engine may run its own requests on a block
         while a reader holds it (a prefix cache that hits held blocks), so this worker
-        never rewrites blocks after save; readers read them natively (more descriptors).
-        ``repacker``: for engine-packed pages (``CacheFormat.block_packing``), the engine's
-        way to repack local blocks that received whole smaller remote pages."""
+        never rewrites blocks after save; readers read them natively (more descriptors)."""
         self.config = config
         self.rewrites_in_place = rewrites_in_place
-        self._repacker = repacker
+        self._repacker: Repacker | None = None  # see set_repacker
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -113,10 +110,12 @@ class KVBridgeWorker:
         return self._listener.port if self._listener else 0
 
     def set_repacker(self, repacker: Repacker) -> None:
-        """The engine's repacker for its packed pages (before ``register_kv_caches``)."""
+        """For engine-packed pages (``CacheFormat.block_packing``): the engine's way to
+        repack local blocks that received whole, smaller remote pages. Call it before
+        ``register_kv_caches``."""
         if self._engine is not None:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
-        self._repacker = repacker
+        self._repacker: Repacker | None = None  # see set_repacker
 
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:

@@ -18,7 +18,9 @@ A sender that may not rewrite its blocks (``rewrites_in_place`` false: an engine
 prefix cache lets running requests read a block while a reader holds it) is read in its
 native arrangement instead: every piece is cut where its bytes stop being contiguous there
 (e.g. one piece per head when an HND 128-token block feeds 32-token chunks). That costs
-descriptors, so pieces smaller than ``MIN_NATIVE_PIECE_BYTES`` are refused by name.
+descriptors, so pieces smaller than ``MIN_NATIVE_PIECE_BYTES`` are refused by name
+(``handshake.native_read``). Engine-packed pages move whole (``handshake.packed_plan``);
+the plan objects themselves live in ``handshake.plan_model``.
 
 Token chunk ``q`` (tokens ``q*u .. q*u+u-1``) lives in local block ``q // r_local`` at
 chunk ``q % r_local`` and in remote block ``q // r_remote`` at chunk ``q % r_remote``.
@@ -28,183 +30,26 @@ rows for given chunks with numpy, no per-block loops.
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass, replace
-
-import numpy as np
 
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from layouts.arrangement import BlockArrangement, UnitGeometry, element_offsets, same_bytes
+from handshake.native_read import native_stream
+from handshake.packed_plan import check_block_packing, packed_plan
+from handshake.plan_model import (
+    Granularity,
+    GroupPlan,
+    PieceStream,
+    Rewrite,
+    TransferPlan,
+)
+from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVPacking
-from layouts.specs import AttentionSpec, KVCacheKind, StateSpec
+from layouts.specs import AttentionSpec, StateSpec
 
 MIN_NATIVE_PIECE_BYTES = 512  # smallest piece worth a descriptor when reading natively
-
-
-class Granularity(enum.IntEnum):
-    """How much of a block one region row holds; lower is finer."""
-
-    PART = 0  # one layer, one of K/V
-    LAYER = 1  # one layer, K and V
-    GROUP = 2  # every layer of the group (cross-layer)
-
-
-class TransformSide(enum.Enum):
-    NONE = "none"
-    SENDER = "sender after save"
-    RECEIVER = "receiver after load"
-    BOTH = "sender after save + receiver after load"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rewrite:
-    """An in-place rewrite of a group's blocks from ``src`` to ``dst`` arrangement."""
-
-    src: BlockArrangement
-    dst: BlockArrangement
-
-    def __str__(self) -> str:
-        return f"{self.src} -> {self.dst}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PieceStream:
-    """Pieces that go from one remote region to one local region, per chunk."""
-
-    local_region: int  # index into the local PeerLayout.regions
-    remote_region: int
-    local_offsets: tuple[int, ...]  # per piece, inside one wire chunk of the local unit
-    remote_offsets: tuple[int, ...]
-    length: int
-    local_chunk_bytes: int  # distance between chunks inside a local unit
-    remote_chunk_bytes: int
-
-    @property
-    def num_pieces(self) -> int:
-        return len(self.local_offsets)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupPlan:
-    """How one KV-cache group moves."""
-
-    group_id: int
-    kind: KVCacheKind
-    wire_tokens: int  # u; for state groups the state granularity (one chunk per block)
-    local_chunks_per_block: int
-    remote_chunks_per_block: int
-    sender: Rewrite | None
-    receiver: Rewrite | None
-    streams: tuple[PieceStream, ...]
-    native_read: bool = False  # pieces read the sender's native bytes (it may not rewrite)
-    # engine-packed pages: each local block receives whole remote pages of this many
-    # tokens, which the reader's engine packer repacks after load (0: nothing to repack)
-    repack_from: int = 0
-
-    @property
-    def descriptors_per_chunk(self) -> int:
-        return sum(s.num_pieces for s in self.streams)
-
-    @property
-    def bytes_per_chunk(self) -> int:
-        return sum(s.num_pieces * s.length for s in self.streams)
-
-    def local_offsets(self, stream: PieceStream) -> np.ndarray:
-        """Offsets, inside a local unit, of every (chunk, piece) row of the table."""
-        return _offsets(self.local_chunks_per_block, stream.local_chunk_bytes, stream.local_offsets)
-
-    def remote_offsets(self, stream: PieceStream) -> np.ndarray:
-        return _offsets(
-            self.remote_chunks_per_block, stream.remote_chunk_bytes, stream.remote_offsets
-        )
-
-    def chunks_for_tokens(self, start: int, end: int) -> np.ndarray:
-        """Wire chunks covering tokens ``[start, end)``."""
-        if end <= start:
-            return np.zeros(0, dtype=np.int64)
-        return np.arange(start // self.wire_tokens, -(-end // self.wire_tokens), dtype=np.int64)
-
-    def indices(
-        self,
-        stream: PieceStream,
-        chunk_ids: np.ndarray,
-        local_block_ids: np.ndarray,
-        remote_block_ids: np.ndarray,
-        *,
-        local_first_block: int = 0,
-        remote_first_block: int = 0,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of the local and remote descriptor tables (block x chunk x piece) that move
-        ``chunk_ids``. ``*_block_ids[i]`` is the id of logical block ``*_first_block + i``."""
-        q = np.asarray(chunk_ids, dtype=np.int64)
-        lpos = q // self.local_chunks_per_block - local_first_block
-        rpos = q // self.remote_chunks_per_block - remote_first_block
-        lids = np.asarray(local_block_ids, dtype=np.int64)
-        rids = np.asarray(remote_block_ids, dtype=np.int64)
-        if q.size and (lpos.min() < 0 or lpos.max() >= lids.size):
-            raise LayoutError(
-                f"group {self.group_id}: chunks {q.tolist()} need local logical blocks "
-                f"{sorted(set((lpos + local_first_block).tolist()))} but only "
-                f"{local_first_block}..{local_first_block + lids.size - 1} were given"
-            )
-        if q.size and (rpos.min() < 0 or rpos.max() >= rids.size):
-            raise LayoutError(
-                f"group {self.group_id}: chunks {q.tolist()} need remote logical blocks "
-                f"{sorted(set((rpos + remote_first_block).tolist()))} but only "
-                f"{remote_first_block}..{remote_first_block + rids.size - 1} were given"
-            )
-        m = stream.num_pieces
-        piece = np.arange(m, dtype=np.int64)[None, :]
-        lrow = lids[lpos] * self.local_chunks_per_block + q % self.local_chunks_per_block
-        rrow = rids[rpos] * self.remote_chunks_per_block + q % self.remote_chunks_per_block
-        local_idx = (lrow[:, None] * m + piece).reshape(-1)
-        remote_idx = (rrow[:, None] * m + piece).reshape(-1)
-        return local_idx, remote_idx
-
-    def __str__(self) -> str:
-        side = _side(self.sender, self.receiver)
-        piece_bytes = self.bytes_per_chunk // max(1, self.descriptors_per_chunk)
-        return (
-            f"group {self.group_id} ({self.kind.value}): chunk {self.wire_tokens} tok, "
-            f"{self.remote_chunks_per_block}/remote block, {self.local_chunks_per_block}/local "
-            f"block, {self.descriptors_per_chunk} desc x {piece_bytes} B "
-            f"per chunk; transform: {side.value}"
-            + (f" [sender {self.sender}]" if self.sender else "")
-            + (" [sender read in its native arrangement]" if self.native_read else "")
-            + (f" [engine repacks {self.repack_from}-token pages]" if self.repack_from else "")
-            + (f" [receiver {self.receiver}]" if self.receiver else "")
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferPlan:
-    """The agreed way to move KV blocks from ``remote`` (sender) to ``local`` (reader)."""
-
-    local_engine_id: str
-    remote_engine_id: str
-    remote_agent_name: str
-    groups: tuple[GroupPlan, ...]
-
-    @property
-    def transform_side(self) -> TransformSide:
-        sender = any(g.sender for g in self.groups)
-        receiver = any(g.receiver for g in self.groups)
-        return _side(sender, receiver)
-
-    def sender_rewrites(self) -> dict[int, Rewrite]:
-        return {g.group_id: g.sender for g in self.groups if g.sender}
-
-    def __str__(self) -> str:
-        lines = [
-            f"TransferPlan {self.remote_engine_id} -> {self.local_engine_id} "
-            f"({self.transform_side.value})"
-        ]
-        lines += [f"  {g}" for g in self.groups]
-        return "\n".join(lines)
 
 
 def negotiate(
@@ -227,7 +72,7 @@ def negotiate(
             hint="different tensor-parallel sizes are not supported yet; run both sides "
             "with the same TP size",
         )
-    packed = _check_block_packing(local, remote, peer, can_repack)
+    packed = check_block_packing(local, remote, peer, can_repack)
     if len(local.config.groups) != len(remote.config.groups):
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
@@ -247,7 +92,7 @@ def negotiate(
             )
         try:
             if packed:
-                plans.append(_packed_plan(local, remote, lg, rg))
+                plans.append(packed_plan(local, remote, lg, rg))
             elif isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
             else:
@@ -263,98 +108,6 @@ def negotiate(
         remote_engine_id=remote.identity.engine_id,
         remote_agent_name=remote.identity.agent_name,
         groups=tuple(plans),
-    )
-
-
-def _check_block_packing(
-    local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool
-) -> bool:
-    """Pages in an engine's private element order: same order on both sides, and the
-    reader's blocks a multiple of the sender's when its engine repacks (else equal).
-    True when the sides are packed."""
-    lp, rp = local.format.block_packing, remote.format.block_packing
-    if not lp and not rp:
-        return False
-    if lp != rp:
-        raise IncompatiblePeerError(
-            [("block_packing", lp or "(kvbridge layout)", rp or "(kvbridge layout)")],
-            peer=peer,
-            hint="the two engines order the elements of a block differently",
-        )
-    pairs = list(zip(local.config.groups, remote.config.groups, strict=False))
-    larger_sender = [
-        (f"groups[{lg.group_id}].block_size", lg.spec.block_size, rg.spec.block_size)
-        for lg, rg in pairs
-        if rg.spec.block_size > lg.spec.block_size
-        or (not can_repack and rg.spec.block_size != lg.spec.block_size)
-        or lg.spec.block_size % rg.spec.block_size
-    ]
-    if larger_sender:
-        how = (
-            "a reader repacks whole smaller pages into its blocks after load, so the "
-            "sender's blocks must not be larger than the reader's"
-            if can_repack
-            else "this reader cannot repack them, so both sides need the same block size"
-        )
-        raise IncompatiblePeerError(
-            larger_sender,
-            peer=peer,
-            hint=f"{lp!r} blocks keep their elements in the engine's own order (vLLM's CPU "
-            f"attention stores K transposed per block), so a block cannot be cut into "
-            f"token chunks by byte ranges; kvbridge moves such blocks whole and {how}",
-        )
-    return True
-
-
-def _packed_plan(
-    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
-) -> GroupPlan:
-    """Whole remote pages, one per layer and remote block, side by side in local pages."""
-    b_local, b_remote = lg.spec.block_size, rg.spec.block_size
-    r_local = b_local // b_remote
-
-    def layer_regions(side: PeerLayout, group_id: int) -> dict[int, tuple[int, int]]:
-        out = {}
-        for idx, info in enumerate(side.regions):
-            if info.group_id != group_id:
-                continue
-            if info.layer_index < 0 or info.kv_part >= 0:
-                raise LayoutError("engine-packed pages must be per-layer, K and V together")
-            out[info.layer_index] = (idx, info.region.block_bytes)
-        return out
-
-    lr, rr = layer_regions(local, lg.group_id), layer_regions(remote, rg.group_id)
-    if set(lr) != set(rr):
-        raise LayoutError(f"layers do not correspond: local {sorted(lr)} vs remote {sorted(rr)}")
-    streams = []
-    for layer in sorted(lr):
-        (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
-        if lbytes != rbytes * r_local:
-            raise LayoutError(
-                f"layer {layer}: local pages of {lbytes} B do not hold {r_local} remote "
-                f"pages of {rbytes} B"
-            )
-        streams.append(
-            PieceStream(
-                local_region=li,
-                remote_region=ri,
-                local_offsets=(0,),
-                remote_offsets=(0,),
-                length=rbytes,
-                local_chunk_bytes=rbytes,
-                remote_chunk_bytes=rbytes,
-            )
-        )
-    return GroupPlan(
-        group_id=lg.group_id,
-        kind=lg.kind,
-        wire_tokens=b_remote,
-        local_chunks_per_block=r_local,
-        remote_chunks_per_block=1,
-        sender=None,
-        receiver=None,
-        streams=tuple(streams),
-        repack_from=b_remote if r_local > 1 else 0,
     )
 
 
@@ -421,7 +174,7 @@ def _attention_plan(
         assert sender is not None
         geometry = _geometries(remote, rg.group_id, rspec)[0]
         streams = tuple(
-            _native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
+            native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
             for s in streams
         )
         sender = None
@@ -435,68 +188,6 @@ def _attention_plan(
         receiver=receiver,
         streams=streams,
         native_read=native_read,
-    )
-
-
-def _native_stream(
-    stream: PieceStream,
-    geometry: UnitGeometry,
-    rewrite: Rewrite,
-    chunks: int,
-    group_id: int,
-    min_piece_bytes: int,
-) -> PieceStream:
-    """``stream`` re-cut to read the sender's ``rewrite.src`` bytes where the plan wanted
-    its ``rewrite.dst`` bytes: each piece splits into runs contiguous in ``src``."""
-    # Elements of one head row (head_size x itemsize bytes) never split: probe with them.
-    elem = geometry.head_size * geometry.itemsize
-    probe = replace(geometry, head_size=1, itemsize=8)
-    dst, src = element_offsets(probe, rewrite.dst), element_offsets(probe, rewrite.src)
-    src_at = np.empty_like(dst)
-    src_at[dst] = src  # element at dst position p lies at src position src_at[p]
-    chunk = probe.unit_elems // chunks
-    if stream.remote_chunk_bytes != chunk * elem or stream.length % elem:
-        raise LayoutError(f"group {group_id}: pieces do not cover whole head rows")
-    n = stream.length // elem
-    per_chunk = np.stack(
-        [
-            np.concatenate(
-                [src_at[q * chunk + off // elem + np.arange(n)] for off in stream.remote_offsets]
-            )
-            for q in range(chunks)
-        ]
-    )
-    stride = int(per_chunk[1, 0] - per_chunk[0, 0]) if chunks > 1 else 0
-    if not np.array_equal(per_chunk, per_chunk[:1] + stride * np.arange(chunks)[:, None]):
-        raise LayoutError(
-            f"group {group_id}: the sender's {rewrite.src} blocks cannot be read as "
-            f"{rewrite.dst} chunks without a rewrite (chunks are not evenly spaced)"
-        )
-    first = per_chunk[0]
-    breaks = np.flatnonzero(np.diff(first) != 1) + 1
-    starts = np.concatenate([breaks, np.arange(0, first.size, n)])
-    run = int(np.gcd.reduce(np.concatenate([[n], starts])))
-    length = run * elem
-    if length < min_piece_bytes:
-        raise LayoutError(
-            f"group {group_id}: reading the sender's {rewrite.src} blocks as {rewrite.dst} "
-            f"chunks without a rewrite needs {length}-byte pieces (fewer than "
-            f"{min_piece_bytes}); the sender does not rewrite blocks in place"
-        )
-    local_offsets = []
-    remote_offsets = []
-    for k, off in enumerate(stream.local_offsets):
-        for j in range(0, n, run):
-            local_offsets.append(off + j * elem)
-            remote_offsets.append(int(first[k * n + j]) * elem)
-    return PieceStream(
-        local_region=stream.local_region,
-        remote_region=stream.remote_region,
-        local_offsets=tuple(local_offsets),
-        remote_offsets=tuple(remote_offsets),
-        length=length,
-        local_chunk_bytes=stream.local_chunk_bytes,
-        remote_chunk_bytes=stride * elem if chunks > 1 else stream.remote_chunk_bytes,
     )
 
 
@@ -641,18 +332,3 @@ def _state_plan(
         receiver=None,
         streams=_group_streams(lp, rp, lspec.state_bytes),
     )
-
-
-def _offsets(chunks: int, chunk_bytes: int, piece_offsets: tuple[int, ...]) -> np.ndarray:
-    base = np.arange(chunks, dtype=np.int64)[:, None] * chunk_bytes
-    return (base + np.asarray(piece_offsets, dtype=np.int64)[None, :]).reshape(-1)
-
-
-def _side(sender: object, receiver: object) -> TransformSide:
-    if sender and receiver:
-        return TransformSide.BOTH
-    if sender:
-        return TransformSide.SENDER
-    if receiver:
-        return TransformSide.RECEIVER
-    return TransformSide.NONE

@@ -51,7 +51,7 @@ from connector.worker import KVBridgeWorker, ModelInfo  # noqa: E402
 from handshake.client import ClientConfig, HandshakeClient  # noqa: E402
 from handshake.description import parse_description  # noqa: E402
 from handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
-from handshake.plan import GroupPlan  # noqa: E402
+from handshake.plan_model import GroupPlan  # noqa: E402
 from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major  # noqa: E402
 from layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
 from layouts.layout import KVLayout, KVPacking  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 
 from handshake.compat import compat_hash
 from handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
-from handshake.plan import TransferPlan
+from handshake.plan_model import TransferPlan
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.descriptors import block_descriptors
 from layouts.groups import KVCacheConfig, KVCacheGroup

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from handshake.errors import IncompatiblePeerError
-from handshake.plan import TransformSide, negotiate
+from handshake.plan import negotiate
+from handshake.plan_model import TransformSide
 from layouts.allocation import CacheFormat, read_group_token_major
 from layouts.layout import KVLayout, KVPacking
 from tests.handshake.plan_harness import execute, make_side

@@ -1,0 +1,79 @@
+"""Reading a sender that may not rewrite its blocks: pieces in its native arrangement.
+
+A plan normally asks the sender to rewrite its blocks after save into the reader's wire
+chunks. A sender whose engine may read those blocks meanwhile (``rewrites_in_place``
+false) is read as it is: every piece of the wire plan is cut where its bytes stop being
+contiguous in the sender's native arrangement (e.g. one piece per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from handshake.plan_model import PieceStream, Rewrite
+from layouts.arrangement import UnitGeometry, element_offsets
+from layouts.errors import LayoutError
+
+
+def native_stream(
+    stream: PieceStream,
+    geometry: UnitGeometry,
+    rewrite: Rewrite,
+    chunks: int,
+    group_id: int,
+    min_piece_bytes: int,
+) -> PieceStream:
+    """``stream`` re-cut to read the sender's ``rewrite.src`` bytes where the plan wanted
+    its ``rewrite.dst`` bytes: each piece splits into runs contiguous in ``src``."""
+    # Elements of one head row (head_size x itemsize bytes) never split: probe with them.
+    elem = geometry.head_size * geometry.itemsize
+    probe = replace(geometry, head_size=1, itemsize=8)
+    dst, src = element_offsets(probe, rewrite.dst), element_offsets(probe, rewrite.src)
+    src_at = np.empty_like(dst)
+    src_at[dst] = src  # element at dst position p lies at src position src_at[p]
+    chunk = probe.unit_elems // chunks
+    if stream.remote_chunk_bytes != chunk * elem or stream.length % elem:
+        raise LayoutError(f"group {group_id}: pieces do not cover whole head rows")
+    n = stream.length // elem
+    per_chunk = np.stack(
+        [
+            np.concatenate(
+                [src_at[q * chunk + off // elem + np.arange(n)] for off in stream.remote_offsets]
+            )
+            for q in range(chunks)
+        ]
+    )
+    stride = int(per_chunk[1, 0] - per_chunk[0, 0]) if chunks > 1 else 0
+    if not np.array_equal(per_chunk, per_chunk[:1] + stride * np.arange(chunks)[:, None]):
+        raise LayoutError(
+            f"group {group_id}: the sender's {rewrite.src} blocks cannot be read as "
+            f"{rewrite.dst} chunks without a rewrite (chunks are not evenly spaced)"
+        )
+    first = per_chunk[0]
+    breaks = np.flatnonzero(np.diff(first) != 1) + 1
+    starts = np.concatenate([breaks, np.arange(0, first.size, n)])
+    run = int(np.gcd.reduce(np.concatenate([[n], starts])))
+    length = run * elem
+    if length < min_piece_bytes:
+        raise LayoutError(
+            f"group {group_id}: reading the sender's {rewrite.src} blocks as {rewrite.dst} "
+            f"chunks without a rewrite needs {length}-byte pieces (fewer than "
+            f"{min_piece_bytes}); the sender does not rewrite blocks in place"
+        )
+    local_offsets = []
+    remote_offsets = []
+    for k, off in enumerate(stream.local_offsets):
+        for j in range(0, n, run):
+            local_offsets.append(off + j * elem)
+            remote_offsets.append(int(first[k * n + j]) * elem)
+    return PieceStream(
+        local_region=stream.local_region,
+        remote_region=stream.remote_region,
+        local_offsets=tuple(local_offsets),
+        remote_offsets=tuple(remote_offsets),
+        length=length,
+        local_chunk_bytes=stream.local_chunk_bytes,
+        remote_chunk_bytes=stride * elem if chunks > 1 else stream.remote_chunk_bytes,
+    )
