@@ -67,8 +67,10 @@ class AttentionSpec:
     """K and V of ``block_size`` tokens x ``num_kv_heads`` heads x ``head_size`` per block.
 
     ``kv_interleaved``: K and V of one (head, token) sit side by side, ``[K | V]`` along
-    the innermost axis (vLLM 0.32's "content" axis ``C = head_size_k + head_size_v``). The
-    block then has one part whose rows are ``2 * head_size`` wide instead of two parts.
+    the innermost axis (the logical "content" axis ``C = head_size_k + head_size_v`` of
+    vLLM 0.32's tensors). The block then has one part whose rows are ``2 * head_size``
+    wide instead of two parts. vLLM's CPU kernels store such blocks in their own element
+    order; that is ``CacheFormat.block_packing``, not this flag.
     """
 
     block_size: int
