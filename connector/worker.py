@@ -115,7 +115,7 @@ class KVBridgeWorker:
         ``register_kv_caches``."""
         if self._engine is not None:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
-        self._repacker: Repacker | None = None  # see set_repacker
+        self._repacker = repacker
 
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:

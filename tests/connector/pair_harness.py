@@ -18,6 +18,7 @@ import torch
 from connector.api import SchedulerEvents
 from connector.config import KVTransferConfig
 from connector.params import KVTransferParams
+from connector.receiver import Repacker
 from connector.scheduler import KVBridgeScheduler
 from connector.worker import KVBridgeWorker, ModelInfo
 from examples.block_pool import BlockPool
@@ -89,6 +90,7 @@ def make_side(
     *,
     num_blocks: int = 64,
     rewrites_in_place: bool = True,
+    repacker: Repacker | None = None,
     **extra_config: object,
 ) -> Side:
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
@@ -105,6 +107,8 @@ def make_side(
         }
     )
     worker = KVBridgeWorker(config, MODEL, clock=clock, rewrites_in_place=rewrites_in_place)
+    if repacker is not None:
+        worker.set_repacker(repacker)
     worker.register_kv_caches(buffers)
     sched = KVBridgeScheduler(config, kv, clock=clock)
     return Side(

@@ -321,3 +321,37 @@ def test_sender_that_may_not_rewrite_refuses_a_prepare_with_rewrites(clock):
             assert torch.equal(before, after)
     finally:
         prefill.worker.shutdown()
+
+
+def test_packed_pages_reach_the_engines_repacker(clock):
+    """Engine-packed pages into larger decode blocks: the engine's repacker gets the
+    loaded blocks (vLLM's real repack is tested in tests/connector/vllm)."""
+    packed = CacheFormat(layout=KVLayout.HND, block_packing="engine-order")
+    prefill = make_side("kv_producer", "prefill", 16, packed, "F", clock, lease_s=30.0)
+    calls: list[tuple[int, list[int], int]] = []
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        64,
+        packed,
+        "F",
+        clock,
+        repacker=lambda g, ids, size: calls.append((g, list(ids), size)),
+    )
+    try:
+        p = Request("p1", token_ids(200), _remote_decode())
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 192
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "load")
+        assert calls == [(0, sorted(d.block_ids[0][:3]), 16)]
+        # the pages arrived side by side: local block i holds remote blocks 4i .. 4i+3
+        page = prefill.buffers.layer_bytes("g0.a").shape[1]
+        for i, lb in enumerate(d.block_ids[0][:3]):
+            got = decode.buffers.layer_bytes("g0.a")[lb]
+            for j in range(4):
+                want = prefill.buffers.layer_bytes("g0.a")[p.block_ids[0][4 * i + j]]
+                assert torch.equal(got[j * page : (j + 1) * page], want)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
