@@ -8,6 +8,10 @@ One load moves through::
 
 Receiver rewrites (merge after load) run as soon as the reads complete; then prefill is
 told ``Done`` so it frees its blocks.
+
+Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) are read
+whole into staging slots, in rounds of as many slots as are free; after each round the
+engine splits the loaded tokens into its blocks and the slots go back.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+import torch
 
+from connector.errors import TransferError
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.staging import StagingPool, StagingPools
 from connector.transport import TransferEngine, XferHandle, XferState
 from handshake.plan_model import GroupPlan, TransferPlan
 from layouts.allocation import KVCacheBuffers
@@ -31,9 +39,25 @@ from layouts.errors import KVBridgeError
 from layouts.specs import KVCacheKind, SlidingWindowSpec
 from layouts.transforms import rewrite_group
 
-# (group id, local block ids, remote block size): the engine repacks local blocks that
-# each received whole, smaller remote pages (engine-packed formats, see handshake.plan)
-Repacker = Callable[[int, np.ndarray, int], None]
+
+class Repacker(Protocol):
+    """The engine's way back to its own page order after a load of whole remote pages
+    (engine-packed formats, ``CacheFormat.block_packing``; see handshake.packed_plan)."""
+
+    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+        """Local blocks ``block_ids`` each hold whole, smaller remote pages side by side."""
+
+    def split(
+        self,
+        group_id: int,
+        pages: Sequence[torch.Tensor],
+        remote_block_size: int,
+        slots: np.ndarray,
+    ) -> None:
+        """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
+        ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
+        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +78,30 @@ class Load:
     touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
     num_bytes: int = 0
     started: float = 0.0
+    staged: list[Staged] = field(default_factory=list)  # remote pages still to stage
+    batch: StageBatch | None = None  # the staging round in flight
+
+
+@dataclass
+class Staged:
+    """Remote pages of one group that go through staging slots."""
+
+    group: GroupPlan
+    remote_blocks: np.ndarray  # remote logical blocks not staged yet
+    lo: int  # tokens [lo, end) are written to local blocks
+    end: int
+    local_ids: np.ndarray  # local block ids by logical block
+    remote_ids: np.ndarray  # remote block ids by logical block - remote_first
+    remote_first: int
+
+
+@dataclass
+class StageBatch:
+    staged: Staged
+    remote_blocks: np.ndarray
+    pool: StagingPool
+    slots: np.ndarray
+    handles: list[XferHandle] = field(default_factory=list)
 
 
 class Receiver:
@@ -70,9 +118,11 @@ class Receiver:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         repacker: Repacker | None = None,
+        staging_bytes: int = 64 << 20,
     ) -> None:
         self._engine = engine
         self._repacker = repacker
+        self._staging = StagingPools(engine, staging_bytes, device=buffers.device)
         self._peers = peers
         self._buffers = buffers
         self._metrics = metrics
@@ -174,6 +224,8 @@ class Receiver:
         try:
             for g in peer.plan.groups:
                 self._post_group(load, peer, g)
+            if load.staged:
+                self._stage_next(load)
         except KVBridgeError as exc:
             self._finish_failed(load, f"could not post the read: {exc}")
 
@@ -204,6 +256,17 @@ class Receiver:
         local_spec = self._buffers.config.groups[g.group_id].spec
         if isinstance(local_spec, SlidingWindowSpec):
             lo = max(start, end - local_spec.sliding_window)
+        if g.split_from:
+            blocks = g.chunks_for_tokens(lo, end)  # one chunk per remote block
+            if blocks.size and (blocks[0] < rfirst or blocks[-1] - rfirst >= rids.size):
+                raise KVBridgeError(
+                    f"group {g.group_id}: tokens [{lo}, {end}) need remote blocks "
+                    f"{blocks[0]}..{blocks[-1]} but prefill sent "
+                    f"{rfirst}..{rfirst + rids.size - 1}"
+                )
+            if blocks.size:
+                load.staged.append(Staged(g, blocks, lo, end, lids, rids, rfirst))
+            return
         chunks = g.chunks_for_tokens(lo, end)
         if chunks.size == 0:
             return
@@ -224,13 +287,21 @@ class Receiver:
     def _poll_reads(self, load: Load) -> None:
         try:
             pending = [h for h in load.handles if self._engine.poll(h) is XferState.PENDING]
-        except KVBridgeError as exc:
+            batch = load.batch
+            if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
+                self._split(load, batch)
+            if load.batch is None and load.staged:
+                self._stage_next(load)
+        except TransferError as exc:
             peer = self._peers.get(load.key)
             self._finish_failed(load, f"read failed: {exc}")
             if peer is not None:
                 self._peers.drop(peer.key, f"transfer failed: {exc}")
             return
-        if pending:
+        except KVBridgeError as exc:  # staging or splitting: this load only
+            self._finish_failed(load, f"could not stage the remote pages: {exc}")
+            return
+        if pending or load.batch or load.staged:
             return
         self._release_handles(load)
         plan = self._plan(load)
@@ -248,7 +319,7 @@ class Receiver:
                 if g.repack_from and g.group_id in load.touched:
                     assert self._repacker is not None  # negotiation needs one for repacks
                     ids = load.touched[g.group_id]
-                    self._repacker(g.group_id, ids, g.repack_from)
+                    self._repacker.merge(g.group_id, ids, g.repack_from)
                     self._metrics.receiver_rewrites += int(ids.size)
         self._metrics.transfers += 1
         self._metrics.bytes_read += load.num_bytes
@@ -256,6 +327,62 @@ class Receiver:
         self._notify_done(load, ok=True)
         self._forget(load)
         self._done.add(load.spec.request_id)
+
+    def _stage_next(self, load: Load) -> None:
+        """Post the next staging round of ``load``: as many remote pages as slots are free
+        (none free: wait for another load's round to finish)."""
+        staged = load.staged[0]
+        g = staged.group
+        peer = self._peers.get(load.key)
+        if peer is None or peer.state is not PeerState.READY:
+            raise KVBridgeError(f"peer {load.key} went away before the read")
+        pool = self._staging.pool(g.staging_bytes)
+        slots = pool.lease(int(staged.remote_blocks.size))
+        if slots.size == 0:
+            return
+        blocks, staged.remote_blocks = (
+            staged.remote_blocks[: slots.size],
+            staged.remote_blocks[slots.size :],
+        )
+        if staged.remote_blocks.size == 0:
+            load.staged.pop(0)
+        batch = StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
+        load.batch = batch
+        rrows = staged.remote_ids[blocks - staged.remote_first]
+        offset = 0
+        for i, stream in enumerate(g.streams):
+            local = pool.local_list(offset, stream.length)
+            remote = peer.remote_lists[(g.group_id, i)]
+            batch.handles.append(self._engine.read(local, slots, remote, rrows))
+            load.num_bytes += int(slots.size) * stream.length
+            self._metrics.descriptors_posted += int(slots.size)
+            offset += stream.length
+
+    def _split(self, load: Load, batch: StageBatch) -> None:
+        """A staging round arrived: the engine writes its tokens into local blocks."""
+        for h in batch.handles:
+            self._engine.release(h)
+        batch.handles.clear()
+        staged, g = batch.staged, batch.staged.group
+        local_bs = self._buffers.config.groups[g.group_id].spec.block_size
+        tokens = batch.remote_blocks[:, None] * g.split_from + np.arange(g.split_from)
+        wanted = (tokens >= staged.lo) & (tokens < staged.end)
+        logical = np.where(wanted, tokens // local_bs, 0)
+        if logical.max() >= staged.local_ids.size:
+            raise KVBridgeError(
+                f"group {g.group_id}: token {int(tokens[wanted].max())} has no local block "
+                f"({staged.local_ids.size} given)"
+            )
+        slots = np.where(wanted, staged.local_ids[logical] * local_bs + tokens % local_bs, -1)
+        pages, offset = [], 0
+        for stream in g.streams:
+            pages.append(batch.pool.pages(batch.slots, offset, stream.length))
+            offset += stream.length
+        batch.pool.give_back(batch.slots)
+        load.batch = None
+        assert self._repacker is not None  # negotiation needs one for split plans
+        self._repacker.split(g.group_id, pages, g.split_from, slots)
+        self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
 
     def _plan(self, load: Load) -> TransferPlan | None:
         peer = self._peers.get(load.key)
@@ -265,6 +392,12 @@ class Receiver:
         for h in load.handles:
             self._engine.release(h)
         load.handles.clear()
+        if load.batch is not None:  # releasing in-flight reads cancels them
+            for h in load.batch.handles:
+                self._engine.release(h)
+            load.batch.pool.give_back(load.batch.slots)
+            load.batch = None
+        load.staged.clear()
 
     def _notify_done(self, load: Load, *, ok: bool) -> None:
         peer = self._peers.get(load.key)
@@ -294,6 +427,7 @@ class Receiver:
     def close(self) -> None:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
+        self._staging.close()
 
 
 def _invalid_blocks(spec: LoadSpec) -> tuple[tuple[int, ...], ...]:

@@ -33,6 +33,7 @@ from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.receiver import Receiver, Repacker
 from connector.sender import Sender
+from connector.staging import staging_capacity
 from connector.transport import TransferEngine
 from handshake.affinity import unpinned
 from handshake.client import ClientConfig, HandshakeClient
@@ -77,6 +78,7 @@ class KVBridgeWorker:
         self.config = config
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
+        self._staging_bytes = staging_capacity(config.extra)
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -111,8 +113,8 @@ class KVBridgeWorker:
 
     def set_repacker(self, repacker: Repacker) -> None:
         """For engine-packed pages (``CacheFormat.block_packing``): the engine's way to
-        repack local blocks that received whole, smaller remote pages. Call it before
-        ``register_kv_caches``."""
+        rebuild its pages from whole remote pages (smaller ones side by side in a local
+        block, or larger ones in staging slots). Call it before ``register_kv_caches``."""
         if self._engine is not None:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
         self._repacker = repacker
@@ -184,6 +186,7 @@ class KVBridgeWorker:
             timeout_s=self.config.transfer_timeout_s,
             clock=self._clock,
             repacker=self._repacker,
+            staging_bytes=self._staging_bytes,
         )
 
     # -- per step -------------------------------------------------------------------------

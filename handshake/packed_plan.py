@@ -2,7 +2,9 @@
 
 Such pages keep their elements in the engine's own order, so they move whole: between
 equal block sizes one page per (block, layer); into a reader whose blocks are ``r`` times
-larger, ``r`` sender pages side by side, which the reader's engine repacks after load.
+larger, ``r`` sender pages side by side, which the reader's engine repacks after load; from
+a sender whose blocks are ``r`` times larger, each sender page lands in a staging slot of
+the reader and the reader's engine splits the tokens it loads into its own blocks.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from layouts.groups import KVCacheGroup
 
 
 def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool) -> bool:
-    """Pages in an engine's private element order: same order on both sides, and the
-    reader's blocks a multiple of the sender's when its engine repacks (else equal).
+    """Pages in an engine's private element order: same order on both sides, and one block
+    size a multiple of the other when the reader's engine repacks (else equal).
     True when the sides are packed."""
     lp, rp = local.format.block_packing, remote.format.block_packing
     if not lp and not rp:
@@ -28,22 +30,26 @@ def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_re
             hint="the two engines order the elements of a block differently",
         )
     pairs = list(zip(local.config.groups, remote.config.groups, strict=False))
-    larger_sender = [
+
+    def fits(b_local: int, b_remote: int) -> bool:
+        if not can_repack:
+            return b_local == b_remote
+        return max(b_local, b_remote) % min(b_local, b_remote) == 0
+
+    mismatched = [
         (f"groups[{lg.group_id}].block_size", lg.spec.block_size, rg.spec.block_size)
         for lg, rg in pairs
-        if rg.spec.block_size > lg.spec.block_size
-        or (not can_repack and rg.spec.block_size != lg.spec.block_size)
-        or lg.spec.block_size % rg.spec.block_size
+        if not fits(lg.spec.block_size, rg.spec.block_size)
     ]
-    if larger_sender:
+    if mismatched:
         how = (
-            "a reader repacks whole smaller pages into its blocks after load, so the "
-            "sender's blocks must not be larger than the reader's"
+            "a reader repacks whole pages after load, so one block size must be a "
+            "multiple of the other"
             if can_repack
             else "this reader cannot repack them, so both sides need the same block size"
         )
         raise IncompatiblePeerError(
-            larger_sender,
+            mismatched,
             peer=peer,
             hint=f"{lp!r} blocks keep their elements in the engine's own order (vLLM's CPU "
             f"attention stores K transposed per block), so a block cannot be cut into "
@@ -55,23 +61,14 @@ def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_re
 def packed_plan(
     local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
 ) -> GroupPlan:
-    """Whole remote pages, one per layer and remote block, side by side in local pages."""
+    """Whole remote pages, one per layer and remote block: side by side in local pages
+    (remote blocks no larger), or into staging slots (remote blocks larger)."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
+    if b_remote > b_local:
+        return _staged_plan(local, remote, lg, rg)
     r_local = b_local // b_remote
 
-    def layer_regions(side: PeerLayout, group_id: int) -> dict[int, tuple[int, int]]:
-        out = {}
-        for idx, info in enumerate(side.regions):
-            if info.group_id != group_id:
-                continue
-            if info.layer_index < 0 or info.kv_part >= 0:
-                raise LayoutError("engine-packed pages must be per-layer, K and V together")
-            out[info.layer_index] = (idx, info.region.block_bytes)
-        return out
-
-    lr, rr = layer_regions(local, lg.group_id), layer_regions(remote, rg.group_id)
-    if set(lr) != set(rr):
-        raise LayoutError(f"layers do not correspond: local {sorted(lr)} vs remote {sorted(rr)}")
+    lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
     streams = []
     for layer in sorted(lr):
         (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
@@ -102,3 +99,66 @@ def packed_plan(
         streams=tuple(streams),
         repack_from=b_remote if r_local > 1 else 0,
     )
+
+
+def _staged_plan(
+    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+) -> GroupPlan:
+    """Remote pages ``r`` times larger than local ones: one whole page per layer and
+    remote block into a staging slot (pages of the group's layers back to back)."""
+    b_local, b_remote = lg.spec.block_size, rg.spec.block_size
+    r_remote = b_remote // b_local
+    lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
+    streams = []
+    for layer in sorted(lr):
+        (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
+        if rbytes != lbytes * r_remote:
+            raise LayoutError(
+                f"layer {layer}: remote pages of {rbytes} B do not hold {r_remote} local "
+                f"pages of {lbytes} B"
+            )
+        streams.append(
+            PieceStream(
+                local_region=li,  # the layer the engine splits into (reads go to staging)
+                remote_region=ri,
+                local_offsets=(0,),
+                remote_offsets=(0,),
+                length=rbytes,
+                local_chunk_bytes=rbytes,
+                remote_chunk_bytes=rbytes,
+            )
+        )
+    return GroupPlan(
+        group_id=lg.group_id,
+        kind=lg.kind,
+        wire_tokens=b_remote,
+        local_chunks_per_block=1,
+        remote_chunks_per_block=1,
+        sender=None,
+        receiver=None,
+        streams=tuple(streams),
+        split_from=b_remote,
+    )
+
+
+def _paired_layers(
+    local: PeerLayout, remote: PeerLayout, local_group: int, remote_group: int
+) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+    lr, rr = _layer_regions(local, local_group), _layer_regions(remote, remote_group)
+    if set(lr) != set(rr):
+        raise LayoutError(f"layers do not correspond: local {sorted(lr)} vs remote {sorted(rr)}")
+    return lr, rr
+
+
+def _layer_regions(side: PeerLayout, group_id: int) -> dict[int, tuple[int, int]]:
+    """Layer index inside the group -> (region index, page bytes); layers 0..L-1."""
+    out = {}
+    for idx, info in enumerate(side.regions):
+        if info.group_id != group_id:
+            continue
+        if info.layer_index < 0 or info.kv_part >= 0:
+            raise LayoutError("engine-packed pages must be per-layer, K and V together")
+        out[info.layer_index] = (idx, info.region.block_bytes)
+    if sorted(out) != list(range(len(out))):
+        raise LayoutError(f"group {group_id}: layer indices {sorted(out)} are not 0..L-1")
+    return out

@@ -61,7 +61,8 @@ def negotiate(
 ) -> TransferPlan:
     """The plan for reading ``remote``'s blocks into ``local``'s, or
     :class:`IncompatiblePeerError` naming what cannot be bridged. ``can_repack``: the
-    local engine can repack its packed pages from smaller ones after load."""
+    local engine can rebuild its packed pages from the remote ones after load (merge
+    smaller pages, split larger ones)."""
     if min_native_piece_bytes is None:
         min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
     peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"

@@ -75,6 +75,15 @@ class GroupPlan:
     # engine-packed pages: each local block receives whole remote pages of this many
     # tokens, which the reader's engine packer repacks after load (0: nothing to repack)
     repack_from: int = 0
+    # engine-packed pages larger than the local blocks: each remote page of this many
+    # tokens lands whole in a staging slot (the streams' pages back to back), and the
+    # reader's engine splits the tokens it needs into its blocks (0: no staging)
+    split_from: int = 0
+
+    @property
+    def staging_bytes(self) -> int:
+        """One staging slot: a remote page of every stream, back to back."""
+        return sum(s.length for s in self.streams) if self.split_from else 0
 
     @property
     def descriptors_per_chunk(self) -> int:
@@ -147,6 +156,11 @@ class GroupPlan:
             + (f" [sender {self.sender}]" if self.sender else "")
             + (" [sender read in its native arrangement]" if self.native_read else "")
             + (f" [engine repacks {self.repack_from}-token pages]" if self.repack_from else "")
+            + (
+                f" [whole {self.split_from}-token pages staged, engine splits them]"
+                if self.split_from
+                else ""
+            )
             + (f" [receiver {self.receiver}]" if self.receiver else "")
         )
 

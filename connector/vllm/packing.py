@@ -6,8 +6,10 @@ instruction set (on x86 without AMX: per head, K transposed ``[head_size, block_
 then V ``[block_size, head_size]``). A page therefore cannot be cut into token chunks by
 byte ranges. kvbridge moves such pages whole; a decode block ``r`` times larger than
 prefill's receives ``r`` prefill pages side by side, and :class:`CpuAttnRepacker` turns
-them into one page of its own: it reads the small pages through their element map and
-writes K and V back with vLLM's own kernel.
+them into one page of its own (``merge``): it reads the small pages through their element
+map and writes K and V back with vLLM's own kernel. A prefill block ``r`` times larger
+lands whole in a staging slot, and ``split`` writes the tokens decode loads from it into
+decode's blocks the same way.
 
 The element map is measured, not assumed: :func:`page_map` runs the kernel on a scratch
 block whose values encode each element's index.
@@ -15,7 +17,7 @@ block whose values encode each element's index.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -81,16 +83,35 @@ def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int
 
 
 class CpuAttnRepacker:
-    """Repacks local blocks that each hold ``r`` whole remote pages, layer by layer."""
+    """Rebuilds vLLM CPU attention pages from whole remote pages, layer by layer
+    (:class:`connector.receiver.Repacker`)."""
 
     def __init__(self, kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> None:
         self._layers = {g.group_id: g.layer_names for g in kv_config.groups}
         self._tensors = dict(tensors)
 
-    def __call__(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
         for name in self._layers[group_id]:
             repack_layer(self._tensors[name], ids, remote_block_size)
+
+    def split(
+        self,
+        group_id: int,
+        pages: Sequence[torch.Tensor],
+        remote_block_size: int,
+        slots: np.ndarray,
+    ) -> None:
+        names = self._layers[group_id]
+        if len(pages) != len(names):
+            raise KVBridgeError(
+                f"group {group_id}: {len(pages)} layers of pages for {len(names)} layers"
+            )
+        flat = np.asarray(slots, dtype=np.int64).reshape(-1)
+        keep = torch.from_numpy(flat >= 0)
+        where = torch.from_numpy(flat[flat >= 0])
+        for name, layer_pages in zip(names, pages, strict=True):
+            split_layer(self._tensors[name], layer_pages, remote_block_size, keep, where)
 
 
 def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size: int) -> None:
@@ -109,4 +130,31 @@ def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size
     key = canonical[:, :, 0].reshape(n * block_size, heads, d).contiguous()
     value = canonical[:, :, 1].reshape(n * block_size, heads, d).contiguous()
     slots = (block_ids.view(-1, 1) * block_size + torch.arange(block_size)).reshape(-1)
+    _write(cache, key, value, slots)
+
+
+def split_layer(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    remote_block_size: int,
+    keep: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write tokens of ``n`` larger pages (uint8 ``[n, page_bytes]``, ``b`` tokens each)
+    into one layer ``[blocks, H, B, 2D]``: token ``i`` of the flattened ``[n * b]`` goes to
+    the next entry of ``slots`` where ``keep[i]``."""
+    _, heads, _, width = cache.shape
+    d, b, n = width // 2, remote_block_size, pages.shape[0]
+    if n == 0 or slots.numel() == 0:
+        return
+    expected = 2 * b * heads * d * cache.element_size()
+    if pages.shape[1] != expected:
+        raise KVBridgeError(
+            f"{b}-token pages of {pages.shape[1]} B do not match this layer ({expected} B)"
+        )
+    offsets = torch.from_numpy(page_map(cache.dtype, b, heads, d).reshape(-1))
+    elems = pages.contiguous().view(cache.dtype).reshape(n, -1)
+    canonical = elems[:, offsets].reshape(n, 2, b, heads, d)
+    key = canonical[:, 0].reshape(n * b, heads, d)[keep].contiguous()
+    value = canonical[:, 1].reshape(n * b, heads, d)[keep].contiguous()
     _write(cache, key, value, slots)

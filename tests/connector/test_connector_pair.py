@@ -328,7 +328,7 @@ def test_packed_pages_reach_the_engines_repacker(clock):
     loaded blocks (vLLM's real repack is tested in tests/connector/vllm)."""
     packed = CacheFormat(layout=KVLayout.HND, block_packing="engine-order")
     prefill = make_side("kv_producer", "prefill", 16, packed, "F", clock, lease_s=30.0)
-    calls: list[tuple[int, list[int], int]] = []
+    repacker = RecordingRepacker()
     decode = make_side(
         "kv_consumer",
         "decode",
@@ -336,7 +336,7 @@ def test_packed_pages_reach_the_engines_repacker(clock):
         packed,
         "F",
         clock,
-        repacker=lambda g, ids, size: calls.append((g, list(ids), size)),
+        repacker=repacker,
     )
     try:
         p = Request("p1", token_ids(200), _remote_decode())
@@ -344,7 +344,8 @@ def test_packed_pages_reach_the_engines_repacker(clock):
         d = Request("d1", p.prompt_token_ids, params)
         assert decode_admit(decode, d) == 192
         run_until([prefill, decode], lambda: loaded(decode, "d1"), "load")
-        assert calls == [(0, sorted(d.block_ids[0][:3]), 16)]
+        assert repacker.merges == [(0, sorted(d.block_ids[0][:3]), 16)]
+        assert repacker.splits == []
         # the pages arrived side by side: local block i holds remote blocks 4i .. 4i+3
         page = prefill.buffers.layer_bytes("g0.a").shape[1]
         for i, lb in enumerate(d.block_ids[0][:3]):
@@ -352,6 +353,97 @@ def test_packed_pages_reach_the_engines_repacker(clock):
             for j in range(4):
                 want = prefill.buffers.layer_bytes("g0.a")[p.block_ids[0][4 * i + j]]
                 assert torch.equal(got[j * page : (j + 1) * page], want)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+class RecordingRepacker:
+    """Stands in for the engine's packer: records what kvbridge hands it (vLLM's real
+    merge and split are tested against its kernel in tests/connector/vllm)."""
+
+    def __init__(self) -> None:
+        self.merges: list[tuple[int, list[int], int]] = []
+        self.splits: list[tuple[int, list[torch.Tensor], int, np.ndarray]] = []
+
+    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+        self.merges.append((group_id, sorted(int(b) for b in block_ids), remote_block_size))
+
+    def split(self, group_id, pages, remote_block_size, slots) -> None:
+        self.splits.append((group_id, [p.clone() for p in pages], remote_block_size, slots.copy()))
+
+
+PACKED = CacheFormat(layout=KVLayout.HND, block_packing="engine-order")
+
+
+def _staged_pair(clock: FakeClock, staging_slots: float, kinds: str = "F"):
+    """Prefill blocks of 64, decode blocks of 16, both engine-packed; decode's staging
+    pool holds ``staging_slots`` remote blocks (every layer of the group)."""
+    prefill = make_side("kv_producer", "prefill", 64, PACKED, kinds, clock, lease_s=30.0)
+    slot = sum(
+        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
+    )
+    repacker = RecordingRepacker()
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        PACKED,
+        kinds,
+        clock,
+        repacker=repacker,
+        extra={"staging_mib": staging_slots * slot / (1 << 20)},
+    )
+    return prefill, decode, repacker
+
+
+@pytest.mark.parametrize("num_computed", [0, 16])
+def test_larger_packed_pages_are_staged_in_rounds_and_split_by_the_engine(clock, num_computed):
+    """Three 64-token prefill pages through a two-slot staging pool: two rounds; the
+    engine gets each page whole and the decode slot of every token it must write (a
+    prefix hit of one decode block leaves that block's tokens out)."""
+    prefill, decode, repacker = _staged_pair(clock, staging_slots=2.5)
+    try:
+        p = Request("p1", token_ids(200), _remote_decode())
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d, num_computed) == 192 - num_computed
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "the staged load")
+        assert [len(call[1][0]) for call in repacker.splits] == [2, 1]  # pages per round
+        assert repacker.merges == []
+        layers = prefill.config.groups[0].layer_names
+        for r, (gid, pages, size, slots) in enumerate(repacker.splits):
+            assert (gid, size, len(pages)) == (0, 64, len(layers))
+            for j in range(slots.shape[0]):
+                rb = 2 * r + j  # remote logical block
+                for name, layer_pages in zip(layers, pages, strict=True):
+                    want = prefill.buffers.layer_bytes(name)[p.block_ids[0][rb]]
+                    assert torch.equal(layer_pages[j], want)
+                t = rb * 64 + np.arange(64)
+                lids = np.asarray(d.block_ids[0])
+                want_slots = np.where(t >= num_computed, lids[t // 16] * 16 + t % 16, -1)
+                assert np.array_equal(slots[j], want_slots)
+        assert decode.worker.metrics.receiver_rewrites == (192 - num_computed) // 16
+        _finish_decode(decode, d)
+        run_until([prefill, decode], lambda: prefill.sched.num_held_sends == 0, "prefill to free")
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_staging_pool_too_small_for_one_page_fails_the_load_by_name(clock):
+    prefill, decode, repacker = _staged_pair(clock, staging_slots=0.5)
+    try:
+        p = Request("p1", token_ids(200), _remote_decode())
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+        run_until([prefill, decode], lambda: bool(failed(decode, "d1")), "the load to fail")
+        (failure,) = failed(decode, "d1")
+        assert "raise extra.staging_mib" in failure.reason
+        assert repacker.splits == []
+        run_until([prefill, decode], lambda: prefill.sched.num_held_sends == 0, "prefill to free")
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()

@@ -275,5 +275,26 @@ def test_engine_packed_smaller_sender_pages_land_side_by_side_for_a_repack():
         assert g.descriptors_per_chunk == 2  # one whole page per layer
         page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
         assert g.local_offsets(g.streams[0]).tolist() == [0, page, 2 * page, 3 * page]
-    with pytest.raises(IncompatiblePeerError, match="must not be larger"):
-        negotiate(remote.layout, local.layout, can_repack=True)
+
+
+def test_engine_packed_larger_sender_pages_go_whole_to_staging_for_a_split():
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    remote = make_side("p", 128, fmt, "FS", 8)
+    local = make_side("d", 32, fmt, "FS", 8)
+    plan = negotiate(local.layout, remote.layout, can_repack=True)
+    for g in plan.groups:
+        assert (g.split_from, g.repack_from, g.wire_tokens) == (128, 0, 128)
+        assert g.descriptors_per_chunk == 2  # one whole page per layer and remote block
+        page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
+        assert g.remote_offsets(g.streams[0]).tolist() == [0]
+        assert [s.length for s in g.streams] == [page, page]
+        assert g.staging_bytes == 2 * page
+    assert "staged, engine splits" in str(plan)
+
+
+def test_engine_packed_block_sizes_that_do_not_divide_are_refused():
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    remote = make_side("p", 96, fmt, "F", 8)
+    local = make_side("d", 64, fmt, "F", 8)
+    with pytest.raises(IncompatiblePeerError, match="one block size must be a multiple"):
+        negotiate(local.layout, remote.layout, can_repack=True)

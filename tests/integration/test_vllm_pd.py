@@ -6,9 +6,10 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
     G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
-vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole
-between servers with the same block size; between different block sizes kvbridge refuses
-the peer by name and decode recomputes (vLLM's NixlConnector moves the bytes anyway and
+vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole:
+between equal block sizes straight into decode's blocks; into larger decode blocks side by
+side, then repacked with vLLM's kernel; from larger prefill blocks through decode's staging
+slots, then split into decode's blocks (vLLM's NixlConnector moves the bytes anyway and
 decode generates wrong tokens, see the README). The reference for a pair is a third
 server that computes the prompt itself. Prompts are unique per test so that no prefix
 cache serves them by accident. The tests that kill a prefill server run last.
@@ -155,6 +156,7 @@ PAIRS = [
     ("L128a", "L128b", "L32a"),
     ("L128b", "L128a", "L32b"),
     ("L32a", "L128b", "L128a"),  # decode 4x larger: whole pages side by side, then repacked
+    ("L128a", "L32b", "L128b"),  # prefill 4x larger: whole pages staged, then split
 ]
 
 
@@ -178,21 +180,31 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
     assert (
         _delta(before, after, "descriptors_posted") == want // BYTES_PER_TOKEN // _size(prefill) * 4
     )
-    repacked = _delta(before, after, "receiver_rewrites")
-    assert repacked == (want // BYTES_PER_TOKEN // block if _size(decode) > _size(prefill) else 0)
+    # decode blocks rebuilt by vLLM's kernel: merged (decode larger) or split into
+    rebuilt = _delta(before, after, "receiver_rewrites")
+    tokens = want // BYTES_PER_TOKEN
+    if _size(decode) == _size(prefill):
+        assert rebuilt == 0
+    else:
+        assert rebuilt == tokens // _size(decode)
 
 
-def test_prefill_blocks_larger_than_decode_are_refused_and_decode_recomputes(cluster):
-    prefill, decode, reference = "L128a", "L32b", "L128b"
-    prompts = make_prompts(2, 400, seed=5000)
-    before = cluster.metrics(decode)
-    got = [cluster.pd(prefill, decode, p) for p in prompts]
-    after = cluster.metrics(decode)
-    assert _delta(before, after, "loads_recomputed") == len(prompts)
-    assert _delta(before, after, "bytes_read") == 0
-    assert _delta(before, after, "handshake_failures") >= 1
-    for p, g in zip(prompts, got, strict=True):
-        _assert_same(cluster.run(reference, p), g)
+def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(cluster):
+    """Decode caches 288 tokens (9 of its 32-token blocks, not a whole 128-token prefill
+    block): the staged prefill page 2 is split from token 288 on, blocks 0..8 untouched."""
+    shared = make_prompts(1, 500, seed=9101)[0][:288]
+    assert len(shared) == 288
+    cluster.run("L32b", [*shared, *make_prompts(1, 40, seed=9102)[0][1:]])
+    prompt = [*shared, *make_prompts(1, 300, seed=9103)[0][1:]]
+    before = cluster.metrics("L32b")
+    got = cluster.pd("L128a", "L32b", prompt)
+    after = cluster.metrics("L32b")
+    end = (len(prompt) - 1) // 128 * 128
+    assert end > 288
+    assert _delta(before, after, "loads_loaded") == 1
+    assert _delta(before, after, "bytes_read") == (end - 256) * BYTES_PER_TOKEN  # pages 2..
+    assert _delta(before, after, "receiver_rewrites") == (end - 288) // 32
+    _assert_same(cluster.run("L128b", prompt), got)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("G32a", "G32b"), ("G32b", "G32a")])

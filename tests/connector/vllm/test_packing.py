@@ -104,3 +104,65 @@ def pages_side_by_side(src, src_ids, dst_ids, r):
     return torch.stack(
         [src[src_ids[j * r : (j + 1) * r]].reshape(-1) for j in range(len(dst_ids))]
     ).view(len(dst_ids), *src.shape[1:-2], -1, src.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
+def test_split_of_larger_pages_equals_writing_the_small_blocks(dtype, small, large):
+    """Prefill pages ``large`` tokens long, staged whole: split writes tokens
+    ``[start, end)`` into decode's small blocks, byte for byte what the kernel writes."""
+    import numpy as np
+
+    from connector.vllm.packing import CpuAttnRepacker, _write
+
+    g = torch.Generator().manual_seed(7 * small + large)
+    tokens = 2 * large
+    key = torch.randn(tokens, H, D, generator=g).to(dtype)
+    value = torch.randn(tokens, H, D, generator=g).to(dtype)
+    src = torch.zeros(3, H, large, 2 * D, dtype=dtype)
+    src_ids = torch.tensor([2, 0])  # prefill blocks holding tokens 0..large-1, large..
+    _write(src, key, value, (src_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1))
+    staged = [src[src_ids].reshape(2, -1).view(torch.uint8)]  # what the staging slots hold
+
+    nb = tokens // small
+    dst = torch.zeros(nb + 2, H, small, 2 * D, dtype=dtype)
+    dst_ids = np.arange(nb)[::-1] + 2  # decode's blocks, out of order
+    start = small  # decode already had block 0 (a prefix hit): write tokens small..end
+    t = np.arange(tokens).reshape(2, large)
+    slots = np.where(t >= start, dst_ids[t // small] * small + t % small, -1)
+    layers = KVCacheConfig(
+        groups=(
+            KVCacheGroup(
+                group_id=0,
+                layer_names=("l0",),
+                spec=FullAttentionSpec(block_size=small, num_kv_heads=H, head_size=D, dtype=dtype),
+            ),
+        ),
+        num_blocks=nb + 2,
+    )
+    before_hit = dst[int(dst_ids[0])].clone()
+    CpuAttnRepacker(layers, {"l0": dst}).split(0, staged, large, slots)
+
+    want = torch.zeros_like(dst)
+    keep = torch.arange(start, tokens)
+    want_slots = torch.from_numpy(dst_ids[keep.numpy() // small] * small + keep.numpy() % small)
+    _write(want, key[keep], value[keep], want_slots)
+    written = torch.from_numpy(dst_ids[1:].copy())
+    assert torch.equal(dst[written].view(torch.uint8), want[written].view(torch.uint8))
+    assert torch.equal(dst[int(dst_ids[0])], before_hit)  # the prefix-hit block untouched
+
+
+def test_split_refuses_pages_of_another_size():
+    import numpy as np
+
+    from connector.vllm.packing import CpuAttnRepacker
+    from layouts.errors import KVBridgeError
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
+    config = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
+    )
+    repacker = CpuAttnRepacker(config, {"l0": torch.zeros(NB, H, BS, 2 * D)})
+    pages = [torch.zeros(1, 100, dtype=torch.uint8)]
+    with pytest.raises(KVBridgeError, match=r"64-token pages of 100 B do not match"):
+        repacker.split(0, pages, 64, np.zeros((1, 64), dtype=np.int64))
