@@ -6,7 +6,7 @@
       Prepare(req, rewrites)   ------>      rewrite blocks after save (sender transform)
                                <------      Prepared(req, ok, reason)
       NIXL READ ...
-      Done(req, ok)            ------>      restore blocks, free them (finished sending)
+      Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
       Heartbeat([req, ...])    ------>      extend leases of requests still queued
 
 Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
@@ -19,7 +19,7 @@ from typing import TypeAlias
 
 import msgspec
 
-from layouts.arrangement import BlockArrangement
+from layouts.arrangement import BlockArrangement, HeadOrder
 from layouts.errors import KVBridgeError
 from layouts.layout import KVLayout
 
@@ -35,10 +35,17 @@ class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
     num_chunks: int
     sub_blocks_per_chunk: int
     parts_outer: bool
+    heads: str = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
 
     @classmethod
     def of(cls, arr: BlockArrangement) -> WireArrangement:
-        return cls(arr.layout.value, arr.num_chunks, arr.sub_blocks_per_chunk, arr.parts_outer)
+        return cls(
+            arr.layout.value,
+            arr.num_chunks,
+            arr.sub_blocks_per_chunk,
+            arr.parts_outer,
+            arr.heads.value,
+        )
 
     def to_arrangement(self) -> BlockArrangement:
         return BlockArrangement(
@@ -46,6 +53,7 @@ class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
             num_chunks=self.num_chunks,
             sub_blocks_per_chunk=self.sub_blocks_per_chunk,
             parts_outer=self.parts_outer,
+            heads=HeadOrder.parse(self.heads),
         )
 
 
@@ -70,6 +78,10 @@ class Prepared(msgspec.Struct, frozen=True, tag=True):
 class Done(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     ok: bool = True  # False: decode gave up (abort, failure); prefill frees all the same
+    # decode ranks that each send this prefill rank a Done for the request (tensor
+    # parallelism: every decode rank reading its heads); prefill frees after the last
+    readers: int = 1
+    reader_rank: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -21,7 +21,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     remote_engine_id: str = ""
     remote_host: str = ""
     remote_port: int = 0
-    remote_rank: int = 0
+    remote_rank: int = 0  # the rank remote_port belongs to; rank r listens on port + r - this
+    remote_tp_size: int = 1  # prefill's tensor-parallel size: decode rank d reads ranks by heads
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # per group
     remote_first_block: list[int] = msgspec.field(default_factory=list)  # logical index of [0]
     remote_block_size: int = 0
@@ -61,6 +62,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ParamsError(f"kv_transfer_params lack {missing}")
         if not 0 < self.remote_port < 65536:
             raise ParamsError(f"remote_port={self.remote_port} is not a port")
+        if self.remote_tp_size < 1 or not 0 <= self.remote_rank < self.remote_tp_size:
+            raise ParamsError(
+                f"remote_rank={self.remote_rank} must lie in [0, remote_tp_size="
+                f"{self.remote_tp_size})"
+            )
+        if self.remote_port - self.remote_rank + self.remote_tp_size > 65536:
+            raise ParamsError(
+                f"remote_port={self.remote_port}: the ports of {self.remote_tp_size} prefill "
+                f"ranks do not fit below 65536"
+            )
         if len(self.remote_block_ids) != num_groups:
             raise ParamsError(
                 f"remote_block_ids has {len(self.remote_block_ids)} lists, this model has "

@@ -1,13 +1,15 @@
 """Decode side: turn LoadSpecs into NIXL READs, and report loads done or failed.
 
-One load moves through::
+A load reads from one prefill rank, or from several under tensor parallelism (each holds
+some of this decode rank's KV heads; ``connector.routing``). Each source moves through::
 
     WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE)--> done
          |                        (skipped when the plan needs no sender rewrite)
          `--- handshake failed / Prepared(ok=False) / TransferError / deadline --> failed
 
-Receiver rewrites (merge after load) run as soon as the reads complete; then prefill is
-told ``Done`` so it frees its blocks.
+and the load fails as soon as one source fails. Receiver rewrites (merge after load) run
+when every source's reads completed; then every prefill rank the route names is told
+``Done`` so it frees its blocks.
 
 Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) are read
 whole into staging slots, in rounds of as many slots as are free; after each round the
@@ -31,9 +33,10 @@ from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.routing import Route, Router
 from connector.staging import StagingPool, StagingPools
 from connector.transport import TransferEngine, XferHandle, XferState
-from handshake.plan_model import GroupPlan, TransferPlan
+from handshake.plan_model import GroupPlan
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 from layouts.specs import KVCacheKind, SlidingWindowSpec
@@ -61,25 +64,15 @@ class Repacker(Protocol):
 
 logger = logging.getLogger(__name__)
 
+# (peer, (host, port), message): queue a notification for a peer, connected or not yet
+Notify = Callable[[PeerKey, tuple[str, int], object], None]
+
 
 class LoadState(enum.Enum):
     WAITING_PEER = "waiting_peer"
     PREPARING = "preparing"
     READING = "reading"
-
-
-@dataclass
-class Load:
-    spec: LoadSpec
-    key: PeerKey
-    deadline: float
-    state: LoadState = LoadState.WAITING_PEER
-    handles: list[XferHandle] = field(default_factory=list)
-    touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
-    num_bytes: int = 0
-    started: float = 0.0
-    staged: list[Staged] = field(default_factory=list)  # remote pages still to stage
-    batch: StageBatch | None = None  # the staging round in flight
+    DONE = "done"
 
 
 @dataclass
@@ -104,6 +97,31 @@ class StageBatch:
     handles: list[XferHandle] = field(default_factory=list)
 
 
+@dataclass
+class Source:
+    """One prefill rank a load reads from."""
+
+    key: PeerKey
+    state: LoadState = LoadState.WAITING_PEER
+    handles: list[XferHandle] = field(default_factory=list)
+    staged: list[Staged] = field(default_factory=list)  # remote pages still to stage
+    batch: StageBatch | None = None  # the staging round in flight
+
+
+@dataclass
+class Load:
+    spec: LoadSpec
+    route: Route
+    deadline: float
+    sources: list[Source]
+    touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
+    num_bytes: int = 0
+    started: float = 0.0
+
+    def source(self, key: PeerKey) -> Source | None:
+        return next((s for s in self.sources if s.key == key), None)
+
+
 class Receiver:
     """Owns the in-flight loads of a decode worker."""
 
@@ -119,6 +137,8 @@ class Receiver:
         clock: Callable[[], float] = time.monotonic,
         repacker: Repacker | None = None,
         staging_bytes: int = 64 << 20,
+        router: Router | None = None,
+        notify: Notify | None = None,
     ) -> None:
         self._engine = engine
         self._repacker = repacker
@@ -127,6 +147,8 @@ class Receiver:
         self._buffers = buffers
         self._metrics = metrics
         self._send = send
+        self._notify = notify or self._notify_now
+        self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
         self._loads: dict[str, Load] = {}
@@ -143,10 +165,19 @@ class Receiver:
             logger.warning("load %s already in flight; ignoring the duplicate", spec.request_id)
             return
         p = spec.params
-        key = (p.remote_engine_id, p.remote_rank)
-        self._peers.ensure(key, p.remote_host, p.remote_port)
+        try:
+            route = self._router.route(p)
+        except KVBridgeError as exc:
+            self._failed.append(_failure(spec, f"no route to the prefill ranks: {exc}"))
+            self._metrics.transfer_failures += 1
+            return
+        for key in route.reads:
+            self._peers.ensure(key, *route.endpoints[key])
         self._loads[spec.request_id] = Load(
-            spec=spec, key=key, deadline=self._clock() + self._timeout_s
+            spec=spec,
+            route=route,
+            deadline=self._clock() + self._timeout_s,
+            sources=[Source(key=key) for key in route.reads],
         )
         self._by_remote[p.remote_request_id] = spec.request_id
 
@@ -158,36 +189,55 @@ class Receiver:
         self._finish_failed(load, "aborted by the engine")
         return True
 
-    def on_prepared(self, msg: Prepared) -> None:
+    def on_prepared(self, msg: Prepared, agent: str = "") -> None:
         rid = self._by_remote.get(msg.request_id)
         load = self._loads.get(rid) if rid else None
-        if load is None or load.state is not LoadState.PREPARING:
+        src = None
+        if load is not None:
+            src = next(
+                (
+                    s
+                    for s in load.sources
+                    if s.state is LoadState.PREPARING
+                    and (not agent or self._agent_of(s.key) == agent)
+                ),
+                None,
+            )
+        if load is None or src is None:
             self._metrics.bad_notifications += 1
             return
         if not msg.ok:
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
             return
-        self._post(load)
+        self._post(load, src)
 
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
         for peer in self._peers.poll():
-            for load in [ld for ld in self._loads.values() if ld.key == peer.key]:
-                if peer.state is PeerState.FAILED:
-                    self._finish_failed(load, peer.reason)
+            if peer.state is not PeerState.FAILED:
+                continue
+            for load in [ld for ld in self._loads.values() if ld.source(peer.key)]:
+                self._finish_failed(load, peer.reason)
         now = self._clock()
         for load in list(self._loads.values()):
-            if load.state is LoadState.WAITING_PEER:
-                peer = self._peers.get(load.key)
-                if peer is not None and peer.state is PeerState.READY:
-                    self._start(load, peer)
-            elif load.state is LoadState.READING:
-                self._poll_reads(load)
-            if load.spec.request_id in self._loads and now > load.deadline:
+            for src in load.sources:
+                if load.spec.request_id not in self._loads:
+                    break
+                if src.state is LoadState.WAITING_PEER:
+                    peer = self._peers.get(src.key)
+                    if peer is not None and peer.state is PeerState.READY:
+                        self._start(load, src, peer)
+                elif src.state is LoadState.READING:
+                    self._poll_reads(load, src)
+            if load.spec.request_id not in self._loads:
+                continue
+            if all(s.state is LoadState.DONE for s in load.sources):
+                self._complete(load)
+            elif now > load.deadline:
+                states = ", ".join(f"{s.key}: {s.state.value}" for s in load.sources)
                 self._finish_failed(
                     load,
-                    f"load from {load.key} timed out: not complete within "
-                    f"{self._timeout_s:.1f} s (state {load.state.value})",
+                    f"load timed out: not complete within {self._timeout_s:.1f} s ({states})",
                 )
 
     def take_results(self) -> tuple[set[str], list[LoadFailure]]:
@@ -197,7 +247,11 @@ class Receiver:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _start(self, load: Load, peer: Peer) -> None:
+    def _agent_of(self, key: PeerKey) -> str:
+        peer = self._peers.get(key)
+        return peer.agent if peer is not None else ""
+
+    def _start(self, load: Load, src: Source, peer: Peer) -> None:
         assert peer.plan is not None
         rewrites = [
             GroupRewrite(
@@ -208,28 +262,29 @@ class Receiver:
         if rewrites:
             msg = Prepare(request_id=load.spec.params.remote_request_id, rewrites=rewrites)
             if self._send(peer, msg):
-                load.state = LoadState.PREPARING
+                src.state = LoadState.PREPARING
             else:
                 self._finish_failed(load, f"prefill {peer.key} unreachable for Prepare")
             return
-        self._post(load)
+        self._post(load, src)
 
-    def _post(self, load: Load) -> None:
-        peer = self._peers.get(load.key)
+    def _post(self, load: Load, src: Source) -> None:
+        peer = self._peers.get(src.key)
         if peer is None or peer.plan is None or peer.state is not PeerState.READY:
-            self._finish_failed(load, f"peer {load.key} went away before the read")
+            self._finish_failed(load, f"peer {src.key} went away before the read")
             return
-        load.state = LoadState.READING
-        load.started = self._clock()
+        src.state = LoadState.READING
+        if not load.started:
+            load.started = self._clock()
         try:
             for g in peer.plan.groups:
-                self._post_group(load, peer, g)
-            if load.staged:
-                self._stage_next(load)
+                self._post_group(load, src, peer, g)
+            if src.staged:
+                self._stage_next(load, src)
         except KVBridgeError as exc:
             self._finish_failed(load, f"could not post the read: {exc}")
 
-    def _post_group(self, load: Load, peer: Peer, g: GroupPlan) -> None:
+    def _post_group(self, load: Load, src: Source, peer: Peer, g: GroupPlan) -> None:
         spec, params = load.spec, load.spec.params
         lids = np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64)
         rids = np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64)
@@ -249,8 +304,8 @@ class Receiver:
                 m = stream.num_pieces
                 lrows = (lids[lblock] * m + np.arange(m)).astype(np.int64)
                 rrows = (rids[rblock - rfirst] * m + np.arange(m)).astype(np.int64)
-                self._read(load, peer, g, i, lrows, rrows)
-            load.touched[g.group_id] = lids[lblock : lblock + 1]
+                self._read(load, src, peer, g, i, lrows, rrows)
+            self._touch(load, g.group_id, lids[lblock : lblock + 1])
             return
         lo = start
         local_spec = self._buffers.config.groups[g.group_id].spec
@@ -265,46 +320,58 @@ class Receiver:
                     f"{rfirst}..{rfirst + rids.size - 1}"
                 )
             if blocks.size:
-                load.staged.append(Staged(g, blocks, lo, end, lids, rids, rfirst))
+                src.staged.append(Staged(g, blocks, lo, end, lids, rids, rfirst))
             return
         chunks = g.chunks_for_tokens(lo, end)
         if chunks.size == 0:
             return
         for i, stream in enumerate(g.streams):
             lrows, rrows = g.indices(stream, chunks, lids, rids, remote_first_block=rfirst)
-            self._read(load, peer, g, i, lrows, rrows)
-        load.touched[g.group_id] = np.unique(lids[chunks // g.local_chunks_per_block])
+            self._read(load, src, peer, g, i, lrows, rrows)
+        self._touch(load, g.group_id, lids[chunks // g.local_chunks_per_block])
 
-    def _read(self, load: Load, peer: Peer, g: GroupPlan, i: int, lrows, rrows) -> None:
+    @staticmethod
+    def _touch(load: Load, group_id: int, ids: np.ndarray) -> None:
+        before = load.touched.get(group_id)
+        load.touched[group_id] = np.unique(ids if before is None else np.concatenate([before, ids]))
+
+    def _read(
+        self, load: Load, src: Source, peer: Peer, g: GroupPlan, i: int, lrows, rrows
+    ) -> None:
         stream = g.streams[i]
         local = self._peers.local_list(g, stream)
         remote = peer.remote_lists[(g.group_id, i)]
         handle = self._engine.read(local, lrows, remote, rrows)
-        load.handles.append(handle)
+        src.handles.append(handle)
         load.num_bytes += int(lrows.size) * stream.length
         self._metrics.descriptors_posted += int(lrows.size)
 
-    def _poll_reads(self, load: Load) -> None:
+    def _poll_reads(self, load: Load, src: Source) -> None:
         try:
-            pending = [h for h in load.handles if self._engine.poll(h) is XferState.PENDING]
-            batch = load.batch
+            pending = [h for h in src.handles if self._engine.poll(h) is XferState.PENDING]
+            batch = src.batch
             if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
-                self._split(load, batch)
-            if load.batch is None and load.staged:
-                self._stage_next(load)
+                self._split(load, src, batch)
+            if src.batch is None and src.staged:
+                self._stage_next(load, src)
         except TransferError as exc:
-            peer = self._peers.get(load.key)
-            self._finish_failed(load, f"read failed: {exc}")
+            peer = self._peers.get(src.key)
+            self._finish_failed(load, f"read from {src.key} failed: {exc}")
             if peer is not None:
                 self._peers.drop(peer.key, f"transfer failed: {exc}")
             return
         except KVBridgeError as exc:  # staging or splitting: this load only
             self._finish_failed(load, f"could not stage the remote pages: {exc}")
             return
-        if pending or load.batch or load.staged:
+        if pending or src.batch or src.staged:
             return
-        self._release_handles(load)
-        plan = self._plan(load)
+        self._release_source(src)
+        src.state = LoadState.DONE
+
+    def _complete(self, load: Load) -> None:
+        """Every source's reads are in: rewrite or repack what the plan asks, report."""
+        peer = self._peers.get(load.sources[0].key) if load.sources else None
+        plan = peer.plan if peer is not None else None
         if plan is not None:
             for g in plan.groups:
                 if g.receiver and g.group_id in load.touched:
@@ -328,14 +395,14 @@ class Receiver:
         self._forget(load)
         self._done.add(load.spec.request_id)
 
-    def _stage_next(self, load: Load) -> None:
+    def _stage_next(self, load: Load, src: Source) -> None:
         """Post the next staging round of ``load``: as many remote pages as slots are free
         (none free: wait for another load's round to finish)."""
-        staged = load.staged[0]
+        staged = src.staged[0]
         g = staged.group
-        peer = self._peers.get(load.key)
+        peer = self._peers.get(src.key)
         if peer is None or peer.state is not PeerState.READY:
-            raise KVBridgeError(f"peer {load.key} went away before the read")
+            raise KVBridgeError(f"peer {src.key} went away before the read")
         pool = self._staging.pool(g.staging_bytes)
         slots = pool.lease(int(staged.remote_blocks.size))
         if slots.size == 0:
@@ -345,9 +412,9 @@ class Receiver:
             staged.remote_blocks[slots.size :],
         )
         if staged.remote_blocks.size == 0:
-            load.staged.pop(0)
+            src.staged.pop(0)
         batch = StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
-        load.batch = batch
+        src.batch = batch
         rrows = staged.remote_ids[blocks - staged.remote_first]
         offset = 0
         for i, stream in enumerate(g.streams):
@@ -358,7 +425,7 @@ class Receiver:
             self._metrics.descriptors_posted += int(slots.size)
             offset += stream.length
 
-    def _split(self, load: Load, batch: StageBatch) -> None:
+    def _split(self, load: Load, src: Source, batch: StageBatch) -> None:
         """A staging round arrived: the engine writes its tokens into local blocks."""
         for h in batch.handles:
             self._engine.release(h)
@@ -379,46 +446,44 @@ class Receiver:
             pages.append(batch.pool.pages(batch.slots, offset, stream.length))
             offset += stream.length
         batch.pool.give_back(batch.slots)
-        load.batch = None
+        src.batch = None
         assert self._repacker is not None  # negotiation needs one for split plans
         self._repacker.split(g.group_id, pages, g.split_from, slots)
         self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
 
-    def _plan(self, load: Load) -> TransferPlan | None:
-        peer = self._peers.get(load.key)
-        return peer.plan if peer is not None else None
-
-    def _release_handles(self, load: Load) -> None:
-        for h in load.handles:
+    def _release_source(self, src: Source) -> None:
+        for h in src.handles:
             self._engine.release(h)
-        load.handles.clear()
-        if load.batch is not None:  # releasing in-flight reads cancels them
-            for h in load.batch.handles:
+        src.handles.clear()
+        if src.batch is not None:  # releasing in-flight reads cancels them
+            for h in src.batch.handles:
                 self._engine.release(h)
-            load.batch.pool.give_back(load.batch.slots)
-            load.batch = None
-        load.staged.clear()
+            src.batch.pool.give_back(src.batch.slots)
+            src.batch = None
+        src.staged.clear()
 
     def _notify_done(self, load: Load, *, ok: bool) -> None:
-        peer = self._peers.get(load.key)
+        rid = load.spec.params.remote_request_id
+        for key, readers in load.route.notify:
+            peer = self._peers.get(key)
+            if peer is not None and peer.state is PeerState.FAILED:
+                continue  # unreachable: it frees by lease (a new handshake would not help)
+            msg = Done(request_id=rid, ok=ok, readers=readers, reader_rank=self._router.rank)
+            self._notify(key, load.route.endpoints[key], msg)
+
+    def _notify_now(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
+        peer = self._peers.get(key)
         if peer is not None and peer.state is PeerState.READY:
-            self._send(peer, Done(request_id=load.spec.params.remote_request_id, ok=ok))
+            self._send(peer, msg)
 
     def _finish_failed(self, load: Load, reason: str) -> None:
-        self._release_handles(load)  # releasing an in-flight handle cancels it
+        for src in load.sources:  # releasing an in-flight handle cancels it
+            self._release_source(src)
         self._notify_done(load, ok=False)
         self._forget(load)
         self._metrics.transfer_failures += 1
-        spec = load.spec
-        self._failed.append(
-            LoadFailure(
-                request_id=spec.request_id,
-                reason=reason,
-                invalid_block_ids=_invalid_blocks(spec),
-                num_valid_tokens=spec.start_token,
-            )
-        )
-        logger.warning("load %s failed: %s", spec.request_id, reason)
+        self._failed.append(_failure(load.spec, reason))
+        logger.warning("load %s failed: %s", load.spec.request_id, reason)
 
     def _forget(self, load: Load) -> None:
         self._loads.pop(load.spec.request_id, None)
@@ -430,9 +495,11 @@ class Receiver:
         self._staging.close()
 
 
-def _invalid_blocks(spec: LoadSpec) -> tuple[tuple[int, ...], ...]:
-    """Local blocks that would have received data (start..end), per group."""
-    out = []
-    for ids in spec.local_block_ids:
-        out.append(tuple(ids))
-    return tuple(out)
+def _failure(spec: LoadSpec, reason: str) -> LoadFailure:
+    """The load failed: every local block that would have received data is invalid."""
+    return LoadFailure(
+        request_id=spec.request_id,
+        reason=reason,
+        invalid_block_ids=tuple(tuple(ids) for ids in spec.local_block_ids),
+        num_valid_tokens=spec.start_token,
+    )

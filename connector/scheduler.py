@@ -75,7 +75,13 @@ class KVBridgeScheduler:
         kv_cache_config: KVCacheConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tp_size: int = 1,
     ) -> None:
+        """``tp_size``: the engine's tensor-parallel size (its workers are ranks
+        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``)."""
+        if tp_size < 1:
+            raise ConfigError(f"tp_size={tp_size} must be at least 1")
+        self.tp_size = tp_size
         self.config = config
         self.kv_cache_config = kv_cache_config
         self._clock = clock
@@ -335,6 +341,7 @@ class KVBridgeScheduler:
             remote_host=self.config.kv_ip,
             remote_port=self.config.kv_port,  # + rank 0: the scheduler speaks for rank 0
             remote_rank=0,
+            remote_tp_size=self.tp_size,
             remote_block_ids=kept_lists,
             remote_first_block=first_blocks,
             remote_block_size=self._block_size,

@@ -9,6 +9,10 @@ again for prefill's own prefix cache.
 
 A block shared by two requests (prefix caching) is rewritten once and restored when its
 last reader is done; a conflicting rewrite of a block in use is refused, not applied.
+
+Under tensor parallelism several decode ranks may read one prefill rank's heads of a
+request: each sends ``Done`` naming itself and how many readers there are, and the blocks
+stay until the last of them (or the lease) ends it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class _Pending:
     spec: SendSpec
     deadline: float
     rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
+    done_by: set[int] = field(default_factory=set)  # reader ranks that said Done
 
 
 @dataclass
@@ -104,9 +109,14 @@ class Sender:
         return Prepared(request_id=msg.request_id, ok=True)
 
     def on_done(self, msg: Done) -> bool:
-        pending = self._pending.pop(msg.request_id, None)
-        if pending is None:
+        """A reader is done; the request ends with its last reader. False: unknown."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None or msg.reader_rank in pending.done_by:
             return False
+        pending.done_by.add(msg.reader_rank)
+        if len(pending.done_by) < max(1, msg.readers):
+            return True
+        del self._pending[msg.request_id]
         self._restore(pending)
         self._finished.add(msg.request_id)
         return True

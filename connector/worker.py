@@ -32,6 +32,7 @@ from connector.notifications import (
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.receiver import Receiver, Repacker
+from connector.routing import Route, Router
 from connector.sender import Sender
 from connector.staging import staging_capacity
 from connector.transport import TransferEngine
@@ -54,7 +55,7 @@ class ModelInfo:
 
     model_name: str
     dtype: str
-    num_kv_heads: int
+    num_kv_heads: int  # the model's KV heads (all ranks together; a rank holds a slice)
     head_size: int
 
 
@@ -79,6 +80,7 @@ class KVBridgeWorker:
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         self._staging_bytes = staging_capacity(config.extra)
+        self._router = Router(rank, tp_size, model.num_kv_heads)
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -187,6 +189,8 @@ class KVBridgeWorker:
             clock=self._clock,
             repacker=self._repacker,
             staging_bytes=self._staging_bytes,
+            router=self._router,
+            notify=self._queue_to,
         )
 
     # -- per step -------------------------------------------------------------------------
@@ -205,15 +209,19 @@ class KVBridgeWorker:
             receiver.add(spec)
         for rid, params in meta.reqs_to_abort:
             if not receiver.abort(rid):
-                self._queue(params, Done(request_id=params.remote_request_id, ok=False))
+                self._queue_done(params, ok=False)
         for _rid, params in meta.reqs_to_release:
-            self._queue(params, Done(request_id=params.remote_request_id, ok=True))
-        by_peer: dict[PeerKey, tuple[KVTransferParams, list[str]]] = {}
+            self._queue_done(params, ok=True)
+        by_peer: dict[PeerKey, tuple[tuple[str, int], list[str]]] = {}
         for _rid, params in meta.reqs_waiting:
-            key = (params.remote_engine_id, params.remote_rank)
-            by_peer.setdefault(key, (params, []))[1].append(params.remote_request_id)
-        for params, ids in by_peer.values():
-            self._queue(params, Heartbeat(request_ids=ids))
+            route = self._route(params)
+            if route is None:
+                continue
+            for key, _readers in route.notify:
+                entry = by_peer.setdefault(key, (route.endpoints[key], []))
+                entry[1].append(params.remote_request_id)
+        for key, (endpoint, ids) in by_peer.items():
+            self._queue_to(key, endpoint, Heartbeat(request_ids=ids))
             self.metrics.heartbeats_sent += 1
         self._progress()
 
@@ -298,13 +306,29 @@ class KVBridgeWorker:
                 elif isinstance(msg, Heartbeat):
                     self._sender.on_heartbeat(msg)
                 elif isinstance(msg, Prepared):
-                    self._receiver.on_prepared(msg)
+                    self._receiver.on_prepared(msg, agent)
 
-    def _queue(self, params: KVTransferParams, msg: Notification) -> None:
+    def _route(self, params: KVTransferParams) -> Route | None:
+        try:
+            return self._router.route(params)
+        except KVBridgeError as exc:
+            logger.warning("no route to prefill %s: %s", params.remote_engine_id, exc)
+            return None
+
+    def _queue_done(self, params: KVTransferParams, *, ok: bool) -> None:
+        """Tell every prefill rank this decode rank reports to that it may free."""
+        route = self._route(params)
+        for key, readers in route.notify if route else ():
+            msg = Done(
+                request_id=params.remote_request_id, ok=ok, readers=readers, reader_rank=self.rank
+            )
+            self._queue_to(key, route.endpoints[key], msg)
+
+    def _queue_to(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
         assert self._peers is not None
-        key = (params.remote_engine_id, params.remote_rank)
-        self._peers.ensure(key, params.remote_host, params.remote_port)
-        self._outbox.append((key, params.remote_host, params.remote_port, msg))
+        host, port = endpoint
+        self._peers.ensure(key, host, port)
+        self._outbox.append((key, host, port, msg))  # type: ignore[arg-type]
 
     def _flush_outbox(self) -> None:
         assert self._peers is not None

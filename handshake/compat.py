@@ -32,10 +32,10 @@ def _group_fingerprints(config: KVCacheConfig) -> list[tuple[str, list[str], lis
     out = []
     for g in config.groups:
         spec = g.spec
+        # a rank's own head count follows from the model's (identity) and its TP rank
         fields: list[object] = [
             str(getattr(spec, name))
             for name in (
-                "num_kv_heads",
                 "head_size",
                 "dtype",
                 "sliding_window",
@@ -90,14 +90,10 @@ def check_compatible(
         prefix = f"groups[{lg.group_id}]"
         if lg.layer_names != rg.layer_names:
             diffs.append((f"{prefix}.layer_names", lg.layer_names, rg.layer_names))
-        for name in (
-            "kind",
-            "num_kv_heads",
-            "head_size",
-            "dtype",
-            "sliding_window",
-            "kv_interleaved",
-        ):
+        names = ["kind", "head_size", "dtype", "sliding_window", "kv_interleaved"]
+        if local.tp_size == remote.tp_size:
+            names.insert(1, "num_kv_heads")  # per rank; across TP sizes the plan checks
+        for name in names:
             a, b = getattr(lg.spec, name), getattr(rg.spec, name)
             if a != b:
                 diffs.append((f"{prefix}.spec.{name}", a, b))

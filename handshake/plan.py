@@ -36,6 +36,7 @@ from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
 from handshake.native_read import native_stream
 from handshake.packed_plan import check_block_packing, packed_plan
+from handshake.pieces import geometries, granularity, group_streams, pieces
 from handshake.plan_model import (
     Granularity,
     GroupPlan,
@@ -43,10 +44,10 @@ from handshake.plan_model import (
     Rewrite,
     TransferPlan,
 )
-from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
+from handshake.tp_plan import head_slice, tp_attention_plan
+from layouts.arrangement import BlockArrangement, same_bytes
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
-from layouts.layout import KVPacking
 from layouts.specs import AttentionSpec, StateSpec
 
 MIN_NATIVE_PIECE_BYTES = 512  # smallest piece worth a descriptor when reading natively
@@ -66,14 +67,15 @@ def negotiate(
     if min_native_piece_bytes is None:
         min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
     peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
-    if local.identity.tp_size != remote.identity.tp_size:
+    heads = head_slice(local, remote, peer)
+    packed = check_block_packing(local, remote, peer, can_repack)
+    if heads is not None and packed:
         raise IncompatiblePeerError(
             [("tp_size", local.identity.tp_size, remote.identity.tp_size)],
             peer=peer,
-            hint="different tensor-parallel sizes are not supported yet; run both sides "
-            "with the same TP size",
+            hint=f"{local.format.block_packing!r} pages are moved whole; reading a slice of "
+            f"their heads across tensor-parallel sizes is not supported yet",
         )
-    packed = check_block_packing(local, remote, peer, can_repack)
     if len(local.config.groups) != len(remote.config.groups):
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
@@ -92,7 +94,9 @@ def negotiate(
                 peer=peer,
             )
         try:
-            if packed:
+            if heads is not None:
+                plans.append(tp_attention_plan(local, remote, lg, rg, heads))
+            elif packed:
                 plans.append(packed_plan(local, remote, lg, rg))
             elif isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
@@ -115,14 +119,6 @@ def negotiate(
 # -- attention groups ------------------------------------------------------------------
 
 
-def _granularity(side: PeerLayout, spec: AttentionSpec) -> Granularity:
-    if side.format.cross_layer:
-        return Granularity.GROUP
-    if side.format.packing is KVPacking.KV_SPLIT and spec.num_kv_parts == 2:
-        return Granularity.PART
-    return Granularity.LAYER
-
-
 def _attention_plan(
     local: PeerLayout,
     remote: PeerLayout,
@@ -139,7 +135,7 @@ def _attention_plan(
         )
     u = min(b_local, b_remote)
     kb_local = local.format.kernel_block_size_for(b_local)
-    grain = min(_granularity(local, lspec), _granularity(remote, rspec))
+    grain = min(granularity(local, lspec), granularity(remote, rspec))
     parts_outer = grain is Granularity.PART
     wire = BlockArrangement(
         layout=local.format.layout,
@@ -161,19 +157,19 @@ def _attention_plan(
     l_native = local.format.native_arrangement(b_local)
     sender = None
     if not all(
-        same_bytes(geo, r_native, sender_dst) for geo in _geometries(remote, rg.group_id, rspec)
+        same_bytes(geo, r_native, sender_dst) for geo in geometries(remote, rg.group_id, rspec)
     ):
         sender = Rewrite(src=r_native, dst=sender_dst)
     receiver = None
     if not all(
-        same_bytes(geo, receiver_src, l_native) for geo in _geometries(local, lg.group_id, lspec)
+        same_bytes(geo, receiver_src, l_native) for geo in geometries(local, lg.group_id, lspec)
     ):
         receiver = Rewrite(src=receiver_src, dst=l_native)
     streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
     native_read = sender is not None and not remote.rewrites_in_place
     if native_read:
         assert sender is not None
-        geometry = _geometries(remote, rg.group_id, rspec)[0]
+        geometry = geometries(remote, rg.group_id, rspec)[0]
         streams = tuple(
             native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
             for s in streams
@@ -192,65 +188,6 @@ def _attention_plan(
     )
 
 
-def _geometries(side: PeerLayout, group_id: int, spec: AttentionSpec) -> list[UnitGeometry]:
-    """Unit geometries of a side's regions for a group (what its rows hold)."""
-    out = []
-    grain = _granularity(side, spec)
-    num_layers = len(side.config.groups[group_id].layer_names) if grain is Granularity.GROUP else 1
-    parts = 1 if grain is Granularity.PART else spec.num_kv_parts
-    out.append(
-        UnitGeometry(
-            num_layers=num_layers,
-            num_kv_parts=parts,
-            block_size=spec.block_size,
-            num_heads=spec.num_kv_heads,
-            head_size=spec.part_head_size,
-            itemsize=spec.itemsize,
-        )
-    )
-    return out
-
-
-def _pieces(
-    side: PeerLayout,
-    group: KVCacheGroup,
-    spec: AttentionSpec,
-    grain: Granularity,
-    chunks_per_block: int,
-) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """(layer in group, part or -1) -> (region index, offset inside a chunk, chunk bytes)."""
-    side_grain = _granularity(side, spec)
-    out: dict[tuple[int, int], tuple[int, int, int]] = {}
-    page = spec.page_size_bytes
-    for idx, info in enumerate(side.regions):
-        if info.group_id != group.group_id:
-            continue
-        layers = range(group.num_layers) if info.layer_index < 0 else [info.layer_index]
-        num_layers = len(layers)
-        parts_here = 1 if side_grain is Granularity.PART else spec.num_kv_parts
-        expect = num_layers * (page if parts_here == spec.num_kv_parts else page // 2)
-        if info.region.block_bytes != expect:
-            raise LayoutError(
-                f"region {info.region.name!r} holds {info.region.block_bytes} bytes per block, "
-                f"expected {expect}"
-            )
-        chunk = info.region.block_bytes // chunks_per_block
-        layer_bytes = chunk // num_layers
-        for i, layer in enumerate(layers):
-            if grain is Granularity.PART:
-                if side_grain is Granularity.PART:
-                    out[(layer, info.kv_part)] = (idx, i * layer_bytes, chunk)
-                else:
-                    part_bytes = layer_bytes // spec.num_kv_parts
-                    for p in range(spec.num_kv_parts):
-                        out[(layer, p)] = (idx, i * layer_bytes + p * part_bytes, chunk)
-            elif grain is Granularity.LAYER:
-                out[(layer, -1)] = (idx, i * layer_bytes, chunk)
-            else:
-                out[(-1, -1)] = (idx, 0, chunk)
-    return out
-
-
 def _attention_streams(
     local: PeerLayout,
     remote: PeerLayout,
@@ -261,40 +198,14 @@ def _attention_streams(
     r_local: int,
     r_remote: int,
 ) -> tuple[PieceStream, ...]:
-    lp = _pieces(local, group, lspec, grain, r_local)
-    rp = _pieces(remote, group, rspec, grain, r_remote)
+    lp = pieces(local, group, lspec, grain, r_local)
+    rp = pieces(remote, group, rspec, grain, r_remote)
     if set(lp) != set(rp):
         raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
     chunk_bytes = lspec.page_size_bytes * group.num_layers // r_local
     pieces_per_chunk = len(lp)
     length = chunk_bytes // pieces_per_chunk
-    return _group_streams(lp, rp, length)
-
-
-def _group_streams(
-    lp: dict[tuple[int, int], tuple[int, int, int]],
-    rp: dict[tuple[int, int], tuple[int, int, int]],
-    length: int,
-) -> tuple[PieceStream, ...]:
-    by_pair: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    for key in sorted(lp):
-        li, loff, lchunk = lp[key]
-        ri, roff, rchunk = rp[key]
-        by_pair.setdefault((li, ri), []).append((loff, roff, lchunk, rchunk))
-    streams = []
-    for (li, ri), rows in by_pair.items():
-        streams.append(
-            PieceStream(
-                local_region=li,
-                remote_region=ri,
-                local_offsets=tuple(r[0] for r in rows),
-                remote_offsets=tuple(r[1] for r in rows),
-                length=length,
-                local_chunk_bytes=rows[0][2],
-                remote_chunk_bytes=rows[0][3],
-            )
-        )
-    return tuple(streams)
+    return group_streams(lp, rp, length)
 
 
 # -- state groups -----------------------------------------------------------------------
@@ -331,5 +242,5 @@ def _state_plan(
         remote_chunks_per_block=1,
         sender=None,
         receiver=None,
-        streams=_group_streams(lp, rp, lspec.state_bytes),
+        streams=group_streams(lp, rp, lspec.state_bytes),
     )

@@ -79,6 +79,9 @@ class GroupPlan:
     # tokens lands whole in a staging slot (the streams' pages back to back), and the
     # reader's engine splits the tokens it needs into its blocks (0: no staging)
     split_from: int = 0
+    # tensor parallelism: (local head, remote head, heads) of the slice this plan moves,
+    # rank-local indices; () when both sides hold the same heads
+    head_slice: tuple[int, int, int] | tuple[()] = ()
 
     @property
     def staging_bytes(self) -> int:
@@ -155,6 +158,13 @@ class GroupPlan:
             f"per chunk; transform: {side.value}"
             + (f" [sender {self.sender}]" if self.sender else "")
             + (" [sender read in its native arrangement]" if self.native_read else "")
+            + (
+                f" [heads {self.head_slice[0]}..{self.head_slice[0] + self.head_slice[2] - 1}"
+                f" <- remote heads {self.head_slice[1]}.."
+                f"{self.head_slice[1] + self.head_slice[2] - 1}]"
+                if self.head_slice
+                else ""
+            )
             + (f" [engine repacks {self.repack_from}-token pages]" if self.repack_from else "")
             + (
                 f" [whole {self.split_from}-token pages staged, engine splits them]"

@@ -14,6 +14,23 @@ Inside a unit the tokens of a ``block_size``-token block are ordered by an arran
     layer are each contiguous, which per-part (kv-split) peers need)
     part  = NHD [t, H, D] or HND [H, t, D]                  t = sub_block_size tokens
 
+That is ``heads=HeadOrder.INNER``, where ``layout`` places the heads inside a part. The
+head-major orders put the heads outermost so that a slice of heads (a tensor-parallel
+rank's share) is one contiguous byte range; ``layout`` then changes no byte::
+
+    HeadOrder.IN_LAYER ("layer"): a slice of heads of one layer of a chunk is contiguous
+    chunk = [layer 0] ... [layer L-1]
+    layer = [head 0][head 1] ... [head H-1]
+    head  = [sub 0 .. sub n-1] x [part 0 .. P-1]            (or parts x subs: parts_outer)
+    part  = [t, D]
+
+    HeadOrder.IN_CHUNK ("chunk"): a slice of heads of a whole chunk (all its layers) is
+    contiguous
+    chunk = [head 0][head 1] ... [head H-1]
+    head  = [layer 0] ... [layer L-1]
+    layer = [sub 0 .. sub n-1] x [part 0 .. P-1]            (or parts x subs: parts_outer)
+    part  = [t, D]
+
 token index = (chunk * n + sub) * t + slot
 
 The *native* arrangement of a side has one chunk and kernel-block sub-blocks. A sender
@@ -25,6 +42,7 @@ reads ``r`` sender blocks into the chunks of one block and rewrites it (merge).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from functools import lru_cache
 
 import numpy as np
@@ -72,6 +90,25 @@ class UnitGeometry:
         return _INT_OF_SIZE[self.itemsize]
 
 
+class HeadOrder(Enum):
+    """Where the KV heads sit in a unit (see the module docstring)."""
+
+    INNER = "inner"  # inside each part, as ``layout`` (NHD/HND) says
+    IN_LAYER = "layer"  # outermost inside each layer of a chunk
+    IN_CHUNK = "chunk"  # outermost inside each chunk, above the layers
+
+    @classmethod
+    def parse(cls, value: str | HeadOrder) -> HeadOrder:
+        if isinstance(value, HeadOrder):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise LayoutError(
+                f"unknown head order {value!r}; expected 'inner', 'layer' or 'chunk'"
+            ) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockArrangement:
     """``num_chunks`` chunks of ``sub_blocks_per_chunk`` sub-blocks, each in ``layout``."""
@@ -80,6 +117,7 @@ class BlockArrangement:
     num_chunks: int = 1
     sub_blocks_per_chunk: int = 1
     parts_outer: bool = False  # (part, sub-block) instead of (sub-block, part) in a layer
+    heads: HeadOrder = HeadOrder.INNER  # head-major orders ignore ``layout``
 
     def __post_init__(self) -> None:
         if self.num_chunks <= 0 or self.sub_blocks_per_chunk <= 0:
@@ -106,7 +144,8 @@ class BlockArrangement:
 
     def __str__(self) -> str:
         order = "PN" if self.parts_outer else ""
-        return f"{self.num_chunks}x{self.sub_blocks_per_chunk}x{self.layout.value}{order}"
+        heads = "" if self.heads is HeadOrder.INNER else f"-H{self.heads.value}"
+        return f"{self.num_chunks}x{self.sub_blocks_per_chunk}x{self.layout.value}{order}{heads}"
 
 
 def canonical_view(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrangement):
@@ -124,25 +163,37 @@ def canonical_view(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrang
         raise LayoutError("unit rows must be contiguous and element aligned")
     g = geometry
     t = arr.sub_block_size(g.block_size)
-    c, n = arr.num_chunks, arr.sub_blocks_per_chunk
-    elems = units.view(g.element_dtype)
+    sizes = {
+        "N": units.shape[0],
+        "c": arr.num_chunks,
+        "L": g.num_layers,
+        "n": arr.sub_blocks_per_chunk,
+        "P": g.num_kv_parts,
+        "t": t,
+        "H": g.num_heads,
+        "D": g.head_size,
+    }
+    order = _raw_order(arr)
+    shape = tuple(sizes[d] for d in order)
     row = units.stride(0) // g.itemsize
-    if arr.layout is KVLayout.NHD:
-        inner = (t, g.num_heads, g.head_size)
-    else:
-        inner = (g.num_heads, t, g.head_size)
-    if arr.parts_outer:
-        shape = (units.shape[0], c, g.num_layers, g.num_kv_parts, n, *inner)
-    else:
-        shape = (units.shape[0], c, g.num_layers, n, g.num_kv_parts, *inner)
     strides = [row, *_contiguous(shape[1:])]
+    elems = units.view(g.element_dtype)
     raw = elems.as_strided(shape, strides, elems.storage_offset())
-    if arr.parts_outer:  # raw dims: 0 N, 1 c, 2 L, 3 P, 4 n, then inner
-        raw = raw.transpose(3, 4)
-    # raw dims now: 0 N, 1 c, 2 L, 3 n, 4 P, then inner
-    if arr.layout is KVLayout.NHD:
-        return raw.permute(0, 2, 4, 1, 3, 5, 6, 7)
-    return raw.permute(0, 2, 4, 1, 3, 6, 5, 7)
+    return raw.permute(*(order.index(d) for d in _CANONICAL_ORDER))
+
+
+_CANONICAL_ORDER = ("N", "L", "P", "c", "n", "t", "H", "D")
+
+
+def _raw_order(arr: BlockArrangement) -> tuple[str, ...]:
+    """Dims of a row, outermost first, as the arrangement stores them."""
+    subs = ("P", "n") if arr.parts_outer else ("n", "P")
+    if arr.heads is HeadOrder.IN_CHUNK:
+        return ("N", "c", "H", "L", *subs, "t", "D")
+    if arr.heads is HeadOrder.IN_LAYER:
+        return ("N", "c", "L", "H", *subs, "t", "D")
+    inner = ("t", "H", "D") if arr.layout is KVLayout.NHD else ("H", "t", "D")
+    return ("N", "c", "L", *subs, *inner)
 
 
 def token_major(units: torch.Tensor, geometry: UnitGeometry, arr: BlockArrangement):

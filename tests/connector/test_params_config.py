@@ -15,6 +15,7 @@ FULL_PARAMS = KVTransferParams(
     remote_host="10.0.0.7",
     remote_port=5600,
     remote_rank=1,
+    remote_tp_size=2,
     remote_block_ids=[[4, 5, 6], [9], []],
     remote_first_block=[0, 2, 1],
     remote_block_size=16,
@@ -87,6 +88,9 @@ def test_validate_for_load_accepts_complete_params() -> None:
         ({"remote_first_block": [0]}, "remote_first_block has 1 entries"),
         ({"remote_block_size": 0}, "remote_block_size=0"),
         ({"num_tokens": -1}, "num_tokens=-1"),
+        ({"remote_rank": 2}, r"remote_rank=2 must lie in \[0, remote_tp_size=2\)"),
+        ({"remote_tp_size": 0}, "remote_tp_size=0"),
+        ({"remote_rank": 0, "remote_port": 65535}, "ports of 2 prefill ranks do not fit"),
     ],
 )
 def test_validate_for_load_names_the_bad_field(changes: dict, fragment: str) -> None:

@@ -22,13 +22,13 @@ from layouts.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, Sta
 from layouts.transforms import rewrite_group
 
 
-def make_groups(block_size: int, kinds: str) -> list[KVCacheGroup]:
+def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCacheGroup]:
     """kinds: 'F' full, 'S' sliding window, 'M' state; two layers per group."""
     groups = []
     for i, k in enumerate(kinds):
         common = {
             "block_size": block_size,
-            "num_kv_heads": 2,
+            "num_kv_heads": num_kv_heads,
             "head_size": 4,
             "dtype": torch.float16,
         }
@@ -59,8 +59,15 @@ def make_side(
     num_blocks: int,
     *,
     rewrites_in_place: bool = True,
+    rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int = 2,
 ) -> Side:
-    config = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
+    """A side of ``total_kv_heads`` model heads at rank ``rank`` of ``tp_size``."""
+    from handshake.tp import rank_heads
+
+    heads = rank_heads(rank, tp_size, total_kv_heads).count
+    config = KVCacheConfig.uniform(make_groups(block_size, kinds, heads), num_blocks)
     buffers = KVCacheBuffers(config, fmt)
     for t in buffers.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
@@ -70,8 +77,10 @@ def make_side(
         model_name="m",
         dtype="float16",
         num_layers=config.num_layers,
-        num_kv_heads=2,
+        num_kv_heads=total_kv_heads,
         head_size=4,
+        rank=rank,
+        tp_size=tp_size,
     )
     desc = describe(
         identity,
@@ -94,6 +103,7 @@ def execute(
     *,
     local_first: int = 0,
     remote_first: int = 0,
+    receiver_rewrite: bool = True,
 ) -> int:
     """Sender rewrite, memmove every piece, receiver rewrite; returns descriptors moved."""
     gp = plan.groups[group_id]
@@ -124,6 +134,6 @@ def execute(
             assert a[1] == b[1]
             ctypes.memmove(int(a[0]), int(b[0]), int(a[1]))
         moved += li.size
-    if gp.receiver:
+    if gp.receiver and receiver_rewrite:
         rewrite_group(local.buffers, group_id, local_ids, gp.receiver.src, gp.receiver.dst)
     return moved

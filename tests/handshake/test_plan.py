@@ -209,13 +209,15 @@ def test_missing_remote_blocks_are_named():
         g.indices(g.streams[0], np.arange(4), np.arange(4), np.arange(2))
 
 
-def test_different_tp_sizes_are_refused():
+def test_a_tp_size_that_does_not_match_the_cache_heads_is_refused_by_name():
     from dataclasses import replace
 
     remote = make_side("p", 16, _fmt("NHD", False), "F", 8)
     local = make_side("d", 16, _fmt("NHD", False), "F", 8)
     other = replace(remote.layout, identity=replace(remote.layout.identity, tp_size=2))
-    with pytest.raises(IncompatiblePeerError, match=r"(?s)tp_size.*not supported yet"):
+    with pytest.raises(
+        IncompatiblePeerError, match=r"caches hold 2 \(local\) and 2 \(remote\) heads per rank"
+    ):
         negotiate(local.layout, other)
 
 

@@ -3,6 +3,8 @@ permutations, all against naive per-element offsets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -12,14 +14,17 @@ from layout_reference import divisors
 
 from layouts.arrangement import (
     BlockArrangement,
+    HeadOrder,
     UnitGeometry,
     canonical_view,
+    element_offsets,
     run_permutation,
     same_bytes,
     token_major,
 )
 from layouts.errors import LayoutError
 from layouts.layout import KVLayout
+from layouts.transforms import rewrite_units
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -183,3 +188,204 @@ def test_canonical_view_rejects_bad_units():
         canonical_view(torch.zeros((2, 33), dtype=torch.uint8)[:, :16], g, arr)
     with pytest.raises(LayoutError, match="contiguous and element aligned"):
         canonical_view(torch.zeros((16, 2), dtype=torch.uint8).t(), g, arr)
+
+
+# --- head-major arrangements (heads outermost in a layer or in a chunk) ---
+
+HEAD_MAJOR = (HeadOrder.IN_LAYER, HeadOrder.IN_CHUNK)
+TP_GEOMETRY = UnitGeometry(
+    num_layers=2, num_kv_parts=2, block_size=8, num_heads=4, head_size=3, itemsize=2
+)
+
+
+def naive_head_major_offsets(g: UnitGeometry, arr: BlockArrangement) -> np.ndarray:
+    """Element offset of every (layer, part, token, head, dim) of a head-major arrangement,
+    written out longhand from the module docstring's diagram."""
+    c, n = arr.num_chunks, arr.sub_blocks_per_chunk
+    t = g.block_size // (c * n)
+    L, P, H, D = g.num_layers, g.num_kv_parts, g.num_heads, g.head_size
+    out = np.empty((L, P, g.block_size, H, D), int)
+    for layer in range(L):
+        for part in range(P):
+            for token in range(g.block_size):
+                chunk, sub, slot = token // (n * t), (token // t) % n, token % t
+                # index of the [t, D] piece of (sub, part) inside one head of one layer
+                piece = part * n + sub if arr.parts_outer else sub * P + part
+                for head in range(H):
+                    if arr.heads is HeadOrder.IN_CHUNK:
+                        where = ((chunk * H + head) * L + layer) * n * P + piece
+                    else:
+                        where = ((chunk * L + layer) * H + head) * n * P + piece
+                    for dim in range(D):
+                        out[layer, part, token, head, dim] = (where * t + slot) * D + dim
+    return out
+
+
+@st.composite
+def head_major_arrangements(draw, block_size: int):
+    chunk_tokens = draw(st.sampled_from(divisors(block_size)))
+    sub = draw(st.sampled_from(divisors(chunk_tokens)))
+    return BlockArrangement(
+        layout=draw(st.sampled_from(list(KVLayout))),
+        num_chunks=block_size // chunk_tokens,
+        sub_blocks_per_chunk=chunk_tokens // sub,
+        parts_outer=draw(st.booleans()),
+        heads=draw(st.sampled_from(HEAD_MAJOR)),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(g=geometries(), data=st.data())
+def test_head_major_token_major_reads_the_naive_offsets(g, data):
+    arr = data.draw(head_major_arrangements(g.block_size))
+    gen = torch.Generator().manual_seed(g.unit_elems)
+    units = torch.randint(0, 256, (2, g.unit_bytes), dtype=torch.uint8, generator=gen)
+    elems = units.numpy().view(_UINT[g.itemsize])
+    want = elems[:, naive_head_major_offsets(g, arr)]
+    got = token_major(units, g, arr)
+    np.testing.assert_array_equal(got.numpy().view(_UINT[g.itemsize]), want)
+    assert canonical_view(units, g, arr).data_ptr() == units.data_ptr()
+    # the layout field changes no byte of a head-major arrangement
+    other = replace(arr, layout=KVLayout.HND if arr.layout is KVLayout.NHD else KVLayout.NHD)
+    assert same_bytes(g, arr, other)
+
+
+def _head_major_cases():
+    return [
+        pytest.param(heads, parts_outer, chunks, id=f"{heads.value}-po{int(parts_outer)}-c{chunks}")
+        for heads in HEAD_MAJOR
+        for parts_outer in (False, True)
+        for chunks in (1, 2)
+    ]
+
+
+@pytest.mark.parametrize(("heads", "parts_outer", "chunks"), _head_major_cases())
+def test_head_major_offsets_are_a_permutation(heads, parts_outer, chunks):
+    g = TP_GEOMETRY
+    arr = BlockArrangement(
+        layout=KVLayout.NHD,
+        num_chunks=chunks,
+        sub_blocks_per_chunk=2,
+        parts_outer=parts_outer,
+        heads=heads,
+    )
+    off = element_offsets(g, arr)
+    assert sorted(off.tolist()) == list(range(g.unit_elems))
+    np.testing.assert_array_equal(off, naive_head_major_offsets(g, arr).reshape(-1))
+    assert not same_bytes(g, arr, replace(arr, heads=HeadOrder.INNER))
+
+
+def _head_slice_range(off: np.ndarray, g: UnitGeometry, chunks: int, chunk: int, layers, heads):
+    """Sorted element offsets of heads ``heads`` of layers ``layers`` of one chunk."""
+    per_chunk = g.block_size // chunks
+    tokens = slice(chunk * per_chunk, (chunk + 1) * per_chunk)
+    return np.sort(off[layers, :, tokens, heads, :].reshape(-1))
+
+
+@pytest.mark.parametrize(("heads", "parts_outer", "chunks"), _head_major_cases())
+def test_head_slice_is_one_contiguous_range(heads, parts_outer, chunks):
+    g = TP_GEOMETRY
+    arr = BlockArrangement(
+        layout=KVLayout.HND,
+        num_chunks=chunks,
+        sub_blocks_per_chunk=2,
+        parts_outer=parts_outer,
+        heads=heads,
+    )
+    off = element_offsets(g, arr).reshape(
+        g.num_layers, g.num_kv_parts, g.block_size, g.num_heads, g.head_size
+    )
+    chunk_elems = g.unit_elems // chunks
+    head_elems = g.num_kv_parts * (g.block_size // chunks) * g.head_size  # one layer
+    for chunk in range(chunks):
+        for first in range(g.num_heads):
+            for count in range(1, g.num_heads - first + 1):
+                heads_sl = slice(first, first + count)
+                if heads is HeadOrder.IN_CHUNK:
+                    got = _head_slice_range(off, g, chunks, chunk, slice(None), heads_sl)
+                    start = chunk * chunk_elems + first * g.num_layers * head_elems
+                    want = np.arange(start, start + count * g.num_layers * head_elems)
+                    np.testing.assert_array_equal(got, want)
+                    continue
+                for layer in range(g.num_layers):
+                    got = _head_slice_range(off, g, chunks, chunk, layer, heads_sl)
+                    layer_start = chunk * chunk_elems + layer * g.num_heads * head_elems
+                    start = layer_start + first * head_elems
+                    np.testing.assert_array_equal(got, np.arange(start, start + count * head_elems))
+    if chunks == 2:  # by hand: a chunk holds 2*2*4*4*3 = 192 elements
+        if heads is HeadOrder.IN_CHUNK:
+            # heads [1, 3) of chunk 1: one head of a chunk = 2 layers x 2 parts x 4 x 3 = 48
+            got = _head_slice_range(off, g, 2, 1, slice(None), slice(1, 3))
+            assert (int(got[0]), got.size) == (192 + 48, 96)
+        else:
+            # heads [2, 4) of layer 1 of chunk 1: one head of a layer = 2 parts x 4 x 3 = 24,
+            # a layer = 4 heads x 24 = 96
+            got = _head_slice_range(off, g, 2, 1, 1, slice(2, 4))
+            assert (int(got[0]), got.size) == (192 + 96 + 2 * 24, 48)
+
+
+@pytest.mark.parametrize(("heads", "parts_outer", "chunks"), _head_major_cases())
+def test_head_major_rewrite_round_trip(heads, parts_outer, chunks):
+    g = TP_GEOMETRY
+    native = BlockArrangement.native(KVLayout.NHD, g.block_size, 4)  # 1 x 2 x NHD
+    head_major = BlockArrangement(
+        layout=KVLayout.NHD,
+        num_chunks=chunks,
+        sub_blocks_per_chunk=1,
+        parts_outer=parts_outer,
+        heads=heads,
+    )
+    gen = torch.Generator().manual_seed(7)
+    units = torch.randint(0, 256, (4, g.unit_bytes), dtype=torch.uint8, generator=gen)
+    original = units.clone()
+    ids = np.array([3, 1])
+    stats = rewrite_units(units, g, ids, native, head_major)
+    assert stats.num_blocks == 2 and stats.bytes_moved == 2 * g.unit_bytes
+    assert torch.equal(units[[0, 2]], original[[0, 2]])  # other rows untouched
+    for row in ids:
+        assert not torch.equal(units[row], original[row])
+    # the rewritten rows read back, head-major, as the native rows did
+    assert torch.equal(
+        token_major(units[ids], g, head_major), token_major(original[ids], g, native)
+    )
+    rewrite_units(units, g, ids, head_major, native)
+    assert torch.equal(units, original)
+
+
+@pytest.mark.parametrize(("heads", "parts_outer", "chunks"), _head_major_cases())
+def test_token_major_of_a_head_major_unit(heads, parts_outer, chunks):
+    g = TP_GEOMETRY
+    arr = BlockArrangement(
+        layout=KVLayout.NHD,
+        num_chunks=chunks,
+        sub_blocks_per_chunk=2,
+        parts_outer=parts_outer,
+        heads=heads,
+    )
+    gen = torch.Generator().manual_seed(11)
+    shape = (3, g.num_layers, g.num_kv_parts, g.block_size, g.num_heads, g.head_size)
+    tm = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen)
+    units = torch.zeros((3, g.unit_bytes), dtype=torch.uint8)
+    elems = units.numpy().view(np.int16)
+    elems[:, naive_head_major_offsets(g, arr).reshape(-1)] = tm.numpy().reshape(3, -1)
+    assert torch.equal(token_major(units, g, arr), tm)
+    # an INNER reading of the same bytes is a different tensor
+    assert not torch.equal(token_major(units, g, replace(arr, heads=HeadOrder.INNER)), tm)
+
+
+def test_head_order_names_and_str():
+    assert [h.value for h in HeadOrder] == ["inner", "layer", "chunk"]
+    assert BlockArrangement(layout=KVLayout.NHD).heads is HeadOrder.INNER
+    assert HeadOrder.parse("Chunk") is HeadOrder.IN_CHUNK
+    assert HeadOrder.parse(HeadOrder.IN_LAYER) is HeadOrder.IN_LAYER
+    with pytest.raises(LayoutError, match="unknown head order 'outer'"):
+        HeadOrder.parse("outer")
+    arr = BlockArrangement(layout=KVLayout.HND, num_chunks=2, sub_blocks_per_chunk=3)
+    assert str(arr) == "2x3xHND"
+    assert str(replace(arr, parts_outer=True, heads=HeadOrder.IN_LAYER)) == "2x3xHNDPN-Hlayer"
+    assert str(replace(arr, heads=HeadOrder.IN_CHUNK)) == "2x3xHND-Hchunk"
+    # one layer: heads outermost in the layer or in the chunk put every byte at the same place
+    one_layer = replace(TP_GEOMETRY, num_layers=1)
+    a = BlockArrangement(layout=KVLayout.NHD, heads=HeadOrder.IN_LAYER)
+    assert same_bytes(one_layer, a, replace(a, heads=HeadOrder.IN_CHUNK))
+    assert not same_bytes(TP_GEOMETRY, a, replace(a, heads=HeadOrder.IN_CHUNK))

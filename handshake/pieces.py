@@ -1,0 +1,111 @@
+"""Cutting a wire chunk into pieces contiguous on both sides (shared by the plans).
+
+A side's regions hold a group's blocks per layer, per (layer, K/V part) or cross-layer;
+the coarser of the two sides' granularities decides the pieces: one per chunk, per layer
+or per (layer, part).
+"""
+
+from __future__ import annotations
+
+from handshake.description import PeerLayout
+from handshake.plan_model import Granularity, PieceStream
+from layouts.arrangement import UnitGeometry
+from layouts.errors import LayoutError
+from layouts.groups import KVCacheGroup
+from layouts.layout import KVPacking
+from layouts.specs import AttentionSpec
+
+PieceMap = dict[tuple[int, int], tuple[int, int, int]]
+
+
+def granularity(side: PeerLayout, spec: AttentionSpec) -> Granularity:
+    if side.format.cross_layer:
+        return Granularity.GROUP
+    if side.format.packing is KVPacking.KV_SPLIT and spec.num_kv_parts == 2:
+        return Granularity.PART
+    return Granularity.LAYER
+
+
+def geometries(side: PeerLayout, group_id: int, spec: AttentionSpec) -> list[UnitGeometry]:
+    """Unit geometries of a side's regions for a group (what its rows hold)."""
+    out = []
+    grain = granularity(side, spec)
+    num_layers = len(side.config.groups[group_id].layer_names) if grain is Granularity.GROUP else 1
+    parts = 1 if grain is Granularity.PART else spec.num_kv_parts
+    out.append(
+        UnitGeometry(
+            num_layers=num_layers,
+            num_kv_parts=parts,
+            block_size=spec.block_size,
+            num_heads=spec.num_kv_heads,
+            head_size=spec.part_head_size,
+            itemsize=spec.itemsize,
+        )
+    )
+    return out
+
+
+def pieces(
+    side: PeerLayout,
+    group: KVCacheGroup,
+    spec: AttentionSpec,
+    grain: Granularity,
+    chunks_per_block: int,
+) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """(layer in group, part or -1) -> (region index, offset inside a chunk, chunk bytes)."""
+    side_grain = granularity(side, spec)
+    out: dict[tuple[int, int], tuple[int, int, int]] = {}
+    page = spec.page_size_bytes
+    for idx, info in enumerate(side.regions):
+        if info.group_id != group.group_id:
+            continue
+        layers = range(group.num_layers) if info.layer_index < 0 else [info.layer_index]
+        num_layers = len(layers)
+        parts_here = 1 if side_grain is Granularity.PART else spec.num_kv_parts
+        expect = num_layers * (page if parts_here == spec.num_kv_parts else page // 2)
+        if info.region.block_bytes != expect:
+            raise LayoutError(
+                f"region {info.region.name!r} holds {info.region.block_bytes} bytes per block, "
+                f"expected {expect}"
+            )
+        chunk = info.region.block_bytes // chunks_per_block
+        layer_bytes = chunk // num_layers
+        for i, layer in enumerate(layers):
+            if grain is Granularity.PART:
+                if side_grain is Granularity.PART:
+                    out[(layer, info.kv_part)] = (idx, i * layer_bytes, chunk)
+                else:
+                    part_bytes = layer_bytes // spec.num_kv_parts
+                    for p in range(spec.num_kv_parts):
+                        out[(layer, p)] = (idx, i * layer_bytes + p * part_bytes, chunk)
+            elif grain is Granularity.LAYER:
+                out[(layer, -1)] = (idx, i * layer_bytes, chunk)
+            else:
+                out[(-1, -1)] = (idx, 0, chunk)
+    return out
+
+
+def group_streams(
+    lp: PieceMap,
+    rp: PieceMap,
+    length: int,
+) -> tuple[PieceStream, ...]:
+    by_pair: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for key in sorted(lp):
+        li, loff, lchunk = lp[key]
+        ri, roff, rchunk = rp[key]
+        by_pair.setdefault((li, ri), []).append((loff, roff, lchunk, rchunk))
+    streams = []
+    for (li, ri), rows in by_pair.items():
+        streams.append(
+            PieceStream(
+                local_region=li,
+                remote_region=ri,
+                local_offsets=tuple(r[0] for r in rows),
+                remote_offsets=tuple(r[1] for r in rows),
+                length=length,
+                local_chunk_bytes=rows[0][2],
+                remote_chunk_bytes=rows[0][3],
+            )
+        )
+    return tuple(streams)

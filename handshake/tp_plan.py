@@ -1,0 +1,158 @@
+"""Plans between ranks of different tensor-parallel sizes: a slice of the KV heads.
+
+Under tensor parallelism a rank's cache holds only some of the model's KV heads
+(:mod:`handshake.tp`). A decode rank reads from a prefill rank exactly the heads they
+share, and nothing else. To make that slice cheap to address, the wire chunk is
+*head-major*: the sender rewrites its blocks after save so that inside every piece the
+heads are outermost, and the shared heads are one contiguous byte range::
+
+    both sides cross-layer   chunk = [head][layer][K|V][t, D]  -> 1 descriptor per
+                                                                  (chunk, source rank)
+    per-layer on a side      layer = [head][K|V][t, D]         -> 1 per (layer, chunk)
+    kv-split on a side       part  = [head][t, D]              -> 1 per (layer, part, chunk)
+
+The receiver rewrites its blocks back to its native arrangement once every source rank's
+heads have arrived. Block-size, layout, kernel-block and granularity differences combine
+with the head slice as in the plans for equal TP sizes.
+"""
+
+from __future__ import annotations
+
+from handshake import tp
+from handshake.description import PeerLayout
+from handshake.errors import IncompatiblePeerError
+from handshake.pieces import PieceMap, geometries, granularity, group_streams, pieces
+from handshake.plan_model import Granularity, GroupPlan, Rewrite
+from layouts.arrangement import BlockArrangement, HeadOrder, same_bytes
+from layouts.errors import LayoutError
+from layouts.groups import KVCacheGroup
+from layouts.layout import KVLayout
+from layouts.specs import AttentionSpec
+
+
+def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice | None:
+    """The heads ``local`` reads from ``remote``; None when they hold the same heads."""
+    li, ri = local.identity, remote.identity
+    total = li.num_kv_heads
+    try:
+        mine = [
+            s
+            for s in tp.sources(li.rank, li.tp_size, ri.tp_size, total)
+            if s.remote_rank == ri.rank
+        ]
+        local_count = tp.rank_heads(li.rank, li.tp_size, total).count
+        remote_count = tp.rank_heads(ri.rank, ri.tp_size, total).count
+    except LayoutError as exc:
+        raise IncompatiblePeerError(
+            [("tp_size", li.tp_size, ri.tp_size)],
+            peer=peer,
+            hint=f"the KV heads cannot be sharded this way: {exc}",
+        ) from None
+    if not mine:
+        raise IncompatiblePeerError(
+            [("rank", li.rank, ri.rank)],
+            peer=peer,
+            hint=f"prefill rank {ri.rank} of {ri.tp_size} holds none of the KV heads decode "
+            f"rank {li.rank} of {li.tp_size} reads ({total} KV heads); read the ranks "
+            f"connector.routing names",
+        )
+    (s,) = mine
+    if s.num_heads == local_count == remote_count:
+        return None
+    return s
+
+
+def tp_attention_plan(
+    local: PeerLayout,
+    remote: PeerLayout,
+    lg: KVCacheGroup,
+    rg: KVCacheGroup,
+    hs: tp.HeadSlice,
+) -> GroupPlan:
+    """Heads ``hs`` of every token chunk, head-major on the wire."""
+    lspec, rspec = lg.spec, rg.spec
+    if not isinstance(lspec, AttentionSpec) or not isinstance(rspec, AttentionSpec):
+        raise LayoutError(
+            f"group {lg.group_id} ({lg.kind.value}): only attention groups move between "
+            f"different tensor-parallel sizes so far"
+        )
+    lh = tp.rank_heads(local.identity.rank, local.identity.tp_size, local.identity.num_kv_heads)
+    rh = tp.rank_heads(remote.identity.rank, remote.identity.tp_size, local.identity.num_kv_heads)
+    if (lspec.num_kv_heads, rspec.num_kv_heads) != (lh.count, rh.count):
+        raise LayoutError(
+            f"group {lg.group_id}: caches hold {lspec.num_kv_heads} (local) and "
+            f"{rspec.num_kv_heads} (remote) heads per rank, but {local.identity.num_kv_heads} "
+            f"KV heads at TP {local.identity.tp_size} / {remote.identity.tp_size} give "
+            f"{lh.count} and {rh.count}"
+        )
+    b_local, b_remote = lspec.block_size, rspec.block_size
+    if max(b_local, b_remote) % min(b_local, b_remote):
+        raise LayoutError(
+            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
+        )
+    u = min(b_local, b_remote)
+    r_local, r_remote = b_local // u, b_remote // u
+    grain = min(granularity(local, lspec), granularity(remote, rspec))
+    heads = {
+        Granularity.GROUP: HeadOrder.IN_CHUNK,
+        Granularity.LAYER: HeadOrder.IN_LAYER,
+        Granularity.PART: HeadOrder.INNER,  # HND with K and V apart: [part][head][t, D]
+    }[grain]
+
+    def on_side(chunks: int) -> BlockArrangement:
+        return BlockArrangement(
+            layout=KVLayout.HND,
+            num_chunks=chunks,
+            parts_outer=grain is Granularity.PART,
+            heads=heads,
+        )
+
+    r_native = remote.format.native_arrangement(b_remote)
+    l_native = local.format.native_arrangement(b_local)
+    sender = None
+    if not all(
+        same_bytes(g, r_native, on_side(r_remote)) for g in geometries(remote, rg.group_id, rspec)
+    ):
+        sender = Rewrite(src=r_native, dst=on_side(r_remote))
+    receiver = None
+    if not all(
+        same_bytes(g, on_side(r_local), l_native) for g in geometries(local, lg.group_id, lspec)
+    ):
+        receiver = Rewrite(src=on_side(r_local), dst=l_native)
+    if sender is not None and not remote.rewrites_in_place:
+        raise LayoutError(
+            f"group {lg.group_id}: reading a slice of the heads needs the sender to rewrite "
+            f"its blocks head-major ({sender}), and this sender does not rewrite in place"
+        )
+    lp = pieces(local, lg, lspec, grain, r_local)
+    rp = pieces(remote, rg, rspec, grain, r_remote)
+    if set(lp) != set(rp):
+        raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
+    layers = lg.num_layers
+    l_piece = lspec.page_size_bytes * layers // r_local // len(lp)
+    r_piece = rspec.page_size_bytes * layers // r_remote // len(rp)
+    per_head = l_piece // lh.count
+    if per_head * lh.count != l_piece or r_piece != per_head * rh.count:
+        raise LayoutError(
+            f"group {lg.group_id}: pieces of {l_piece} B (local, {lh.count} heads) and "
+            f"{r_piece} B (remote, {rh.count} heads) do not hold whole heads of equal size"
+        )
+    return GroupPlan(
+        group_id=lg.group_id,
+        kind=lg.kind,
+        wire_tokens=u,
+        local_chunks_per_block=r_local,
+        remote_chunks_per_block=r_remote,
+        sender=sender,
+        receiver=receiver,
+        streams=group_streams(
+            _shifted(lp, hs.local_head * per_head),
+            _shifted(rp, hs.remote_head * per_head),
+            hs.num_heads * per_head,
+        ),
+        head_slice=(hs.local_head, hs.remote_head, hs.num_heads),
+    )
+
+
+def _shifted(side: PieceMap, by: int) -> PieceMap:
+    return {key: (idx, offset + by, chunk) for key, (idx, offset, chunk) in side.items()}

@@ -1,0 +1,197 @@
+"""Plans across tensor-parallel sizes, executed with memmove: every decode rank ends up
+with exactly its KV heads, byte for byte, from the prefill rank(s) holding them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from handshake import tp
+from handshake.errors import IncompatiblePeerError
+from handshake.plan import negotiate
+from layouts.allocation import CacheFormat, read_group_token_major
+from layouts.layout import KVLayout, KVPacking
+from layouts.transforms import rewrite_group
+from tests.handshake.plan_harness import execute, make_side
+
+TOKENS = 64
+
+
+def _fmt(layout: str, cross: bool, kb: int = 0, split: bool = False) -> CacheFormat:
+    return CacheFormat(
+        layout=KVLayout(layout),
+        cross_layer=cross,
+        kernel_block_size=kb,
+        packing=KVPacking.KV_SPLIT if split else KVPacking.BLOCKS_FIRST,
+    )
+
+
+def _transfer(
+    local_tp: int,
+    remote_tp: int,
+    heads: int,
+    *,
+    b_local: int = 16,
+    b_remote: int = 16,
+    f_local: CacheFormat | None = None,
+    f_remote: CacheFormat | None = None,
+    kinds: str = "F",
+) -> list[int]:
+    """Run every decode rank's plans; assert its heads equal the prefill heads; returns
+    descriptors per decode rank."""
+    f_local = f_local or _fmt("HND", False)
+    f_remote = f_remote or _fmt("NHD", True)
+    nb = 8
+    remotes = [
+        make_side(
+            "p", b_remote, f_remote, kinds, nb, rank=r, tp_size=remote_tp, total_kv_heads=heads
+        )
+        for r in range(remote_tp)
+    ]
+    n_r, n_l = TOKENS // b_remote, TOKENS // b_local
+    rids = np.arange(n_r)[::-1] + 1  # remote blocks out of order
+    lids = (np.arange(n_l) * 3 + 1) % nb  # distinct, out of order
+    want = {
+        (r, g): read_group_token_major(side.buffers, g, rids).clone()
+        for r, side in enumerate(remotes)
+        for g in range(len(kinds))
+    }
+    moved = []
+    for d in range(local_tp):
+        local = make_side(
+            "d", b_local, f_local, kinds, nb, rank=d, tp_size=local_tp, total_kv_heads=heads
+        )
+        total = 0
+        slices = tp.sources(d, local_tp, remote_tp, heads)
+        for s in slices:
+            src = remotes[s.remote_rank]
+            plan = negotiate(local.layout, src.layout)
+            for g in range(len(kinds)):
+                gp = plan.groups[g]
+                assert gp.head_slice == (
+                    ()
+                    if len(slices) == 1
+                    and s.num_heads == tp.rank_heads(d, local_tp, heads).count
+                    and s.num_heads == tp.rank_heads(s.remote_rank, remote_tp, heads).count
+                    else (s.local_head, s.remote_head, s.num_heads)
+                )
+                chunks = gp.chunks_for_tokens(0, TOKENS)
+                total += execute(plan, local, src, g, chunks, lids, rids, receiver_rewrite=False)
+                if gp.sender:  # prefill restores its blocks (Done)
+                    rewrite_group(src.buffers, g, rids, gp.sender.dst, gp.sender.src)
+        for g in range(len(kinds)):
+            gp = plan.groups[g]
+            if gp.receiver:
+                rewrite_group(local.buffers, g, lids, gp.receiver.src, gp.receiver.dst)
+            got = read_group_token_major(local.buffers, g, lids)
+            for s in slices:
+                ref = want[(s.remote_rank, g)]
+                a = got[..., s.local_head : s.local_head + s.num_heads, :]
+                b = ref[..., s.remote_head : s.remote_head + s.num_heads, :]
+                assert torch.equal(a, b), (d, s, g)
+        moved.append(total)
+    return moved
+
+
+@pytest.mark.parametrize(
+    ("local_tp", "remote_tp", "heads"),
+    [
+        (2, 1, 4),
+        (1, 2, 4),
+        (2, 2, 4),
+        (4, 1, 4),
+        (1, 4, 4),
+        (4, 2, 4),
+        (2, 4, 4),
+        (4, 2, 2),
+        (1, 4, 2),
+        (4, 1, 2),
+    ],
+)
+def test_every_decode_rank_gets_its_heads(local_tp, remote_tp, heads):
+    _transfer(local_tp, remote_tp, heads)
+
+
+@pytest.mark.parametrize(
+    ("b_local", "b_remote", "f_local", "f_remote"),
+    [
+        (16, 64, _fmt("HND", False, kb=8), _fmt("NHD", True)),
+        (64, 16, _fmt("NHD", True), _fmt("HND", False)),
+        (32, 16, _fmt("NHD", False, split=True), _fmt("NHD", True)),
+        (16, 32, _fmt("HND", True, kb=8), _fmt("NHD", False, split=True)),
+        (16, 16, _fmt("NHD", True), _fmt("HND", True)),
+    ],
+)
+@pytest.mark.parametrize(("local_tp", "remote_tp"), [(2, 1), (1, 2)])
+def test_block_size_layout_and_granularity_differences_combine_with_tp(
+    local_tp, remote_tp, b_local, b_remote, f_local, f_remote
+):
+    _transfer(
+        local_tp,
+        remote_tp,
+        4,
+        b_local=b_local,
+        b_remote=b_remote,
+        f_local=f_local,
+        f_remote=f_remote,
+        kinds="FS",
+    )
+
+
+def test_head_major_cross_layer_moves_one_descriptor_per_chunk_and_source():
+    """Both sides cross-layer, equal blocks: a decode rank's head slice of a block is one
+    descriptor (all layers, K and V); per-layer peers need one per layer."""
+    cross = _fmt("NHD", True)
+    assert _transfer(2, 1, 4, f_local=cross, f_remote=cross) == [TOKENS // 16] * 2
+    assert _transfer(1, 2, 4, f_local=cross, f_remote=cross) == [2 * TOKENS // 16]
+    per_layer = _fmt("HND", False)
+    assert _transfer(2, 1, 4, f_local=per_layer, f_remote=cross) == [2 * TOKENS // 16] * 2
+
+
+def test_equal_heads_on_both_ranks_use_the_plain_plan():
+    """GQA replication: 2 KV heads at TP 4 vs TP 2, every rank holds one head."""
+    remote = make_side("p", 16, _fmt("NHD", True), "F", 8, rank=3, tp_size=4, total_kv_heads=2)
+    local = make_side("d", 16, _fmt("NHD", True), "F", 8, rank=1, tp_size=2, total_kv_heads=2)
+    plan = negotiate(local.layout, remote.layout)
+    assert plan.groups[0].head_slice == () and plan.groups[0].sender is None
+
+
+def test_a_prefill_rank_holding_none_of_the_heads_is_refused_by_name():
+    remote = make_side("p", 16, _fmt("NHD", True), "F", 8, rank=1, tp_size=2, total_kv_heads=4)
+    local = make_side("d", 16, _fmt("NHD", True), "F", 8, rank=0, tp_size=4, total_kv_heads=4)
+    with pytest.raises(
+        IncompatiblePeerError, match=r"prefill rank 1 of 2 holds none of the KV heads"
+    ):
+        negotiate(local.layout, remote.layout)
+
+
+def test_state_groups_across_tp_sizes_are_refused_by_name():
+    remote = make_side("p", 16, _fmt("NHD", True), "M", 8, rank=0, tp_size=1, total_kv_heads=4)
+    local = make_side("d", 16, _fmt("NHD", True), "M", 8, rank=0, tp_size=2, total_kv_heads=4)
+    with pytest.raises(IncompatiblePeerError, match="only attention groups move between"):
+        negotiate(local.layout, remote.layout)
+
+
+def test_a_sender_that_may_not_rewrite_is_refused_for_a_head_slice():
+    remote = make_side(
+        "p",
+        16,
+        _fmt("NHD", False),
+        "F",
+        8,
+        rank=0,
+        tp_size=1,
+        total_kv_heads=4,
+        rewrites_in_place=False,
+    )
+    local = make_side("d", 16, _fmt("NHD", False), "F", 8, rank=0, tp_size=2, total_kv_heads=4)
+    with pytest.raises(IncompatiblePeerError, match="does not rewrite in place"):
+        negotiate(local.layout, remote.layout)
+
+
+def test_plan_str_names_the_head_slice():
+    remote = make_side("p", 16, _fmt("NHD", True), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
+    local = make_side("d", 16, _fmt("NHD", True), "F", 8, rank=1, tp_size=2, total_kv_heads=4)
+    text = str(negotiate(local.layout, remote.layout))
+    assert "[heads 0..1 <- remote heads 2..3]" in text
