@@ -27,6 +27,7 @@ from handshake.description import PeerLayout, parse_description
 from handshake.messages import WorkerDescription
 from handshake.plan import negotiate
 from handshake.plan_model import GroupPlan, PieceStream, TransferPlan
+from handshake.tp_plan import reads_from
 from layouts.descriptors import block_descriptors
 from layouts.errors import KVBridgeError
 
@@ -125,6 +126,14 @@ class PeerDirectory:
         try:
             check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
             layout = parse_description(desc)
+            if not reads_from(self._local, layout):
+                # a prefill rank this decode rank only tells Done (an unread replica)
+                peer.agent = self._engine.add_peer(desc.nixl_metadata)
+                peer.description, peer.layout = desc, layout
+                peer.state = PeerState.READY
+                self.handshakes += 1
+                logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
+                return
             plan = negotiate(self._local, layout, can_repack=self._can_repack)
             agent = self._engine.add_peer(desc.nixl_metadata)
             peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan

@@ -121,6 +121,11 @@ class Sender:
         self._finished.add(msg.request_id)
         return True
 
+    def readers_done(self, request_id: str) -> tuple[int, ...] | None:
+        """Reader ranks that said Done for a held request (None: not held)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else tuple(sorted(pending.done_by))
+
     def on_heartbeat(self, msg: Heartbeat) -> None:
         now = self._clock()
         for rid in msg.request_ids:

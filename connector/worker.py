@@ -244,6 +244,11 @@ class KVBridgeWorker:
             heartbeats=frozenset(heartbeats),
         )
 
+    def readers_done(self, request_id: str) -> tuple[int, ...] | None:
+        """Prefill: decode ranks that finished reading a held request (None: not held)."""
+        _, sender = self._ready()
+        return sender.readers_done(request_id)
+
     def abort_send(self, request_id: str) -> None:
         """Prefill: a kept request is dropped (engine abort); restore and forget it."""
         _, sender = self._ready()

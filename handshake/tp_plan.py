@@ -30,6 +30,17 @@ from layouts.layout import KVLayout
 from layouts.specs import AttentionSpec
 
 
+def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
+    """Whether ``local`` reads any KV heads from ``remote`` (else it only tells it
+    ``Done``: an unread replica under GQA replication)."""
+    li, ri = local.identity, remote.identity
+    try:
+        slices = tp.sources(li.rank, li.tp_size, ri.tp_size, li.num_kv_heads)
+    except LayoutError:
+        return True  # negotiate names the problem
+    return any(s.remote_rank == ri.rank for s in slices)
+
+
 def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice | None:
     """The heads ``local`` reads from ``remote``; None when they hold the same heads."""
     li, ri = local.identity, remote.identity

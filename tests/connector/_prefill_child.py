@@ -10,6 +10,12 @@ stdout (anything else on stdout is NIXL's chatter)::
     <- @@ {"event": "sent", "request_id": "r1"}          (Done arrived, blocks restored)
     -> {"cmd": "digest"}
     <- @@ {"event": "digest", "sha256": "..."}           (of every cache byte)
+    -> {"cmd": "held", "request_id": "r1"}
+    <- @@ {"event": "held", "readers_done": [0] | null}  (decode ranks done; null: freed)
+
+Tensor parallelism: ``rank``, ``tp_size`` and ``total_kv_heads`` in the config make it
+rank ``rank`` of a prefill engine (its cache holds that rank's heads; it listens on
+``kv_port + rank``).
 
 The first event is ``{"event": "ready", "port": .., "agent": .., "pid": ..}``. The child
 drives its worker (``get_finished``) between commands and exits on ``quit`` or when
@@ -25,9 +31,11 @@ import json
 import os
 import select
 import sys
+from dataclasses import replace
 
 from connector.metadata import ConnectorMetadata, SendSpec
 from connector.worker import KVBridgeWorker
+from handshake.tp import rank_heads
 from layouts.layout import KVLayout, KVPacking
 from tests.connector.conftest import (
     MODEL,
@@ -67,6 +75,9 @@ def _handle(worker: KVBridgeWorker, buffers, line: str) -> bool:
             worker.bind_connector_metadata(ConnectorMetadata(reqs_to_send=(spec,)))
             worker.start_load_kv()
             _say(event="kept", request_id=spec.request_id)
+        case "held":
+            done = worker.readers_done(cmd["request_id"])
+            _say(event="held", readers_done=None if done is None else list(done))
         case "digest":
             digest = hashlib.sha256()
             for t in buffers.tensors:
@@ -80,10 +91,14 @@ def _handle(worker: KVBridgeWorker, buffers, line: str) -> bool:
 
 
 def main(cfg: dict) -> None:
-    buffers = make_buffers(side_format(cfg), cfg["kinds"], cfg["num_blocks"])
+    rank, tp_size = cfg.get("rank", 0), cfg.get("tp_size", 1)
+    total = cfg.get("total_kv_heads", MODEL.num_kv_heads)
+    heads = rank_heads(rank, tp_size, total).count
+    buffers = make_buffers(side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads)
     fill_buffers(buffers, cfg["seed"])
     config = transfer_config("kv_producer", cfg["engine_id"], kv_port=cfg.get("kv_port", 0))
-    with KVBridgeWorker(config, MODEL) as worker:
+    model = replace(MODEL, num_kv_heads=total)
+    with KVBridgeWorker(config, model, rank=rank, tp_size=tp_size) as worker:
         worker.register_kv_caches(buffers)
         _say(event="ready", port=worker.side_channel_port, agent=worker.agent_name, pid=os.getpid())
         while True:

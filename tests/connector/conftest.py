@@ -75,9 +75,12 @@ def fill_buffers(buffers: KVCacheBuffers, seed: int) -> None:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
 
 
-def make_buffers(fmt: SideFormat, kinds: str, num_blocks: int = NUM_BLOCKS) -> KVCacheBuffers:
-    """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state."""
-    config = KVCacheConfig.uniform(make_groups(fmt.block_size, kinds), num_blocks)
+def make_buffers(
+    fmt: SideFormat, kinds: str, num_blocks: int = NUM_BLOCKS, num_kv_heads: int = 2
+) -> KVCacheBuffers:
+    """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state;
+    ``num_kv_heads``: the heads this rank holds."""
+    config = KVCacheConfig.uniform(make_groups(fmt.block_size, kinds, num_kv_heads), num_blocks)
     return KVCacheBuffers(config, fmt.cache_format)
 
 

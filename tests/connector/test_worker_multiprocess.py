@@ -52,15 +52,34 @@ KINDS = "FSM"
 class Child:
     """A prefill worker process and a replica of its cache bytes."""
 
-    def __init__(self, fmt: SideFormat, *, engine_id: str, kv_port: int, seed: int, log: Path):
-        self.fmt, self.engine_id, self.seed = fmt, engine_id, seed
-        self.buffers: KVCacheBuffers = make_buffers(fmt, KINDS)
+    def __init__(
+        self,
+        fmt: SideFormat,
+        *,
+        engine_id: str,
+        kv_port: int,
+        seed: int,
+        log: Path,
+        kinds: str = KINDS,
+        rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads: int = 2,
+        wait_ready: bool = True,
+    ):
+        from handshake.tp import rank_heads
+
+        self.fmt, self.engine_id, self.seed, self.rank = fmt, engine_id, seed, rank
+        heads = rank_heads(rank, tp_size, total_kv_heads).count
+        self.buffers: KVCacheBuffers = make_buffers(fmt, kinds, NUM_BLOCKS, heads)
         fill_buffers(self.buffers, seed)
         cfg = {
             "engine_id": engine_id,
             "kv_port": kv_port,
             "seed": seed,
-            "kinds": KINDS,
+            "kinds": kinds,
+            "rank": rank,
+            "tp_size": tp_size,
+            "total_kv_heads": total_kv_heads,
             "num_blocks": self.buffers.config.num_blocks,
             "block_size": fmt.block_size,
             "layout": fmt.layout.value,
@@ -84,9 +103,15 @@ class Child:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.sent: set[str] = set()
+        self.port = 0
+        self.agent = ""
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         ready = self.wait_for("ready", timeout_s=START_TIMEOUT_S)
-        self.port: int = ready["port"]
-        self.agent: str = ready["agent"]
+        self.port = ready["port"]
+        self.agent = ready["agent"]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
