@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import nixl._bindings as nixl_bindings
 import numpy as np
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from connector.errors import (
     DescriptorError,
@@ -67,6 +67,9 @@ MAX_NOTIF_BYTES = 64 * 1024  # larger notifications take milliseconds (NIXL_NOTE
 class ProgressMode(enum.Enum):
     PROGRESS_THREAD_OFF = "off"  # the owner drives progress via poll()/get_notifs()
     PROGRESS_THREAD_SPIN = "spin"  # the wrapper's thread: zero delay, one busy core per agent
+    # NIXL's progress thread sleeping ``progress_delay_us`` between rounds: transfers and
+    # connection set-up move while the owner is idle (an engine with nothing scheduled)
+    PROGRESS_THREAD_DELAY = "delay"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +81,7 @@ class NixlEngineConfig:
     agent_name: str
     backends: tuple[str, ...] = ("UCX",)
     progress: ProgressMode = ProgressMode.PROGRESS_THREAD_OFF
+    progress_delay_us: int = 1000  # PROGRESS_THREAD_DELAY only
     capture_telemetry: bool = False
 
     def __post_init__(self) -> None:
@@ -122,6 +126,28 @@ def _to_state(status: str, what: str) -> XferState:
 
 
 @contextlib.contextmanager
+def _progress_delay(delay_us: int) -> Iterator[None]:
+    """The wrapper builds the bindings' agent config with ``pthrDelay = 0`` (a spinning
+    progress thread, NIXL_NOTES.md) and offers no setting: set it on the config object
+    on its way into the bindings' constructor, for this one construction."""
+    if delay_us <= 0:
+        yield
+        return
+    bindings = nixl_agent.__init__.__globals__["nixlBind"]  # the module the wrapper calls
+    real = bindings.nixlAgent
+
+    def with_delay(name: str, agent_config: object) -> object:
+        agent_config.pthrDelay = delay_us  # type: ignore[attr-defined]
+        return real(name, agent_config)
+
+    bindings.nixlAgent = with_delay
+    try:
+        yield
+    finally:
+        bindings.nixlAgent = real
+
+
+@contextlib.contextmanager
 def _nixl_call(what: str, default: type[TransferError] = TransferError) -> Iterator[None]:
     try:
         yield
@@ -136,12 +162,22 @@ class NixlTransferEngine:
         self.config = config
         self.agent_name = config.agent_name
         self._owner_thread = threading.get_ident()
+        threaded = config.progress is not ProgressMode.PROGRESS_THREAD_OFF
         nixl_config = nixl_agent_config(
-            enable_prog_thread=config.progress is ProgressMode.PROGRESS_THREAD_SPIN,
+            enable_prog_thread=threaded,
             capture_telemetry=config.capture_telemetry,
             backends=list(config.backends),
+            # NIXL's own progress thread runs beside the owner's calls: lock the API
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded else None,
         )
-        with _nixl_call(f"agent {self.agent_name!r}: create"):
+        with (
+            _nixl_call(f"agent {self.agent_name!r}: create"),
+            _progress_delay(
+                config.progress_delay_us
+                if config.progress is ProgressMode.PROGRESS_THREAD_DELAY
+                else 0
+            ),
+        ):
             self._agent: nixl_agent | None = nixl_agent(self.agent_name, nixl_config)
         missing = set(config.backends) - set(self._agent.backends)
         if missing:

@@ -418,12 +418,12 @@ class Receiver:
         rrows = staged.remote_ids[blocks - staged.remote_first]
         offset = 0
         for i, stream in enumerate(g.streams):
-            local = pool.local_list(offset, stream.length)
+            local = pool.local_list(offset + stream.local_offsets[0], stream.length)
             remote = peer.remote_lists[(g.group_id, i)]
             batch.handles.append(self._engine.read(local, slots, remote, rrows))
             load.num_bytes += int(slots.size) * stream.length
             self._metrics.descriptors_posted += int(slots.size)
-            offset += stream.length
+            offset += stream.local_chunk_bytes
 
     def _split(self, load: Load, src: Source, batch: StageBatch) -> None:
         """A staging round arrived: the engine writes its tokens into local blocks."""
@@ -443,8 +443,8 @@ class Receiver:
         slots = np.where(wanted, staged.local_ids[logical] * local_bs + tokens % local_bs, -1)
         pages, offset = [], 0
         for stream in g.streams:
-            pages.append(batch.pool.pages(batch.slots, offset, stream.length))
-            offset += stream.length
+            pages.append(batch.pool.pages(batch.slots, offset, stream.local_chunk_bytes))
+            offset += stream.local_chunk_bytes
         batch.pool.give_back(batch.slots)
         src.batch = None
         assert self._repacker is not None  # negotiation needs one for split plans

@@ -13,6 +13,11 @@ last reader is done; a conflicting rewrite of a block in use is refused, not app
 Under tensor parallelism several decode ranks may read one prefill rank's heads of a
 request: each sends ``Done`` naming itself and how many readers there are, and the blocks
 stay until the last of them (or the lease) ends it.
+
+A ``Done`` may arrive before the request does: an engine hands its worker the finished
+request with its next step, and an idle engine takes none, while decode (which needs no
+``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
+for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from layouts.specs import AttentionSpec
 from layouts.transforms import rewrite_group
 
 logger = logging.getLogger(__name__)
+
+EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Sender:
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._heartbeats: set[str] = set()
+        self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
 
     @property
     def num_pending(self) -> int:
@@ -80,6 +88,9 @@ class Sender:
         if spec.request_id in self._pending:
             return
         self._pending[spec.request_id] = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        _, early = self._early.pop(spec.request_id, (0.0, []))
+        for msg in early:
+            self.on_done(msg)
 
     def on_prepare(self, msg: Prepare) -> Prepared:
         pending = self._pending.get(msg.request_id)
@@ -111,7 +122,15 @@ class Sender:
     def on_done(self, msg: Done) -> bool:
         """A reader is done; the request ends with its last reader. False: unknown."""
         pending = self._pending.get(msg.request_id)
-        if pending is None or msg.reader_rank in pending.done_by:
+        if pending is None:
+            if msg.request_id in self._finished or len(self._early) >= 4096:
+                return False
+            _, early = self._early.setdefault(
+                msg.request_id, (self._clock() + EARLY_DONE_TTL_S, [])
+            )
+            early.append(msg)
+            return True
+        if msg.reader_rank in pending.done_by:
             return False
         pending.done_by.add(msg.reader_rank)
         if len(pending.done_by) < max(1, msg.readers):
@@ -144,6 +163,11 @@ class Sender:
 
     def expire(self) -> None:
         now = self._clock()
+        for rid, (expiry, _) in list(self._early.items()):
+            if now > expiry:
+                _, msgs = self._early.pop(rid)
+                self._metrics.bad_notifications += len(msgs)
+                logger.warning("Done for %s arrived but the request never did; dropped", rid)
         for rid, pending in list(self._pending.items()):
             if now > pending.deadline:
                 self._pending.pop(rid)

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.config import KVTransferConfig
+from connector.config import ConfigError, KVTransferConfig
 from connector.errors import TransferError
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
@@ -86,7 +86,8 @@ class KVBridgeWorker:
         self.tp_size = tp_size
         self.metrics = ConnectorMetrics()
         self._clock = clock
-        self._engine_factory = engine_factory or _nixl_engine
+        progress_us = _progress_us(config.extra)
+        self._engine_factory = engine_factory or (lambda name: _nixl_engine(name, progress_us))
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
         self._buffers: KVCacheBuffers | None = None
@@ -390,7 +391,27 @@ class KVBridgeWorker:
         self.shutdown()
 
 
-def _nixl_engine(agent_name: str) -> TransferEngine:
-    from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
+def _progress_us(extra: dict) -> int:
+    """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
+    calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines
+    that stop calling the connector while idle (vLLM)."""
+    value = extra.get("nixl_progress_us", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"extra.nixl_progress_us={value!r} must be a non-negative integer (microseconds)"
+        )
+    return value
 
+
+def _nixl_engine(agent_name: str, progress_us: int = 0) -> TransferEngine:
+    from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
+
+    if progress_us:
+        return NixlTransferEngine(
+            NixlEngineConfig(
+                agent_name=agent_name,
+                progress=ProgressMode.PROGRESS_THREAD_DELAY,
+                progress_delay_us=progress_us,
+            )
+        )
     return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name))

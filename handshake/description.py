@@ -187,6 +187,7 @@ def describe(
         side_channel_port=side_channel_port,
         rewrites_in_place=rewrites_in_place,
         block_packing=fmt.block_packing,
+        packed_heads_major=fmt.packed_heads_major,
     )
 
 
@@ -210,6 +211,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
             cross_layer=desc.cross_layer,
             packing=KVPacking.parse(desc.kv_packing),
             block_packing=desc.block_packing,
+            packed_heads_major=desc.packed_heads_major,
         )
         regions = tuple(
             RegionInfo(

@@ -133,6 +133,7 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     rewrites_in_place: bool = True
     # non-empty: the engine's private element order inside a page (CacheFormat.block_packing)
     block_packing: str = ""
+    packed_heads_major: bool = False  # CacheFormat.packed_heads_major
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -12,8 +12,10 @@ from __future__ import annotations
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
 from handshake.plan_model import GroupPlan, PieceStream
+from handshake.tp import HeadSlice
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
+from layouts.specs import AttentionSpec
 
 
 def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool) -> bool:
@@ -59,32 +61,42 @@ def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_re
 
 
 def packed_plan(
-    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+    local: PeerLayout,
+    remote: PeerLayout,
+    lg: KVCacheGroup,
+    rg: KVCacheGroup,
+    heads: HeadSlice | None = None,
 ) -> GroupPlan:
     """Whole remote pages, one per layer and remote block: side by side in local pages
-    (remote blocks no larger), or into staging slots (remote blocks larger)."""
+    (remote blocks no larger), or into staging slots (remote blocks larger). ``heads``
+    (tensor parallelism, heads-major pages only): just that slice of every page."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
     if b_remote > b_local:
-        return _staged_plan(local, remote, lg, rg)
+        return _staged_plan(local, remote, lg, rg, heads)
     r_local = b_local // b_remote
+    h_local, h_remote = _heads(lg), _heads(rg)
+    la, ra, n = (
+        (heads.local_head, heads.remote_head, heads.num_heads) if heads else (0, 0, h_remote)
+    )
 
     lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
     streams = []
     for layer in sorted(lr):
         (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
-        if lbytes != rbytes * r_local:
+        per_head = rbytes // h_remote  # one head of a b_remote-token page
+        if lbytes != per_head * h_local * r_local or rbytes != per_head * h_remote:
             raise LayoutError(
-                f"layer {layer}: local pages of {lbytes} B do not hold {r_local} remote "
-                f"pages of {rbytes} B"
+                f"layer {layer}: local pages of {lbytes} B ({h_local} heads) do not hold "
+                f"{r_local} remote pages of {rbytes} B ({h_remote} heads)"
             )
         streams.append(
             PieceStream(
                 local_region=li,
                 remote_region=ri,
-                local_offsets=(0,),
-                remote_offsets=(0,),
-                length=rbytes,
-                local_chunk_bytes=rbytes,
+                local_offsets=(la * per_head,),
+                remote_offsets=(ra * per_head,),
+                length=n * per_head,
+                local_chunk_bytes=lbytes // r_local,
                 remote_chunk_bytes=rbytes,
             )
         )
@@ -98,33 +110,47 @@ def packed_plan(
         receiver=None,
         streams=tuple(streams),
         repack_from=b_remote if r_local > 1 else 0,
+        head_slice=(la, ra, n) if heads else (),
     )
 
 
 def _staged_plan(
-    local: PeerLayout, remote: PeerLayout, lg: KVCacheGroup, rg: KVCacheGroup
+    local: PeerLayout,
+    remote: PeerLayout,
+    lg: KVCacheGroup,
+    rg: KVCacheGroup,
+    heads: HeadSlice | None,
 ) -> GroupPlan:
-    """Remote pages ``r`` times larger than local ones: one whole page per layer and
-    remote block into a staging slot (pages of the group's layers back to back)."""
+    """Remote pages ``r`` times larger than local ones: one page per layer and remote
+    block (its slice of the heads) into a staging slot of local-heads pages, the group's
+    layers back to back."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
     r_remote = b_remote // b_local
+    h_local, h_remote = _heads(lg), _heads(rg)
+    ra, n = (heads.remote_head, heads.num_heads) if heads else (0, h_remote)
+    if n != h_local:
+        raise LayoutError(
+            f"group {lg.group_id}: a staged {b_remote}-token page would take heads from "
+            f"several prefill ranks ({n} of {h_local} from one); not supported yet"
+        )
     lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
     streams = []
     for layer in sorted(lr):
         (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
-        if rbytes != lbytes * r_remote:
+        per_head = rbytes // h_remote
+        if rbytes != per_head * h_remote or per_head * h_local != lbytes * r_remote:
             raise LayoutError(
-                f"layer {layer}: remote pages of {rbytes} B do not hold {r_remote} local "
-                f"pages of {lbytes} B"
+                f"layer {layer}: remote pages of {rbytes} B ({h_remote} heads) do not hold "
+                f"{r_remote} local pages of {lbytes} B ({h_local} heads)"
             )
         streams.append(
             PieceStream(
                 local_region=li,  # the layer the engine splits into (reads go to staging)
                 remote_region=ri,
                 local_offsets=(0,),
-                remote_offsets=(0,),
-                length=rbytes,
-                local_chunk_bytes=rbytes,
+                remote_offsets=(ra * per_head,),
+                length=n * per_head,
+                local_chunk_bytes=n * per_head,  # one slot page: b_remote tokens, local heads
                 remote_chunk_bytes=rbytes,
             )
         )
@@ -138,7 +164,15 @@ def _staged_plan(
         receiver=None,
         streams=tuple(streams),
         split_from=b_remote,
+        head_slice=(0, ra, n) if heads else (),
     )
+
+
+def _heads(group: KVCacheGroup) -> int:
+    spec = group.spec
+    if not isinstance(spec, AttentionSpec):
+        raise LayoutError(f"group {group.group_id}: engine-packed pages must be attention")
+    return spec.num_kv_heads
 
 
 def _paired_layers(

@@ -70,12 +70,13 @@ def negotiate(
     heads = head_slice(local, remote, peer)
     packed = check_block_packing(local, remote, peer, can_repack)
     if heads is not None and packed:
-        raise IncompatiblePeerError(
-            [("tp_size", local.identity.tp_size, remote.identity.tp_size)],
-            peer=peer,
-            hint=f"{local.format.block_packing!r} pages are moved whole; reading a slice of "
-            f"their heads across tensor-parallel sizes is not supported yet",
-        )
+        if not (local.format.packed_heads_major and remote.format.packed_heads_major):
+            raise IncompatiblePeerError(
+                [("tp_size", local.identity.tp_size, remote.identity.tp_size)],
+                peer=peer,
+                hint=f"{local.format.block_packing!r} pages are moved whole and their heads "
+                f"are not contiguous runs, so a slice of the heads cannot be read",
+            )
     if len(local.config.groups) != len(remote.config.groups):
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
@@ -94,10 +95,10 @@ def negotiate(
                 peer=peer,
             )
         try:
-            if heads is not None:
+            if packed:
+                plans.append(packed_plan(local, remote, lg, rg, heads))
+            elif heads is not None:
                 plans.append(tp_attention_plan(local, remote, lg, rg, heads))
-            elif packed:
-                plans.append(packed_plan(local, remote, lg, rg))
             elif isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
             else:

@@ -85,8 +85,8 @@ class GroupPlan:
 
     @property
     def staging_bytes(self) -> int:
-        """One staging slot: a remote page of every stream, back to back."""
-        return sum(s.length for s in self.streams) if self.split_from else 0
+        """One staging slot: a (local-heads) page of every stream, back to back."""
+        return sum(s.local_chunk_bytes for s in self.streams) if self.split_from else 0
 
     @property
     def descriptors_per_chunk(self) -> int:

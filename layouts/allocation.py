@@ -44,6 +44,9 @@ class CacheFormat:
     # attention stores K transposed), named by this id. kvbridge then moves pages whole
     # and only between sides with the same id and the same block size.
     block_packing: str = ""
+    # with block_packing: each head's elements form one contiguous run of the page, heads
+    # in order (a slice of heads is a byte range; tensor parallelism reads one)
+    packed_heads_major: bool = False
 
     def kernel_block_size_for(self, block_size: int) -> int:
         kb = self.kernel_block_size or block_size

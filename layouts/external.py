@@ -166,6 +166,7 @@ def adopt_kv_caches(
     *,
     layout_hint: KVLayout | None = None,
     block_packing: str = "",
+    packed_heads_major: bool = False,
 ) -> KVCacheBuffers:
     """Wrap an engine's per-layer tensors as :class:`KVCacheBuffers` (no copy).
 
@@ -174,6 +175,7 @@ def adopt_kv_caches(
     layers outside ``config`` are an error (the caller filters shared or unused layers).
     ``block_packing``: the engine's id for a page order the shape does not show (its
     kernels' private element order, see ``CacheFormat.block_packing``); "" if none.
+    ``packed_heads_major``: in that order each head is one contiguous run of the page.
     """
     missing = [n for n in config.layer_names if n not in tensors]
     extra = sorted(set(tensors) - set(config.layer_names))
@@ -219,6 +221,7 @@ def adopt_kv_caches(
         cross_layer=cross_layer,
         packing=first.packing if not cross_layer else KVPacking.BLOCKS_FIRST,
         block_packing=block_packing,
+        packed_heads_major=packed_heads_major,
     )
     if cross_layer:
         return _adopt_cross_layer(config, fmt, tensors, formats)

@@ -60,7 +60,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from connector.vllm.scheduler_side import VLLMSchedulerSide
 
-            self._scheduler = VLLMSchedulerSide(config, kv_config)
+            self._scheduler = VLLMSchedulerSide(
+                config, kv_config, tp_size=vllm_config.parallel_config.tensor_parallel_size
+            )
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -74,6 +76,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 config,
                 kv_config,
                 model_name=str(vllm_config.model_config.model),
+                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 layout_hint=layout,
                 rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),

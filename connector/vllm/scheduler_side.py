@@ -43,8 +43,10 @@ class RequestView:
 
 
 class VLLMSchedulerSide:
-    def __init__(self, config: KVTransferConfig, kv_config: KVCacheConfig) -> None:
-        self.sched = KVBridgeScheduler(config, kv_config)
+    def __init__(
+        self, config: KVTransferConfig, kv_config: KVCacheConfig, *, tp_size: int = 1
+    ) -> None:
+        self.sched = KVBridgeScheduler(config, kv_config, tp_size=tp_size)
         self._views: dict[str, RequestView] = {}  # requests kvbridge may still load for
         self._bad_params: set[str] = set()
         self.counters: Counter[str] = Counter()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
-from connector.config import ConfigError, KVTransferConfig
+from connector.config import KVTransferConfig
 from connector.metadata import WorkerOutput
 from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
 from connector.vllm.packing import CpuAttnRepacker
@@ -35,18 +37,19 @@ class VLLMWorkerSide:
         kv_config: KVCacheConfig,
         *,
         model_name: str,
+        total_kv_heads: int,
         layout_hint: KVLayout | None,
         rank: int,
         tp_size: int,
     ) -> None:
-        if tp_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={tp_size}: kvbridge's vLLM connector runs at tensor-"
-                f"parallel size 1 so far (each decode rank would need its own prefill rank's "
-                f"heads); start vLLM with --tensor-parallel-size 1"
-            )
+        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` and its
+        caches hold its share of the model's ``total_kv_heads`` KV heads."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
+        if "nixl_progress_us" not in config.extra:
+            # vLLM calls the connector only while it has work: an idle prefill must still
+            # answer the READs (UCX's control traffic) of decodes that read its blocks
+            config = replace(config, extra={**config.extra, "nixl_progress_us": 1000})
         spec = kv_config.groups[0].spec
         assert isinstance(spec, AttentionSpec)
         self.worker = KVBridgeWorker(
@@ -54,7 +57,7 @@ class VLLMWorkerSide:
             ModelInfo(
                 model_name=model_name,
                 dtype=dtype_name(spec.dtype),
-                num_kv_heads=spec.num_kv_heads,
+                num_kv_heads=total_kv_heads,
                 head_size=spec.head_size,
             ),
             rank=rank,
@@ -73,7 +76,11 @@ class VLLMWorkerSide:
         tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
         packing = block_packing(self.kv_config, tensors)
         buffers = adopt_kv_caches(
-            self.kv_config, tensors, layout_hint=self.layout_hint, block_packing=packing
+            self.kv_config,
+            tensors,
+            layout_hint=self.layout_hint,
+            block_packing=packing,
+            packed_heads_major=bool(packing) and heads_major(self.kv_config),
         )
         if packing:
             self.worker.set_repacker(CpuAttnRepacker(self.kv_config, tensors))
@@ -129,6 +136,27 @@ class VLLMWorkerSide:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def heads_major(kv_config: KVCacheConfig) -> bool:
+    """Whether vLLM's CPU attention keeps each head of a page in one contiguous run, heads
+    in order (measured with its kernel, :func:`connector.vllm.packing.page_map`); then a
+    tensor-parallel reader can take a slice of the heads as one byte range."""
+    from connector.vllm.packing import page_map
+
+    for g in kv_config.groups:
+        spec = g.spec
+        if not isinstance(spec, AttentionSpec):
+            return False
+        offsets = page_map(spec.dtype, spec.block_size, spec.num_kv_heads, spec.head_size)
+        per_head = offsets.size // spec.num_kv_heads
+        by_head = np.moveaxis(offsets, 2, 0).reshape(spec.num_kv_heads, -1)
+        if not all(
+            np.array_equal(np.sort(by_head[h]), np.arange(h * per_head, (h + 1) * per_head))
+            for h in range(spec.num_kv_heads)
+        ):
+            return False
+    return True
 
 
 def block_packing(kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> str:

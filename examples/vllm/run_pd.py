@@ -6,9 +6,11 @@
 
 Environment (defaults in brackets): ``CONNECTOR`` [kvbridge] or nixl; ``MODEL``
 [tiny-llama] or tiny-gemma3; ``PREFILL_BLOCK_SIZE`` / ``DECODE_BLOCK_SIZE`` [32]
-(multiples of 32 on CPU); ``NUM_PROMPTS`` [4]; ``MAX_TOKENS`` [16]; ``PROMPT_TOKENS``
-[100] (approximate prompt length; prompts spread over ~0.6x..1.4x); ``KVBRIDGE_EXTRA``
-(JSON object, kvbridge's ``kv_connector_extra_config``); ``LOGPROB_TOL`` [1e-3];
+(multiples of 32 on CPU); ``PREFILL_TP`` / ``DECODE_TP`` [1] (tensor-parallel sizes; the
+reference server runs at TP 1, one core per rank); ``NUM_PROMPTS`` [4]; ``MAX_TOKENS``
+[16]; ``PROMPT_TOKENS`` [100] (approximate prompt length; prompts spread over
+~0.6x..1.4x); ``KVBRIDGE_EXTRA`` (JSON object, kvbridge's ``kv_connector_extra_config``);
+``LOGPROB_TOL`` [1e-3];
 ``START_TIMEOUT_S`` [600]; ``REQUEST_TIMEOUT_S`` [120]; ``FAILURE_POLICY`` [recompute]
 (decode's ``kv_load_failure_policy``: recompute or fail); ``ENFORCE_EAGER`` [1]
 (``--enforce-eager`` on every server: ~3x faster start on CPU; 0 gives vLLM's default
@@ -107,6 +109,8 @@ def start_pd(
     model: str = "tiny-llama",
     prefill_block_size: int = 32,
     decode_block_size: int = 32,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     kv_extra: dict[str, Any] | None = None,
     with_reference: bool = True,
     max_model_len: int = MAX_POSITIONS,
@@ -131,6 +135,8 @@ def start_pd(
         raise ValueError(f"CONNECTOR must be one of {CONNECTORS}, not {connector!r}")
     model_dir = ensure_model(model, model_root)
     tag = f"{connector}-{model}-{prefill_block_size}to{decode_block_size}"
+    if (prefill_tp, decode_tp) != (1, 1):
+        tag += f"-tp{prefill_tp}to{decode_tp}"
     log_dir = Path(log_dir) if log_dir else default_log_dir(tag)
     common = dict(
         model=model_dir,
@@ -144,6 +150,7 @@ def start_pd(
         ServerSpec(
             "prefill",
             block_size=prefill_block_size,
+            tensor_parallel_size=prefill_tp,
             connector=connector,
             role="prefill",
             kv_extra=kv_extra,
@@ -153,6 +160,7 @@ def start_pd(
         ServerSpec(
             "decode",
             block_size=decode_block_size,
+            tensor_parallel_size=decode_tp,
             connector=connector,
             role="decode",
             kv_extra=kv_extra,
@@ -206,6 +214,8 @@ class RunConfig:
     model: str = "tiny-llama"
     prefill_block_size: int = 32
     decode_block_size: int = 32
+    prefill_tp: int = 1
+    decode_tp: int = 1
     num_prompts: int = 4
     max_tokens: int = 16
     prompt_tokens: int = 100
@@ -243,6 +253,8 @@ class RunConfig:
             model=env.get("MODEL", "tiny-llama").strip() or "tiny-llama",
             prefill_block_size=num("PREFILL_BLOCK_SIZE", 32),
             decode_block_size=num("DECODE_BLOCK_SIZE", 32),
+            prefill_tp=num("PREFILL_TP", 1),
+            decode_tp=num("DECODE_TP", 1),
             num_prompts=num("NUM_PROMPTS", 4),
             max_tokens=num("MAX_TOKENS", 16),
             prompt_tokens=num("PROMPT_TOKENS", 100),
@@ -267,6 +279,9 @@ class RunConfig:
             value = getattr(self, name)
             if value <= 0 or value % 32:
                 raise ValueError(f"{name.upper()}={value}: vLLM on CPU needs a multiple of 32")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) not in (1, 2, 4):
+                raise ValueError(f"{name.upper()}={getattr(self, name)} must be 1, 2 or 4")
         if self.failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"FAILURE_POLICY must be recompute or fail, not {self.failure_policy!r}"
@@ -371,6 +386,7 @@ def run(cfg: RunConfig) -> int:
     print(
         f"vLLM P/D check: CONNECTOR={cfg.connector} MODEL={cfg.model} "
         f"blocks {cfg.prefill_block_size}->{cfg.decode_block_size} "
+        f"tp {cfg.prefill_tp}->{cfg.decode_tp} "
         f"prompts={cfg.num_prompts} (~{cfg.prompt_tokens} tokens) max_tokens={cfg.max_tokens}",
         flush=True,
     )
@@ -384,6 +400,8 @@ def run(cfg: RunConfig) -> int:
                 model=cfg.model,
                 prefill_block_size=cfg.prefill_block_size,
                 decode_block_size=cfg.decode_block_size,
+                prefill_tp=cfg.prefill_tp,
+                decode_tp=cfg.decode_tp,
                 kv_extra=cfg.kv_extra,
                 failure_policy=cfg.failure_policy,
                 enforce_eager=cfg.enforce_eager,
@@ -435,6 +453,7 @@ def run(cfg: RunConfig) -> int:
             f"max_logprob_diff={max_diff:.2e} start_s={pd.start_s:.1f} run_s={run_s:.1f} "
             f"connector={cfg.connector} model={cfg.model} "
             f"blocks={cfg.prefill_block_size}->{cfg.decode_block_size}",
+            f"tp={cfg.prefill_tp}->{cfg.decode_tp}",
             flush=True,
         )
         return 0 if passed else 1

@@ -251,7 +251,11 @@ def test_load_failure_applies_the_policy(clock, policy):
         prefill.pool.free(prefill.sched.take_blocks_to_free("p1"))
 
 
-def test_unknown_and_duplicate_notifications_are_counted(pair):
+def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
+    """Garbage at once; a Done for a request prefill does not hold is kept a while (it may
+    come before the request, see connector.sender) and counted when it expires unused."""
+    from connector.sender import EARLY_DONE_TTL_S
+
     prefill, decode = pair
     p = Request("p1", token_ids(150), _remote_decode())
     params = prefill_finish(prefill, p)
@@ -263,7 +267,11 @@ def test_unknown_and_duplicate_notifications_are_counted(pair):
     for rid in ("p1", "nope"):  # duplicate Done, then an unknown request
         engine.send_notif(peer.agent, encode_notification(Done(request_id=rid)))
     engine.send_notif(peer.agent, b"\x00garbage")
-    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 3, "bad notifs")
+    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 1, "garbage")
+    assert prefill.worker.metrics.bad_notifications == 1
+    clock.now += EARLY_DONE_TTL_S + 1
+    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 3, "expiry")
+    assert prefill.worker.metrics.bad_notifications == 3
     assert prefill.freed.count("p1") == 1
     _finish_decode(decode, d)
     _assert_pools_full(prefill, decode)
@@ -447,3 +455,28 @@ def test_staging_pool_too_small_for_one_page_fails_the_load_by_name(clock):
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+def test_a_done_that_arrives_before_its_request_frees_it_when_it_comes(pair):
+    """An idle engine hands its worker a finished request only with its next step; decode
+    may have read and said Done already. The request is freed as soon as it arrives."""
+    from connector.metadata import ConnectorMetadata, SendSpec
+    from connector.peers import PeerState
+
+    prefill, decode = pair
+    engine, peers = decode.worker._engine, decode.worker._peers
+    peers.ensure(("prefill", 0), "127.0.0.1", prefill.worker.side_channel_port)
+    run_until(
+        [prefill, decode],
+        lambda: peers.get(("prefill", 0)).state is PeerState.READY,
+        "handshake",
+    )
+    peer = decode.worker._peers.get(("prefill", 0))
+    engine.send_notif(peer.agent, encode_notification(Done(request_id="early")))
+    run_until([prefill, decode], lambda: prefill.worker.metrics.notifications_received >= 1, "Done")
+    assert prefill.worker.readers_done("early") is None
+    spec = SendSpec(request_id="early", block_ids=((1, 2),), first_block=(0,), lease_s=30.0)
+    prefill.worker.bind_connector_metadata(ConnectorMetadata(reqs_to_send=(spec,)))
+    prefill.worker.start_load_kv()
+    assert "early" in prefill.worker.get_finished().finished_sending
+    assert prefill.worker.metrics.bad_notifications == 0

@@ -195,3 +195,54 @@ def test_plan_str_names_the_head_slice():
     local = make_side("d", 16, _fmt("NHD", True), "F", 8, rank=1, tp_size=2, total_kv_heads=4)
     text = str(negotiate(local.layout, remote.layout))
     assert "[heads 0..1 <- remote heads 2..3]" in text
+
+
+def _packed(heads_major: bool = True) -> CacheFormat:
+    return CacheFormat(
+        layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec", packed_heads_major=heads_major
+    )
+
+
+@pytest.mark.parametrize(
+    ("b_local", "b_remote", "repack", "split"), [(32, 32, 0, 0), (64, 32, 32, 0), (32, 64, 0, 64)]
+)
+def test_heads_major_packed_pages_move_a_head_slice_per_page(b_local, b_remote, repack, split):
+    """vLLM CPU pages keep each head in one run: decode rank 1 of 2 reads the second half
+    of every prefill page (one descriptor per page and layer), merged or staged as usual."""
+    remote = make_side("p", b_remote, _packed(), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
+    local = make_side("d", b_local, _packed(), "F", 8, rank=1, tp_size=2, total_kv_heads=4)
+    plan = negotiate(local.layout, remote.layout, can_repack=True)
+    g = plan.groups[0]
+    page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
+    assert (g.repack_from, g.split_from, g.head_slice) == (repack, split, (0, 2, 2))
+    assert g.descriptors_per_chunk == 2  # one per layer
+    for s in g.streams:
+        assert (s.remote_offsets, s.length) == ((page // 2,), page // 2)
+    if split:
+        assert g.staging_bytes == 2 * (page // 2)  # slots hold local-heads pages
+
+
+def test_packed_pages_from_two_prefill_ranks_land_in_one_decode_page():
+    """Decode TP 1 reads heads 0..1 from prefill rank 0 and 2..3 from rank 1."""
+    local = make_side("d", 64, _packed(), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
+    for r in (0, 1):
+        remote = make_side("p", 32, _packed(), "F", 8, rank=r, tp_size=2, total_kv_heads=4)
+        g = negotiate(local.layout, remote.layout, can_repack=True).groups[0]
+        page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
+        assert g.head_slice == (2 * r, 0, 2)
+        assert g.streams[0].local_offsets == (r * page,)  # heads 2r.. of the local sub-page
+        assert g.local_offsets(g.streams[0]).tolist() == [r * page, 2 * page + r * page]
+
+
+def test_packed_pages_staged_from_several_prefill_ranks_are_refused_by_name():
+    local = make_side("d", 32, _packed(), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
+    remote = make_side("p", 64, _packed(), "F", 8, rank=0, tp_size=2, total_kv_heads=4)
+    with pytest.raises(IncompatiblePeerError, match="several prefill ranks"):
+        negotiate(local.layout, remote.layout, can_repack=True)
+
+
+def test_packed_pages_without_head_runs_are_refused_across_tp_sizes():
+    local = make_side("d", 32, _packed(False), "F", 8, rank=0, tp_size=2, total_kv_heads=4)
+    remote = make_side("p", 32, _packed(False), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
+    with pytest.raises(IncompatiblePeerError, match="heads are not contiguous runs"):
+        negotiate(local.layout, remote.layout, can_repack=True)

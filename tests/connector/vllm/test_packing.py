@@ -166,3 +166,14 @@ def test_split_refuses_pages_of_another_size():
     pages = [torch.zeros(1, 100, dtype=torch.uint8)]
     with pytest.raises(KVBridgeError, match=r"64-token pages of 100 B do not match"):
         repacker.split(0, pages, 64, np.zeros((1, 64), dtype=np.int64))
+
+
+def test_cpu_attention_pages_keep_each_head_in_one_run():
+    """What lets a tensor-parallel decode rank read its heads as one byte range."""
+    from connector.vllm.worker_side import heads_major
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
+    config = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
+    )
+    assert heads_major(config) is (_isa_name() == "vec")
