@@ -3,6 +3,8 @@
 One set of servers serves the whole module (starting vLLM costs a minute or more):
 
     L32a L32b L128a L128b   tiny-llama, block sizes 32 and 128, kv_both, policy recompute
+    T32                     tiny-llama at tensor-parallel size 2 (one core per rank), block 32,
+                            kv_consumer (a kv_both TP-2 server fails its handshakes, see README)
     G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
@@ -80,13 +82,16 @@ class Cluster:
         return first.kv_transfer_params
 
 
-def _spec(name: str, model: Path, block_size: int, policy: str) -> ServerSpec:
+def _spec(
+    name: str, model: Path, block_size: int, policy: str, tp: int = 1, role: str = "both"
+) -> ServerSpec:
     return ServerSpec(
         name,
         model,
         block_size=block_size,
+        tensor_parallel_size=tp,
         connector="kvbridge",
-        role="both",
+        role=role,
         kv_extra=dict(LEASE),
         failure_policy=policy,
         max_model_len=2048,
@@ -105,6 +110,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L128b", llama, 128, "recompute"),
         _spec("G32a", gemma, 32, "fail"),
         _spec("G32b", gemma, 32, "fail"),
+        _spec("T32", llama, 32, "recompute", tp=2, role="decode"),
     ]
     servers = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
     try:
@@ -112,7 +118,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
-        yield Cluster(servers, {"L": llama.name, "G": gemma.name})
+        yield Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
     finally:
         stop_all(list(servers.values()))
 
@@ -205,6 +211,25 @@ def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(clu
     assert _delta(before, after, "bytes_read") == (end - 256) * BYTES_PER_TOKEN  # pages 2..
     assert _delta(before, after, "receiver_rewrites") == (end - 288) // 32
     _assert_same(cluster.run("L128b", prompt), got)
+
+
+def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
+    """Real weights on disk, so TP 2 serves the same model as TP 1: tokens match a TP-1
+    server. Each decode rank reads its head of every 128-token prefill page into its
+    staging slots and splits it into its 32-token blocks; the ranks' bytes add up to the
+    prompt's KV once. (TP 2 -> 1 runs in scripts/run_vllm_pd.sh, see the README.)"""
+    prefill, decode, reference = "L128a", "T32", "L32a"
+    prompts = make_prompts(2, 300, seed=6001)
+    before = cluster.metrics(decode)
+    got = [cluster.pd(prefill, decode, p) for p in prompts]
+    after = cluster.metrics(decode)
+    moved = _deltas(before, after)
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    assert _delta(before, after, "loads_recomputed") == 0, moved
+    want = sum((len(p) - 1) // 128 * 128 for p in prompts) * BYTES_PER_TOKEN
+    assert _delta(before, after, "bytes_read") == want, moved
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run(reference, p), g)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("G32a", "G32b"), ("G32b", "G32a")])
