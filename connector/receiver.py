@@ -21,12 +21,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
-import torch
 
 from connector.errors import TransferError
 from connector.metadata import LoadFailure, LoadSpec
@@ -34,33 +32,14 @@ from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.routing import Route, Router
-from connector.staging import StagingPool, StagingPools
+from connector.staged_reads import Repacker, StageBatch, Staged, StagedReads
+from connector.staging import StagingPools
 from connector.transport import TransferEngine, XferHandle, XferState
 from handshake.plan_model import GroupPlan
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 from layouts.specs import KVCacheKind, SlidingWindowSpec
 from layouts.transforms import rewrite_group
-
-
-class Repacker(Protocol):
-    """The engine's way back to its own page order after a load of whole remote pages
-    (engine-packed formats, ``CacheFormat.block_packing``; see handshake.packed_plan)."""
-
-    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
-        """Local blocks ``block_ids`` each hold whole, smaller remote pages side by side."""
-
-    def split(
-        self,
-        group_id: int,
-        pages: Sequence[torch.Tensor],
-        remote_block_size: int,
-        slots: np.ndarray,
-    ) -> None:
-        """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
-        ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
-        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``."""
-
 
 logger = logging.getLogger(__name__)
 
@@ -73,28 +52,6 @@ class LoadState(enum.Enum):
     PREPARING = "preparing"
     READING = "reading"
     DONE = "done"
-
-
-@dataclass
-class Staged:
-    """Remote pages of one group that go through staging slots."""
-
-    group: GroupPlan
-    remote_blocks: np.ndarray  # remote logical blocks not staged yet
-    lo: int  # tokens [lo, end) are written to local blocks
-    end: int
-    local_ids: np.ndarray  # local block ids by logical block
-    remote_ids: np.ndarray  # remote block ids by logical block - remote_first
-    remote_first: int
-
-
-@dataclass
-class StageBatch:
-    staged: Staged
-    remote_blocks: np.ndarray
-    pool: StagingPool
-    slots: np.ndarray
-    handles: list[XferHandle] = field(default_factory=list)
 
 
 @dataclass
@@ -142,7 +99,13 @@ class Receiver:
     ) -> None:
         self._engine = engine
         self._repacker = repacker
-        self._staging = StagingPools(engine, staging_bytes, device=buffers.device)
+        self._staged = StagedReads(
+            engine,
+            StagingPools(engine, staging_bytes, device=buffers.device),
+            buffers,
+            metrics,
+            repacker,
+        )
         self._peers = peers
         self._buffers = buffers
         self._metrics = metrics
@@ -396,69 +359,22 @@ class Receiver:
         self._done.add(load.spec.request_id)
 
     def _stage_next(self, load: Load, src: Source) -> None:
-        """Post the next staging round of ``load``: as many remote pages as slots are free
-        (none free: wait for another load's round to finish)."""
-        staged = src.staged[0]
-        g = staged.group
         peer = self._peers.get(src.key)
         if peer is None or peer.state is not PeerState.READY:
             raise KVBridgeError(f"peer {src.key} went away before the read")
-        pool = self._staging.pool(g.staging_bytes)
-        slots = pool.lease(int(staged.remote_blocks.size))
-        if slots.size == 0:
-            return
-        blocks, staged.remote_blocks = (
-            staged.remote_blocks[: slots.size],
-            staged.remote_blocks[slots.size :],
-        )
-        if staged.remote_blocks.size == 0:
-            src.staged.pop(0)
-        batch = StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
-        src.batch = batch
-        rrows = staged.remote_ids[blocks - staged.remote_first]
-        offset = 0
-        for i, stream in enumerate(g.streams):
-            local = pool.local_list(offset + stream.local_offsets[0], stream.length)
-            remote = peer.remote_lists[(g.group_id, i)]
-            batch.handles.append(self._engine.read(local, slots, remote, rrows))
-            load.num_bytes += int(slots.size) * stream.length
-            self._metrics.descriptors_posted += int(slots.size)
-            offset += stream.local_chunk_bytes
+        src.batch, num_bytes = self._staged.post_round(src.staged, peer)
+        load.num_bytes += num_bytes
 
     def _split(self, load: Load, src: Source, batch: StageBatch) -> None:
-        """A staging round arrived: the engine writes its tokens into local blocks."""
-        for h in batch.handles:
-            self._engine.release(h)
-        batch.handles.clear()
-        staged, g = batch.staged, batch.staged.group
-        local_bs = self._buffers.config.groups[g.group_id].spec.block_size
-        tokens = batch.remote_blocks[:, None] * g.split_from + np.arange(g.split_from)
-        wanted = (tokens >= staged.lo) & (tokens < staged.end)
-        logical = np.where(wanted, tokens // local_bs, 0)
-        if logical.max() >= staged.local_ids.size:
-            raise KVBridgeError(
-                f"group {g.group_id}: token {int(tokens[wanted].max())} has no local block "
-                f"({staged.local_ids.size} given)"
-            )
-        slots = np.where(wanted, staged.local_ids[logical] * local_bs + tokens % local_bs, -1)
-        pages, offset = [], 0
-        for stream in g.streams:
-            pages.append(batch.pool.pages(batch.slots, offset, stream.local_chunk_bytes))
-            offset += stream.local_chunk_bytes
-        batch.pool.give_back(batch.slots)
         src.batch = None
-        assert self._repacker is not None  # negotiation needs one for split plans
-        self._repacker.split(g.group_id, pages, g.split_from, slots)
-        self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
+        self._staged.split(batch)
 
     def _release_source(self, src: Source) -> None:
         for h in src.handles:
             self._engine.release(h)
         src.handles.clear()
         if src.batch is not None:  # releasing in-flight reads cancels them
-            for h in src.batch.handles:
-                self._engine.release(h)
-            src.batch.pool.give_back(src.batch.slots)
+            self._staged.cancel(src.batch)
             src.batch = None
         src.staged.clear()
 
@@ -492,7 +408,7 @@ class Receiver:
     def close(self) -> None:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
-        self._staging.close()
+        self._staged.close()
 
 
 def _failure(spec: LoadSpec, reason: str) -> LoadFailure:

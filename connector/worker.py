@@ -31,9 +31,10 @@ from connector.notifications import (
 )
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
-from connector.receiver import Receiver, Repacker
+from connector.receiver import Receiver
 from connector.routing import Route, Router
 from connector.sender import Sender
+from connector.staged_reads import Repacker
 from connector.staging import staging_capacity
 from connector.transport import TransferEngine
 from handshake.affinity import unpinned

@@ -84,7 +84,7 @@ def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int
 
 class CpuAttnRepacker:
     """Rebuilds vLLM CPU attention pages from whole remote pages, layer by layer
-    (:class:`connector.receiver.Repacker`)."""
+    (:class:`connector.staged_reads.Repacker`)."""
 
     def __init__(self, kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> None:
         self._layers = {g.group_id: g.layer_names for g in kv_config.groups}

@@ -18,8 +18,8 @@ import torch
 from connector.api import SchedulerEvents
 from connector.config import KVTransferConfig
 from connector.params import KVTransferParams
-from connector.receiver import Repacker
 from connector.scheduler import KVBridgeScheduler
+from connector.staged_reads import Repacker
 from connector.worker import KVBridgeWorker, ModelInfo
 from examples.block_pool import BlockPool
 from layouts.allocation import CacheFormat, KVCacheBuffers

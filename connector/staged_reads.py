@@ -1,0 +1,146 @@
+"""Reads through staging slots: engine-packed remote pages larger than the local blocks.
+
+Such a page (``GroupPlan.split_from``) cannot be cut into local blocks by byte ranges, so
+it is read whole (or its slice of the heads) into a staging slot (``connector.staging``);
+the engine then writes the tokens a load needs into its blocks (:meth:`Repacker.split`)
+and the slot goes back. A load moves in rounds of as many slots as are free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from connector.metrics import ConnectorMetrics
+from connector.peers import Peer
+from connector.staging import StagingPool, StagingPools
+from connector.transport import TransferEngine, XferHandle
+from handshake.plan_model import GroupPlan
+from layouts.allocation import KVCacheBuffers
+from layouts.errors import KVBridgeError
+
+
+class Repacker(Protocol):
+    """The engine's way back to its own page order after a load of whole remote pages
+    (engine-packed formats, ``CacheFormat.block_packing``; see handshake.packed_plan)."""
+
+    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+        """Local blocks ``block_ids`` each hold whole, smaller remote pages side by side."""
+
+    def split(
+        self,
+        group_id: int,
+        pages: Sequence[torch.Tensor],
+        remote_block_size: int,
+        slots: np.ndarray,
+    ) -> None:
+        """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
+        ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
+        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``."""
+
+
+@dataclass
+class Staged:
+    """Remote pages of one group that go through staging slots."""
+
+    group: GroupPlan
+    remote_blocks: np.ndarray  # remote logical blocks not staged yet
+    lo: int  # tokens [lo, end) are written to local blocks
+    end: int
+    local_ids: np.ndarray  # local block ids by logical block
+    remote_ids: np.ndarray  # remote block ids by logical block - remote_first
+    remote_first: int
+
+
+@dataclass
+class StageBatch:
+    staged: Staged
+    remote_blocks: np.ndarray
+    pool: StagingPool
+    slots: np.ndarray
+    handles: list[XferHandle] = field(default_factory=list)
+
+
+class StagedReads:
+    """Posts staging rounds and hands arrived pages to the engine's repacker."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        pools: StagingPools,
+        buffers: KVCacheBuffers,
+        metrics: ConnectorMetrics,
+        repacker: Repacker | None,
+    ) -> None:
+        self._engine = engine
+        self._pools = pools
+        self._buffers = buffers
+        self._metrics = metrics
+        self._repacker = repacker
+
+    def post_round(self, queue: list[Staged], peer: Peer) -> tuple[StageBatch | None, int]:
+        """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
+        free: None, wait for another load's round). Returns the round and its bytes."""
+        staged = queue[0]
+        g = staged.group
+        pool = self._pools.pool(g.staging_bytes)
+        slots = pool.lease(int(staged.remote_blocks.size))
+        if slots.size == 0:
+            return None, 0
+        blocks, staged.remote_blocks = (
+            staged.remote_blocks[: slots.size],
+            staged.remote_blocks[slots.size :],
+        )
+        if staged.remote_blocks.size == 0:
+            queue.pop(0)
+        batch = StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
+        rrows = staged.remote_ids[blocks - staged.remote_first]
+        offset = num_bytes = 0
+        for i, stream in enumerate(g.streams):
+            local = pool.local_list(offset + stream.local_offsets[0], stream.length)
+            remote = peer.remote_lists[(g.group_id, i)]
+            batch.handles.append(self._engine.read(local, slots, remote, rrows))
+            num_bytes += int(slots.size) * stream.length
+            self._metrics.descriptors_posted += int(slots.size)
+            offset += stream.local_chunk_bytes
+        return batch, num_bytes
+
+    def split(self, batch: StageBatch) -> None:
+        """A round arrived: the engine writes its tokens into local blocks; slots return."""
+        for h in batch.handles:
+            self._engine.release(h)
+        batch.handles.clear()
+        staged, g = batch.staged, batch.staged.group
+        local_bs = self._buffers.config.groups[g.group_id].spec.block_size
+        tokens = batch.remote_blocks[:, None] * g.split_from + np.arange(g.split_from)
+        wanted = (tokens >= staged.lo) & (tokens < staged.end)
+        logical = np.where(wanted, tokens // local_bs, 0)
+        if logical.max() >= staged.local_ids.size:
+            batch.pool.give_back(batch.slots)
+            raise KVBridgeError(
+                f"group {g.group_id}: token {int(tokens[wanted].max())} has no local block "
+                f"({staged.local_ids.size} given)"
+            )
+        slots = np.where(wanted, staged.local_ids[logical] * local_bs + tokens % local_bs, -1)
+        pages, offset = [], 0
+        for stream in g.streams:
+            pages.append(batch.pool.pages(batch.slots, offset, stream.local_chunk_bytes))
+            offset += stream.local_chunk_bytes
+        batch.pool.give_back(batch.slots)
+        assert self._repacker is not None  # negotiation needs one for split plans
+        self._repacker.split(g.group_id, pages, g.split_from, slots)
+        self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
+
+    def cancel(self, batch: StageBatch) -> None:
+        """Release a round's reads (cancelling them) and its slots."""
+        for h in batch.handles:
+            self._engine.release(h)
+        batch.handles.clear()
+        batch.pool.give_back(batch.slots)
+
+    def close(self) -> None:
+        self._pools.close()
