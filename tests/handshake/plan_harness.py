@@ -18,12 +18,13 @@ from handshake.plan_model import TransferPlan
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.descriptors import block_descriptors
 from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
+from layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, StateSpec
 from layouts.transforms import rewrite_group
 
 
 def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCacheGroup]:
-    """kinds: 'F' full, 'S' sliding window, 'M' state; two layers per group."""
+    """kinds: 'F' full, 'S' sliding window, 'M' state, 'L' MLA latent (one head, replicated
+    on every tensor-parallel rank); two layers per group."""
     groups = []
     for i, k in enumerate(kinds):
         common = {
@@ -37,6 +38,8 @@ def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCa
             spec = FullAttentionSpec(**common)
         elif k == "S":
             spec = SlidingWindowSpec(sliding_window=24, **common)
+        elif k == "L":
+            spec = MLASpec(**{**common, "num_kv_heads": 1, "head_size": 8})
         else:
             spec = StateSpec(
                 block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)

@@ -246,3 +246,16 @@ def test_packed_pages_without_head_runs_are_refused_across_tp_sizes():
     remote = make_side("p", 32, _packed(False), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
     with pytest.raises(IncompatiblePeerError, match="heads are not contiguous runs"):
         negotiate(local.layout, remote.layout, can_repack=True)
+
+
+@pytest.mark.parametrize(("local_tp", "remote_tp"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_mla_latent_is_read_once_per_decode_rank_from_one_prefill_rank(local_tp, remote_tp):
+    """The latent cache is the same on every rank: each decode rank reads all of it from one
+    prefill rank (spread over ranks), with the plain plan; the others are told to free."""
+    fmt_l, fmt_r = _fmt("HND", False, kb=8), _fmt("NHD", True)
+    for d in range(local_tp):
+        (s,) = tp.sources(d, local_tp, remote_tp, 1)
+        assert s.remote_rank == d % remote_tp and s.num_heads == 1
+    _transfer(local_tp, remote_tp, 1, f_local=fmt_l, f_remote=fmt_r, kinds="L", b_remote=32)
+    told = {r for d in range(local_tp) for r in tp.notified_by(d, local_tp, remote_tp, 1)}
+    assert told == set(range(remote_tp))  # every prefill rank hears from some decode rank
