@@ -7,9 +7,11 @@ or per (layer, part).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from handshake.description import PeerLayout
-from handshake.plan_model import Granularity, PieceStream
-from layouts.arrangement import UnitGeometry
+from handshake.plan_model import Granularity, PieceStream, Rewrite
+from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVPacking
@@ -109,3 +111,46 @@ def group_streams(
             )
         )
     return tuple(streams)
+
+
+def wire_chunk(lspec: AttentionSpec, rspec: AttentionSpec) -> tuple[int, int, int]:
+    """``(u, r_local, r_remote)``: the wire chunk is the smaller block; each block holds
+    ``r`` chunks. Block sizes must be multiples of each other."""
+    b_local, b_remote = lspec.block_size, rspec.block_size
+    if max(b_local, b_remote) % min(b_local, b_remote):
+        raise LayoutError(
+            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
+        )
+    u = min(b_local, b_remote)
+    return u, b_local // u, b_remote // u
+
+
+def rewrites(
+    local: PeerLayout,
+    remote: PeerLayout,
+    lg: KVCacheGroup,
+    rg: KVCacheGroup,
+    wire: BlockArrangement,
+    r_local: int,
+    r_remote: int,
+) -> tuple[Rewrite | None, Rewrite | None]:
+    """The sender's rewrite after save (native -> ``r_remote`` wire chunks) and the
+    receiver's after load (``r_local`` wire chunks -> native), each None where the bytes
+    already agree."""
+    lspec, rspec = lg.spec, rg.spec
+    assert isinstance(lspec, AttentionSpec) and isinstance(rspec, AttentionSpec)
+    sender_dst = replace(wire, num_chunks=r_remote)
+    receiver_src = replace(wire, num_chunks=r_local)
+    r_native = remote.format.native_arrangement(rspec.block_size)
+    l_native = local.format.native_arrangement(lspec.block_size)
+    sender = None
+    if not all(
+        same_bytes(geo, r_native, sender_dst) for geo in geometries(remote, rg.group_id, rspec)
+    ):
+        sender = Rewrite(src=r_native, dst=sender_dst)
+    receiver = None
+    if not all(
+        same_bytes(geo, receiver_src, l_native) for geo in geometries(local, lg.group_id, lspec)
+    ):
+        receiver = Rewrite(src=receiver_src, dst=l_native)
+    return sender, receiver

@@ -36,16 +36,22 @@ from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
 from handshake.native_read import native_stream
 from handshake.packed_plan import check_block_packing, packed_plan
-from handshake.pieces import geometries, granularity, group_streams, pieces
+from handshake.pieces import (
+    geometries,
+    granularity,
+    group_streams,
+    pieces,
+    rewrites,
+    wire_chunk,
+)
 from handshake.plan_model import (
     Granularity,
     GroupPlan,
     PieceStream,
-    Rewrite,
     TransferPlan,
 )
 from handshake.tp_plan import head_slice, tp_attention_plan
-from layouts.arrangement import BlockArrangement, same_bytes
+from layouts.arrangement import BlockArrangement
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.specs import AttentionSpec, StateSpec
@@ -129,43 +135,15 @@ def _attention_plan(
 ) -> GroupPlan:
     lspec, rspec = lg.spec, rg.spec
     assert isinstance(lspec, AttentionSpec) and isinstance(rspec, AttentionSpec)
-    b_local, b_remote = lspec.block_size, rspec.block_size
-    if max(b_local, b_remote) % min(b_local, b_remote):
-        raise LayoutError(
-            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
-        )
-    u = min(b_local, b_remote)
-    kb_local = local.format.kernel_block_size_for(b_local)
+    u, r_local, r_remote = wire_chunk(lspec, rspec)
+    kb_local = local.format.kernel_block_size_for(lspec.block_size)
     grain = min(granularity(local, lspec), granularity(remote, rspec))
-    parts_outer = grain is Granularity.PART
     wire = BlockArrangement(
         layout=local.format.layout,
         sub_blocks_per_chunk=u // kb_local if u % kb_local == 0 else 1,
-        parts_outer=parts_outer,
+        parts_outer=grain is Granularity.PART,
     )
-    r_local, r_remote = b_local // u, b_remote // u
-
-    def on_side(c: int) -> BlockArrangement:
-        return BlockArrangement(
-            layout=wire.layout,
-            num_chunks=c,
-            sub_blocks_per_chunk=wire.sub_blocks_per_chunk,
-            parts_outer=wire.parts_outer,
-        )
-
-    sender_dst, receiver_src = on_side(r_remote), on_side(r_local)
-    r_native = remote.format.native_arrangement(b_remote)
-    l_native = local.format.native_arrangement(b_local)
-    sender = None
-    if not all(
-        same_bytes(geo, r_native, sender_dst) for geo in geometries(remote, rg.group_id, rspec)
-    ):
-        sender = Rewrite(src=r_native, dst=sender_dst)
-    receiver = None
-    if not all(
-        same_bytes(geo, receiver_src, l_native) for geo in geometries(local, lg.group_id, lspec)
-    ):
-        receiver = Rewrite(src=receiver_src, dst=l_native)
+    sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
     streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
     native_read = sender is not None and not remote.rewrites_in_place
     if native_read:

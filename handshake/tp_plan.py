@@ -21,9 +21,9 @@ from __future__ import annotations
 from handshake import tp
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from handshake.pieces import PieceMap, geometries, granularity, group_streams, pieces
-from handshake.plan_model import Granularity, GroupPlan, Rewrite
-from layouts.arrangement import BlockArrangement, HeadOrder, same_bytes
+from handshake.pieces import PieceMap, granularity, group_streams, pieces, rewrites, wire_chunk
+from handshake.plan_model import Granularity, GroupPlan
+from layouts.arrangement import BlockArrangement, HeadOrder
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVLayout
@@ -96,40 +96,18 @@ def tp_attention_plan(
             f"KV heads at TP {local.identity.tp_size} / {remote.identity.tp_size} give "
             f"{lh.count} and {rh.count}"
         )
-    b_local, b_remote = lspec.block_size, rspec.block_size
-    if max(b_local, b_remote) % min(b_local, b_remote):
-        raise LayoutError(
-            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
-        )
-    u = min(b_local, b_remote)
-    r_local, r_remote = b_local // u, b_remote // u
+    u, r_local, r_remote = wire_chunk(lspec, rspec)
     grain = min(granularity(local, lspec), granularity(remote, rspec))
-    heads = {
-        Granularity.GROUP: HeadOrder.IN_CHUNK,
-        Granularity.LAYER: HeadOrder.IN_LAYER,
-        Granularity.PART: HeadOrder.INNER,  # HND with K and V apart: [part][head][t, D]
-    }[grain]
-
-    def on_side(chunks: int) -> BlockArrangement:
-        return BlockArrangement(
-            layout=KVLayout.HND,
-            num_chunks=chunks,
-            parts_outer=grain is Granularity.PART,
-            heads=heads,
-        )
-
-    r_native = remote.format.native_arrangement(b_remote)
-    l_native = local.format.native_arrangement(b_local)
-    sender = None
-    if not all(
-        same_bytes(g, r_native, on_side(r_remote)) for g in geometries(remote, rg.group_id, rspec)
-    ):
-        sender = Rewrite(src=r_native, dst=on_side(r_remote))
-    receiver = None
-    if not all(
-        same_bytes(g, on_side(r_local), l_native) for g in geometries(local, lg.group_id, lspec)
-    ):
-        receiver = Rewrite(src=on_side(r_local), dst=l_native)
+    wire = BlockArrangement(
+        layout=KVLayout.HND,
+        parts_outer=grain is Granularity.PART,
+        heads={
+            Granularity.GROUP: HeadOrder.IN_CHUNK,
+            Granularity.LAYER: HeadOrder.IN_LAYER,
+            Granularity.PART: HeadOrder.INNER,  # HND with K and V apart: [part][head][t, D]
+        }[grain],
+    )
+    sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
     if sender is not None and not remote.rewrites_in_place:
         raise LayoutError(
             f"group {lg.group_id}: reading a slice of the heads needs the sender to rewrite "
