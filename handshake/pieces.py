@@ -7,6 +7,7 @@ or per (layer, part).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from handshake.description import PeerLayout
@@ -114,14 +115,15 @@ def group_streams(
 
 
 def wire_chunk(lspec: AttentionSpec, rspec: AttentionSpec) -> tuple[int, int, int]:
-    """``(u, r_local, r_remote)``: the wire chunk is the smaller block; each block holds
-    ``r`` chunks. Block sizes must be multiples of each other."""
+    """``(u, r_local, r_remote)``: the wire chunk is ``u = gcd`` of the two block sizes
+    (the smaller block when one divides the other); each block holds ``r`` chunks, so a
+    chunk never straddles a block on either side::
+
+        remote 80:  [ 16 | 16 | 16 | 16 | 16 ][ 16 | 16 | ...        r_remote = 5
+        local  32:  [ 16 | 16 ][ 16 | 16 ][ 16 | 16 ][ ...           r_local  = 2
+    """
     b_local, b_remote = lspec.block_size, rspec.block_size
-    if max(b_local, b_remote) % min(b_local, b_remote):
-        raise LayoutError(
-            f"block sizes {b_remote} (remote) and {b_local} (local) are not multiples of each other"
-        )
-    u = min(b_local, b_remote)
+    u = math.gcd(b_local, b_remote)
     return u, b_local // u, b_remote // u
 
 

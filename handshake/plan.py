@@ -3,8 +3,9 @@
 The local side is the reader (decode), the remote side the sender (prefill). Per KV-cache
 group the plan fixes:
 
-* the *wire chunk*: ``u = min(remote block, local block)`` tokens, laid out like the
-  reader wants (its layout, its kernel sub-blocks where they fit in ``u``);
+* the *wire chunk*: ``u = gcd(remote block, local block)`` tokens (the smaller block
+  when one divides the other; 16 for 80 and 32), laid out like the reader wants (its
+  layout, its kernel sub-blocks where they fit in ``u``);
 * the sender transform (after save): rewrite each of its blocks as ``B_remote / u``
   wire chunks, unless its native bytes already are that;
 * the receiver transform (after load): when a local block holds several wire chunks

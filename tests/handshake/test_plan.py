@@ -221,13 +221,6 @@ def test_a_tp_size_that_does_not_match_the_cache_heads_is_refused_by_name():
         negotiate(local.layout, other)
 
 
-def test_non_multiple_block_sizes_are_refused():
-    remote = make_side("p", 48, _fmt("NHD", False), "F", 8)
-    local = make_side("d", 32, _fmt("NHD", False), "F", 8)
-    with pytest.raises(IncompatiblePeerError, match="not multiples"):
-        negotiate(local.layout, remote.layout)
-
-
 def test_state_group_moves_state_bytes_per_layer():
     remote = make_side("p", 16, _fmt("NHD", True), "FM", 8)
     local = make_side("d", 64, _fmt("HND", False), "FM", 8)
