@@ -121,7 +121,7 @@ def test_descriptor_count_stays_within_a_small_factor_of_equal_sizes():
     """Per request of ~2048 tokens, cross-layer both sides: one descriptor per wire chunk."""
     counts = {}
     for b_remote, b_local in [(64, 64), (80, 32), (96, 64), (528, 64), (48, 32)]:
-        plan, moved = _load(b_remote, _fmt("NHD", True), b_local, _fmt("NHD", True), 0, 2047)
+        _, moved = _load(b_remote, _fmt("NHD", True), b_local, _fmt("NHD", True), 0, 2047)
         counts[(b_remote, b_local)] = moved
     same = counts[(64, 64)]
     assert same == 32
