@@ -26,8 +26,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # per group
     remote_first_block: list[int] = msgspec.field(default_factory=list)  # logical index of [0]
     remote_block_size: int = 0
-    num_tokens: int = 0  # tokens whose KV the remote side holds
+    num_tokens: int = 0  # prompt tokens prefill computed
     remote_request_id: str = ""
+    # the resume point: prefill kept the KV of tokens [0, resume_tokens) and, for state
+    # groups, the state after exactly resume_tokens tokens (see connector.retention)
+    resume_tokens: int = 0
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -86,4 +89,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ParamsError(
                 f"remote_block_size={self.remote_block_size} and num_tokens={self.num_tokens} "
                 f"must be positive"
+            )
+        if not 0 <= self.resume_tokens <= self.num_tokens:
+            raise ParamsError(
+                f"resume_tokens={self.resume_tokens} must lie in [0, num_tokens="
+                f"{self.num_tokens}]"
             )

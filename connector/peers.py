@@ -6,7 +6,13 @@ happens later on the worker's own thread in :meth:`PeerDirectory.poll`, because 
 agents are not thread-safe::
 
     ensure(key) --(pool thread)--> HandshakeClient.get --> queue
-    poll()  <-- step thread: add_peer, negotiate, prep remote lists --> Peer READY / FAILED
+    poll()  <-- step thread: add_peer, negotiate, prep remote lists
+                --> Peer READY / INCOMPATIBLE / FAILED
+
+An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bridged):
+its agent is kept for notifications only, so loads against it fail at once *and* tell it
+to free the request's blocks (``Done(ok=False)``) instead of leaving them to the lease.
+The next load to it handshakes again (the peer may have been reconfigured).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from handshake.affinity import unpin_current_thread
 from handshake.client import HandshakeClient
 from handshake.compat import check_compatible
 from handshake.description import PeerLayout, parse_description
+from handshake.errors import IncompatiblePeerError
 from handshake.messages import WorkerDescription
 from handshake.plan import negotiate
 from handshake.plan_model import GroupPlan, PieceStream, TransferPlan
@@ -39,6 +46,7 @@ PeerKey = tuple[str, int]  # (engine id, rank)
 class PeerState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
+    INCOMPATIBLE = "incompatible"  # reachable, notifications only; reason says why
     FAILED = "failed"
 
 
@@ -87,9 +95,13 @@ class PeerDirectory:
     def get(self, key: PeerKey) -> Peer | None:
         return self._peers.get(key)
 
-    def ensure(self, key: PeerKey, host: str, port: int) -> Peer:
-        """The peer, starting its handshake in the background if it is new (or failed)."""
+    def ensure(self, key: PeerKey, host: str, port: int, *, for_read: bool = False) -> Peer:
+        """The peer, starting its handshake in the background if it is new or failed (or,
+        ``for_read``, incompatible last time: it may have been reconfigured since)."""
         peer = self._peers.get(key)
+        if peer is not None and for_read and peer.state is PeerState.INCOMPATIBLE:
+            self.drop(key, "handshaking again")
+            peer = None
         if peer is not None and peer.state is not PeerState.FAILED:
             return peer
         peer = Peer(key=key, host=host, port=port)
@@ -124,17 +136,21 @@ class PeerDirectory:
 
     def _connect(self, peer: Peer, desc: WorkerDescription) -> None:
         try:
-            check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
-            layout = parse_description(desc)
-            if not reads_from(self._local, layout):
-                # a prefill rank this decode rank only tells Done (an unread replica)
-                peer.agent = self._engine.add_peer(desc.nixl_metadata)
-                peer.description, peer.layout = desc, layout
-                peer.state = PeerState.READY
-                self.handshakes += 1
-                logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
+            try:
+                check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
+                layout = parse_description(desc)
+                if not reads_from(self._local, layout):
+                    # a prefill rank this decode rank only tells Done (an unread replica)
+                    peer.agent = self._engine.add_peer(desc.nixl_metadata)
+                    peer.description, peer.layout = desc, layout
+                    peer.state = PeerState.READY
+                    self.handshakes += 1
+                    logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
+                    return
+                plan = negotiate(self._local, layout, can_repack=self._can_repack)
+            except IncompatiblePeerError as exc:
+                self._incompatible(peer, desc, str(exc))
                 return
-            plan = negotiate(self._local, layout, can_repack=self._can_repack)
             agent = self._engine.add_peer(desc.nixl_metadata)
             peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
             for g in plan.groups:
@@ -154,6 +170,13 @@ class PeerDirectory:
             logger.info("peer %s ready:\n%s", peer.key, plan)
         except KVBridgeError as exc:
             self._fail(peer, str(exc))
+
+    def _incompatible(self, peer: Peer, desc: WorkerDescription, reason: str) -> None:
+        peer.agent = self._engine.add_peer(desc.nixl_metadata)
+        peer.description = desc
+        peer.state, peer.reason = PeerState.INCOMPATIBLE, reason
+        self.failures += 1
+        logger.warning("peer %s cannot be read from (notifications only): %s", peer.key, reason)
 
     def _fail(self, peer: Peer, reason: str) -> None:
         peer.state, peer.reason = PeerState.FAILED, reason

@@ -135,7 +135,7 @@ class Receiver:
             self._metrics.transfer_failures += 1
             return
         for key in route.reads:
-            self._peers.ensure(key, *route.endpoints[key])
+            self._peers.ensure(key, *route.endpoints[key], for_read=True)
         self._loads[spec.request_id] = Load(
             spec=spec,
             route=route,
@@ -177,8 +177,10 @@ class Receiver:
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
         for peer in self._peers.poll():
-            if peer.state is not PeerState.FAILED:
+            if peer.state is PeerState.READY:
                 continue
+            # FAILED: unreachable, it frees by lease. INCOMPATIBLE: told Done(ok=False) at
+            # once, so it frees the request's blocks now
             for load in [ld for ld in self._loads.values() if ld.source(peer.key)]:
                 self._finish_failed(load, peer.reason)
         now = self._clock()
@@ -254,19 +256,21 @@ class Receiver:
         rfirst = params.remote_first_block[g.group_id] if params.remote_first_block else 0
         start, end = spec.start_token, spec.end_token
         if g.kind is KVCacheKind.STATE:
+            # prefill sends one block: the state after ``end`` tokens (its resume point);
+            # it lands in the block of token end - 1 (examples/state_layer.py's contract)
             if end <= start:
                 return
             local_bs = self._buffers.config.groups[g.group_id].spec.block_size
-            lblock, rblock = end // local_bs - 1, end // params.remote_block_size - 1
-            if not 0 <= rblock - rfirst < rids.size or not 0 <= lblock < lids.size:
+            lblock = (end - 1) // local_bs
+            if rids.size != 1 or not 0 <= lblock < lids.size:
                 raise KVBridgeError(
-                    f"state for token {end} needs remote block {rblock} (have "
-                    f"{rfirst}..{rfirst + rids.size - 1}) and local block {lblock}"
+                    f"state for token {end} needs one remote block (got {rids.size}) and "
+                    f"local block {lblock} (have {lids.size})"
                 )
             for i, stream in enumerate(g.streams):
                 m = stream.num_pieces
                 lrows = (lids[lblock] * m + np.arange(m)).astype(np.int64)
-                rrows = (rids[rblock - rfirst] * m + np.arange(m)).astype(np.int64)
+                rrows = (rids[0] * m + np.arange(m)).astype(np.int64)
                 self._read(load, src, peer, g, i, lrows, rrows)
             self._touch(load, g.group_id, lids[lblock : lblock + 1])
             return

@@ -1,21 +1,23 @@
 """What a prefill keeps for a remote decode, and for how long.
 
-Which blocks. Prefill does not know the decode's block sizes; decode loads ``n_load =
-floor(min(num_tokens, len(prompt) - 1) / L) * L`` tokens, ``L`` the lcm of both sides'
-block sizes, so ``num_tokens - L <= n_load <= num_tokens - 1``. The producer keeps what
-any ``n_load >= num_tokens - 1 - M`` needs, where the margin ``M`` is
-``extra["max_peer_block_size"]`` (default 128): correct for every decode with
-``L <= M + 1``. For a group of ``bs``-token blocks and ``N = num_tokens``::
+Which blocks. Decode computes the last prompt token itself (its logits give the first
+output token), so it loads the KV of every token before it: the *resume point* ``E`` is
+``N - 1`` for an ``N``-token prompt, whatever the two block sizes are (partial blocks
+move too). A state group needs the state after exactly ``E`` tokens. The engine keeps
+that state in an extra *resume block* when ``E`` is not a block boundary (it passes it to
+``request_finished``); without one the resume point falls back to the last state boundary
+``E = floor((N - 1) / bs) * bs`` and decode computes the tokens after it. Per group of
+``bs``-token blocks::
 
-    full / MLA        blocks covering [0, N)
-    sliding window w  blocks covering [max(0, N - 1 - M - w), N)
-    state             block k-1 (the state after k*bs tokens) for N-1-M < k*bs <= N-1
+    full / MLA        blocks covering [0, E)
+    sliding window w  blocks covering [max(0, E - w), E)
+    state             the resume block (state after E), else block E/bs - 1
 
-    e.g. N = 100, bs = 16, M = 16, w = 24:
+    e.g. N = 101, E = 100, bs = 16, w = 24, a resume block R:
     block        0   1   2   3   4   5   6
     full         K   K   K   K   K   K   K       K = kept for the decode
-    window       f   f   f   K   K   K   K       f = freed at request_finished
-    state        f   f   f   f   f   K   f
+    window       f   f   f   f   f   K   K       f = freed at request_finished
+    state        f   f   f   f   f   f   f   + R (state after token 100)
 
 How long. Kept blocks are held under a lease (``lease_s`` on the scheduler's clock),
 extended by decode heartbeats, ended by decode's Done, the lease running out, or an abort.
@@ -29,23 +31,27 @@ import heapq
 from connector.lifecycle import SEND_TRANSITIONS, SendState, check_transition
 from layouts.specs import KVCacheKind, KVCacheSpec
 
-DEFAULT_MAX_PEER_BLOCK_SIZE = 128
+
+def resume_point(num_tokens: int, block_size: int, *, resume_state: bool) -> int:
+    """``E``: the prompt tokens whose KV (and state) a decode of ``num_tokens`` loads."""
+    end = max(0, num_tokens - 1)
+    return end if resume_state else end // block_size * block_size
 
 
-def retained_block_range(spec: KVCacheSpec, num_tokens: int, margin: int) -> tuple[int, int]:
-    """Logical blocks ``[first, stop)`` of one group that a remote decode may read."""
+def retained_block_range(spec: KVCacheSpec, end: int) -> tuple[int, int]:
+    """Logical blocks ``[first, stop)`` of one group a decode resuming at ``end`` reads
+    (state groups: the boundary block of ``end``; empty when ``end`` is no boundary)."""
     bs = spec.block_size
-    num_blocks = -(-num_tokens // bs)
+    stop = -(-end // bs)
     match spec.kind:
         case KVCacheKind.FULL_ATTENTION | KVCacheKind.MLA:
-            return 0, num_blocks
+            return 0, stop
         case KVCacheKind.SLIDING_WINDOW:
-            low = max(0, num_tokens - 1 - margin - spec.sliding_window)
-            return low // bs, num_blocks
+            return max(0, end - spec.sliding_window) // bs, stop
         case KVCacheKind.STATE:
-            k_low = max(1, (num_tokens - 1 - margin) // bs + 1)
-            k_high = (num_tokens - 1) // bs
-            return k_low - 1, max(k_high, k_low - 1)
+            if end == 0 or end % bs:
+                return stop, stop
+            return stop - 1, stop
     raise AssertionError(f"unhandled KVCacheKind {spec.kind}")
 
 

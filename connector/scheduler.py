@@ -34,36 +34,29 @@ Which prefill blocks are kept, and the lease: see :mod:`connector.retention`.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from connector.api import ConnectorRequest, SchedulerEvents
 from connector.config import ConfigError, FailurePolicy, KVTransferConfig
 from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, SendState
 from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
-from connector.retention import (
-    DEFAULT_MAX_PEER_BLOCK_SIZE,
-    LeaseBook,
-    SendRecord,
-    retained_block_range,
-)
+from connector.retention import LeaseBook, SendRecord, resume_point, retained_block_range
 from layouts.groups import KVCacheConfig
-from layouts.specs import SlidingWindowSpec
+from layouts.specs import KVCacheKind, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
 
 
-def _read_margin(config: KVTransferConfig) -> int:
-    margin = config.extra.get("max_peer_block_size", DEFAULT_MAX_PEER_BLOCK_SIZE)
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+def _refuse_margin(config: KVTransferConfig) -> None:
+    if "max_peer_block_size" in config.extra:
         raise ConfigError(
-            f"extra.max_peer_block_size={margin!r} must be a non-negative integer (tokens): "
-            f"at least the lcm of the prefill and decode block sizes minus one"
+            "extra.max_peer_block_size is no longer used: decode resumes at the prompt's last "
+            "token whatever the two block sizes are, and prefill keeps exactly what that "
+            "needs; remove the key"
         )
-    return margin
 
 
 class KVBridgeScheduler:
@@ -95,8 +88,8 @@ class KVBridgeScheduler:
                 f"0..{self._num_groups - 1}"
             )
         self._block_size = block_sizes[0]
-        self._local_lcm = math.lcm(*block_sizes)
-        self._margin = _read_margin(config)
+        self._state_groups = [g for g, s in enumerate(self._specs) if s.kind is KVCacheKind.STATE]
+        _refuse_margin(config)
         # Decode side: live records and the next metadata's queues.
         self._loads: dict[str, LoadRecord] = {}
         self._consumed: set[str] = set()  # remote KV used up; never load it again
@@ -148,19 +141,7 @@ class KVBridgeScheduler:
                 f"request {rid!r} is {record.state.name}; get_num_new_matched_tokens is only "
                 f"asked before its blocks are allocated"
             )
-        lcm = math.lcm(self._local_lcm, params.remote_block_size)
-        loadable = max(0, min(params.num_tokens, len(request.prompt_token_ids) - 1))
-        record.num_load_tokens = loadable // lcm * lcm
-        if not self._windows_covered(params, record.num_load_tokens, num_computed_tokens):
-            # Aligning the end down to the lcm moved a sliding window before the first
-            # block prefill still has for it: load nothing (compute locally), release prefill.
-            logger.info(
-                "request %s: the sliding window ending at token %d starts before prefill's "
-                "first kept block; computing it locally",
-                rid,
-                record.num_load_tokens,
-            )
-            record.num_load_tokens = 0
+        record.num_load_tokens = self._load_end(request, params, num_computed_tokens)
         record.num_computed_tokens = num_computed_tokens
         self._loads[rid] = record
         if record.num_load_tokens > num_computed_tokens:
@@ -168,6 +149,25 @@ class KVBridgeScheduler:
             return record.num_load_tokens - num_computed_tokens, True
         record.advance(LoadState.FULL_HIT)
         return 0, False
+
+    def _load_end(
+        self, request: ConnectorRequest, params: KVTransferParams, num_computed_tokens: int
+    ) -> int:
+        """Tokens ``[0, end)`` the load fills: prefill's resume point, any block sizes."""
+        end = params.resume_tokens
+        last = len(request.prompt_token_ids) - 1
+        if end > last:
+            # a prompt shorter than prefill's: attention KV is a prefix of it, a state is not
+            end = 0 if self._state_groups else max(0, last)
+        if not self._windows_covered(params, end, num_computed_tokens):
+            logger.info(
+                "request %s: the sliding window ending at token %d starts before prefill's "
+                "first kept block; computing it locally",
+                request.request_id,
+                end,
+            )
+            return 0
+        return end
 
     def _windows_covered(self, params: KVTransferParams, end: int, start: int) -> bool:
         """Whether prefill kept every block a sliding-window group needs to load
@@ -235,7 +235,9 @@ class KVBridgeScheduler:
             )
         out = []
         for g, (spec, ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
-            need = record.num_load_tokens // spec.block_size
+            # the block of the last loaded token too (a partial block; for a state group
+            # the block that holds the state after it, see examples/state_layer.py)
+            need = -(-record.num_load_tokens // spec.block_size)
             if len(ids) < need:
                 raise LifecycleError(
                     f"request {rid!r}, group {g}: {len(ids)} blocks allocated, the load of "
@@ -291,10 +293,20 @@ class KVBridgeScheduler:
     # ------------------------------------------------------------------ prefill side
 
     def request_finished(
-        self, request: ConnectorRequest, block_ids_per_group: Sequence[Sequence[int]]
+        self,
+        request: ConnectorRequest,
+        block_ids_per_group: Sequence[Sequence[int]],
+        *,
+        resume_state_block_ids: Mapping[int, int] | None = None,
     ) -> tuple[bool, KVTransferParams | None]:
         """A request ends. Prefill with ``do_remote_decode``: keep the blocks decode may read
-        (``delay_free=True``; see ``take_blocks_to_free``) and return the params for it."""
+        (``delay_free=True``; see ``take_blocks_to_free``) and return the params for it.
+
+        ``resume_state_block_ids``: per state group, a block outside the group's list that
+        holds the state after the prompt's last-but-one token (the point where decode
+        resumes). With one for every state group decode resumes at ``N - 1``, otherwise at
+        the last state boundary below it. When ``delay_free`` is True the connector owns
+        these blocks too (handed back by ``take_blocks_to_free``)."""
         rid = request.request_id
         self._consumed.discard(rid)
         if rid in self._loads:  # a decode request ended before its load did
@@ -309,11 +321,19 @@ class KVBridgeScheduler:
                 f"request {rid!r}: {len(block_ids_per_group)} block lists for "
                 f"{self._num_groups} KV-cache groups"
             )
+        resume = dict(resume_state_block_ids or {})
+        if set(resume) - set(self._state_groups):
+            raise LifecycleError(
+                f"request {rid!r}: resume_state_block_ids names groups {sorted(resume)}; the "
+                f"state groups are {self._state_groups}"
+            )
         num_tokens = len(request.prompt_token_ids)
+        exact = all(g in resume for g in self._state_groups)
+        end = resume_point(num_tokens, self._block_size, resume_state=exact)
         kept_lists, first_blocks, kept, free = [], [], [], []
         for g, (spec, group_ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
             ids = list(map(int, group_ids))
-            first, stop = retained_block_range(spec, num_tokens, self._margin)
+            first, stop = retained_block_range(spec, end)
             if len(ids) < stop:
                 raise LifecycleError(
                     f"request {rid!r}, group {g}: {len(ids)} blocks for a {num_tokens}-token "
@@ -324,10 +344,17 @@ class KVBridgeScheduler:
                 first += 1
             while stop > first and ids[stop - 1] < 0:
                 stop -= 1
-            kept_lists.append(ids[first:stop])
+            group_kept = ids[first:stop]
+            if g in resume:
+                if exact and end > 0:
+                    group_kept, first = [int(resume[g])], (end - 1) // spec.block_size
+                else:
+                    free.append(int(resume[g]))
+            kept_lists.append(group_kept)
             first_blocks.append(first)
-            kept.extend(b for b in ids[first:stop] if b >= 0)
-            free.extend(b for b in ids[:first] + ids[stop:] if b >= 0)
+            kept.extend(b for b in group_kept if b >= 0)
+            held = set(group_kept)
+            free.extend(b for b in ids if b >= 0 and b not in held)
         self._sends.hold(rid, kept, free, self._clock())
         self._to_send[rid] = SendSpec(
             request_id=rid,
@@ -347,6 +374,7 @@ class KVBridgeScheduler:
             remote_block_size=self._block_size,
             num_tokens=num_tokens,
             remote_request_id=rid,
+            resume_tokens=end,
         )
 
     def take_blocks_to_free(self, request_id: str) -> tuple[int, ...]:

@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         for wave in (range(first), range(first, len(prompts))):
             results += list(pool.map(one, wave))
     matched, worst = 0, 0.0
+    loaded_total, expected_total, short = 0, 0, 0
     if args.show_answers:
         print(
             "answers (a random-weight model: the bytes mean nothing; they must equal the reference)"
@@ -231,6 +232,16 @@ def run(args: argparse.Namespace) -> int:
         )
         worst = max(worst, verdict.max_diff)
         usage = answer.get("usage", {})
+        # decode computes only the last prompt token: every other one is loaded or cached
+        loaded = int(usage.get("loaded_tokens") or 0)
+        expected = len(ids) - 1 - int(usage.get("cached_tokens") or 0)
+        loaded_total, expected_total = loaded_total + loaded, expected_total + expected
+        if loaded != expected:
+            short += 1
+            print(
+                f"  TOKENS LEFT BEHIND prompt {i} ({len(ids)} tokens, "
+                f"{usage.get('cached_tokens')} cached): loaded {loaded}, expected {expected}"
+            )
         if args.show_answers:
             print(
                 f"  [{i}] ...{prompt[-32:]!r} ({len(ids)} tokens: {usage.get('loaded_tokens')} "
@@ -269,10 +280,16 @@ def run(args: argparse.Namespace) -> int:
     )
     if leaked:
         print("blocks in use after the run: " + ", ".join(f"{k} {v}" for k, v in leaked.items()))
-    ok = matched == n and not any(leaked.values())
-    print("RESULT: PASS" if ok else f"RESULT: FAIL (mismatch in {n - matched} of {n} prompts)")
+    print(f"prompt tokens loaded: {loaded_total} of the {expected_total} decode did not cache")
+    ok = matched == n and short == 0 and not any(leaked.values())
     print(
-        f"SUMMARY matched={matched}/{n} bytes={bytes_read} transfer_ms={seconds * 1e3:.2f} "
+        "RESULT: PASS"
+        if ok
+        else f"RESULT: FAIL (mismatch in {n - matched} of {n} prompts, {short} loads short)"
+    )
+    print(
+        f"SUMMARY matched={matched}/{n} loaded={loaded_total}/{expected_total} "
+        f"bytes={bytes_read} transfer_ms={seconds * 1e3:.2f} "
         f"descriptors={descs} transfers={transfers} max_diff={worst:.3g}"
     )
     return 0 if ok else 1

@@ -12,9 +12,10 @@ One :meth:`Engine.step` follows the connector API's order (``connector/api.py``)
     finished requests         request_finished -> free now, or hold for the remote decode
 
 Blocks come from one :class:`BlockPool` shared by every KV-cache group. A request holds,
-per group, blocks for its whole budget (prompt + max_tokens) from admission on, plus a
-scratch block for the running state when the model has a state group, so it never runs
-out of blocks mid-flight. Full blocks whose KV is valid are named by their prefix hash.
+per group, blocks for its whole budget (prompt + max_tokens) from admission on, so it
+never runs out of blocks mid-flight; a prefill for a remote decode of a model with a state
+group also holds a *resume block*: the state after its prompt's last-but-one token, where
+the decode resumes. Full blocks whose KV is valid are named by their prefix hash.
 
 Producer (prefill) role: the connector may rewrite a held request's blocks in place for
 its reader ("permute after save"), so a block never serves two live requests there; a
@@ -111,7 +112,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.block_ids: list[list[int]] | None = None  # per group, logical block order
-        self.scratch_block: int | None = None  # running state of the state group
+        self.resume_block: int | None = None  # prefill: state where its decode resumes
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # local prefix hit
         self.num_external_tokens = 0  # promised by the connector
@@ -314,14 +315,15 @@ class Engine:
         per_group = -(-req.max_num_tokens // self.block_size)
         shared = [b for ids in hits for b in ids if b is not None]
         idle = sum(1 for b in shared if self.pool.refcount(b) == 0)
-        fresh = per_group * len(hits) - len(shared) + int(self.runner.has_state)
+        resume = self._needs_resume_block(req)
+        fresh = per_group * len(hits) - len(shared) + int(resume)
         if self.pool.num_free - idle < fresh:
             return False
         self.pool.ref(shared)
         new = iter(self.pool.allocate(fresh))
         padded = (ids + [None] * (per_group - len(ids)) for ids in hits)
         req.block_ids = [[b if b is not None else next(new) for b in ids] for ids in padded]
-        req.scratch_block = next(new) if self.runner.has_state else None
+        req.resume_block = next(new) if resume else None
         req.num_computed_tokens = req.num_cached_tokens = hit_tokens
         req.num_registered_blocks = hit_tokens // self.block_size
         if self.scheduler is not None:
@@ -335,6 +337,16 @@ class Engine:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         return True
+
+    def _needs_resume_block(self, req: Request) -> bool:
+        params = req.kv_transfer_params
+        return (
+            self.runner.has_state
+            and self.scheduler is not None
+            and self.scheduler.config.is_producer
+            and params is not None
+            and params.do_remote_decode
+        )
 
     def _prefix_hit(self, req: Request) -> tuple[int, list[list[int | None]]]:
         """Tokens served by the local cache and, per group, the cached block of each of
@@ -379,7 +391,9 @@ class Engine:
                 token_ids=tokens,
                 start_pos=start,
                 block_tables=self.runner.block_tables(req.block_ids),
-                state_scratch_slot=req.scratch_block,
+                state_snapshot=None
+                if req.resume_block is None
+                else (len(req.prompt_token_ids) - 1, req.resume_block),
             )
             batch.append((req, seq))
         return batch
@@ -425,7 +439,9 @@ class Engine:
             if spec.kind is KVCacheKind.SLIDING_WINDOW:
                 lo = max(first, math.ceil((stop * bs - spec.sliding_window) / bs))
             elif spec.kind is KVCacheKind.STATE:
-                lo = max(first, stop - 1)
+                # only a boundary state names a block; a load ending mid-block left the
+                # state in the entry of that (unnamed, partial) block
+                lo = max(first, stop - 1) if req.num_computed_tokens % bs == 0 else stop
             self.pool.cache(g, hashes[lo:stop], req.block_ids[g][lo:stop])
         req.num_registered_blocks = stop
 
@@ -480,15 +496,22 @@ class Engine:
             self.running.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.error, req.invalid_request = reason, error, invalid
-        if req.scratch_block is not None:
-            self.pool.free([req.scratch_block])
-            req.scratch_block = None
+        resume, req.resume_block = req.resume_block, None
         blocks = [b for ids in req.block_ids or [] for b in ids]
         sched = self.scheduler
         if sched is None:
             self.pool.free(blocks)
         elif reason in (FinishReason.STOP, FinishReason.LENGTH):
-            delay, params = sched.request_finished(req, req.block_ids or [])
+            state_groups = [
+                g for g, spec in enumerate(self.group_specs) if spec.kind is KVCacheKind.STATE
+            ]
+            delay, params = sched.request_finished(
+                req,
+                req.block_ids or [],
+                resume_state_block_ids=None if resume is None else {state_groups[0]: resume},
+            )
+            if not delay and resume is not None:
+                self.pool.free([resume])
             req.out_params = params
             if not delay:
                 self.pool.free(blocks)
@@ -497,6 +520,8 @@ class Engine:
             else:  # decode: a load may still write into them
                 self._deferred_free[req.request_id] = blocks
         else:
+            if resume is not None:
+                self.pool.free([resume])
             if req.matched:  # the connector knows the request: let it release its side
                 sched.request_aborted(req.request_id)
             if sched.defers_free(req.request_id):

@@ -155,14 +155,15 @@ class SeqInput:
 
     ``token_ids`` are cached at positions ``start_pos ..``; ``block_tables[g]`` is the
     table of KV-cache group ``g``: kernel block ids for attention groups, manager block
-    ids for the state group. ``state_scratch_slot`` names the state-cache block that holds
-    the running state between block boundaries (see ``state_layer``).
+    ids for the state group (its entries hold boundary and running states, see
+    ``state_layer``). ``state_snapshot = (n, slot)`` also keeps the state after ``n``
+    tokens in block ``slot`` (a prefill's handover to its decode).
     """
 
     token_ids: Sequence[int] | torch.Tensor
     start_pos: int
     block_tables: tuple[np.ndarray, ...]
-    state_scratch_slot: int | None = None
+    state_snapshot: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -337,7 +338,7 @@ class TinyModel:
                     h,
                     start_pos=seq.start_pos,
                     block_table=table,
-                    scratch_slot=seq.state_scratch_slot,
+                    snapshot=seq.state_snapshot,
                 )
             assert isinstance(cache, AttentionCache)
             q, k, v = self._qkv(w, h, positions)

@@ -12,25 +12,24 @@ so a request's whole past is two state tensors: ``conv`` [W-1, d_inner] (the las
 
 State cache contract. A :class:`StateCache` holds one tensor per state, shape
 ``(num_blocks, *state_shape)``, arbitrary strides. The state group has a block table in
-*manager* block ids of ``block_size`` tokens, where entry ``j`` receives the state after
-token ``(j + 1) * block_size - 1``::
+*manager* block ids of ``block_size`` tokens; entry ``j`` holds the state after
+``min((j + 1) * block_size, p)`` tokens, ``p`` the tokens run so far: the boundary state
+of a full block, the running state in the entry of the block still filling (as vLLM's
+state-space groups keep it)::
 
-    positions  [0 ........ bs-1][bs ....... 2bs-1][2bs ... p]
-    table      [      j=0      ][      j=1       ][  j=2 (not full yet)
-    state      after bs-1       after 2bs-1        running -> scratch slot
+    positions  [0 ........ bs-1][bs ....... 2bs-1][2bs ... p-1]
+    table      [      j=0      ][      j=1       ][  j=2 (filling)
+    state      after bs         after 2bs         after p (running)
 
-Running tokens ``p0 .. p1-1`` starts from
+So the state after ``n`` tokens always sits in entry ``(n - 1) // bs``: a run of tokens
+``p0 .. p1-1`` starts from zeros (``p0 == 0``) or from that entry, writes every boundary
+it passes and its final state into entry ``(p1 - 1) // bs``. A negative entry means the
+caller keeps no block there; writes to it are skipped. That is also what a KV transfer
+delivers: the state after the resume point, in the entry of the resume point's block.
 
-- zeros when ``p0 == 0``;
-- block ``table[p0 // bs - 1]`` when ``p0`` is a multiple of ``bs`` (the boundary state,
-  which is what a KV transfer delivers);
-- otherwise the request's *scratch slot*: a block of the same cache, named by the caller,
-  holding the running state after token ``p0 - 1``.
-
-and writes the state at every block boundary it passes (a negative table entry means the
-caller keeps no block there and that write is skipped) and, when a scratch slot is named,
-the state after token ``p1 - 1`` into it. So prefill chunks must end on block multiples
-unless a scratch slot carries the state on, and one-token decode steps need a scratch slot.
+A *snapshot* ``(n, slot)`` also stores the state after ``n`` tokens (``p0 < n <= p1``)
+into block ``slot``: a prefill keeps the state where its decode resumes (``N - 1`` of an
+``N``-token prompt) while it runs the prompt's last token.
 """
 
 from __future__ import annotations
@@ -174,41 +173,41 @@ def run_paged(
     *,
     start_pos: int,
     block_table: Sequence[int] | np.ndarray,
-    scratch_slot: int | None,
+    snapshot: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Run ``x`` [T, hidden] at positions ``start_pos ..`` against the cache (see module doc)."""
     table = np.asarray(block_table, dtype=np.int64)
     bs = cache.block_size
+    num_tokens = x.shape[0]
+    end = start_pos + num_tokens
+    last = (end - 1) // bs  # the entry that receives the final state
+    if last >= table.size:
+        raise BlockIdError(
+            f"state group: positions up to {end - 1} need entry {last} but the block table "
+            f"has {table.size} entries"
+        )
     if start_pos == 0:
         states = w.zero_states()
-    elif start_pos % bs == 0:
-        j = start_pos // bs - 1
-        if j >= table.size or table[j] < 0:
+    else:
+        j = (start_pos - 1) // bs
+        if table[j] < 0:
             raise BlockIdError(
-                f"state group: start position {start_pos} needs the state block of entry {j} "
-                f"but the table {table.tolist()} has none there"
+                f"state group: start position {start_pos} needs the state in entry {j} but "
+                f"the table {table.tolist()} has no block there"
             )
         states = cache.load(int(table[j]))
-    elif scratch_slot is None:
-        raise LayoutError(
-            f"state group: start position {start_pos} is not a multiple of block_size={bs}; "
-            f"name a scratch slot holding the running state, or start on a block boundary"
-        )
-    else:
-        states = cache.load(scratch_slot)
-    num_tokens = x.shape[0]
-    # Boundary j sits after token (j + 1) * bs - 1; those inside start_pos .. p1 - 1:
-    boundaries = range(start_pos // bs, (start_pos + num_tokens) // bs)
-    if len(boundaries) and boundaries[-1] >= table.size:
-        raise BlockIdError(
-            f"state group: positions up to {start_pos + num_tokens - 1} pass boundary "
-            f"{boundaries[-1]} but the block table has {table.size} entries"
-        )
+    # Boundary j sits after token (j + 1) * bs - 1; those inside start_pos .. end - 1:
+    boundaries = list(range(start_pos // bs, end // bs))
     offsets = [(j + 1) * bs - 1 - start_pos for j in boundaries]
-    y, final, saved = scan(w, x, states, offsets)
-    for j, s in zip(boundaries, saved, strict=True):
+    if snapshot is not None and start_pos < snapshot[0] <= end:
+        offsets.append(snapshot[0] - 1 - start_pos)
+    y, final, saved = scan(w, x, states, sorted(set(offsets)))
+    saved_at = dict(zip(sorted(set(offsets)), saved, strict=True))
+    for j in boundaries:
         if table[j] >= 0:
-            cache.store(int(table[j]), s)
-    if scratch_slot is not None:
-        cache.store(scratch_slot, final)
+            cache.store(int(table[j]), saved_at[(j + 1) * bs - 1 - start_pos])
+    if table[last] >= 0 and end % bs:
+        cache.store(int(table[last]), final)
+    if snapshot is not None and start_pos < snapshot[0] <= end:
+        cache.store(snapshot[1], saved_at[snapshot[0] - 1 - start_pos])
     return y

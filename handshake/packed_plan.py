@@ -3,8 +3,9 @@
 Such pages keep their elements in the engine's own order, so they move whole: between
 equal block sizes one page per (block, layer); into a reader whose blocks are ``r`` times
 larger, ``r`` sender pages side by side, which the reader's engine repacks after load; from
-a sender whose blocks are ``r`` times larger, each sender page lands in a staging slot of
-the reader and the reader's engine splits the tokens it loads into its own blocks.
+a sender whose blocks are larger, or of any size that does not divide the reader's (96 ->
+64, 64 -> 96), each sender page lands in a staging slot of the reader and the reader's
+engine writes the tokens it loads into its own blocks, token by token.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from layouts.specs import AttentionSpec
 
 
 def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool) -> bool:
-    """Pages in an engine's private element order: same order on both sides, and one block
-    size a multiple of the other when the reader's engine repacks (else equal).
-    True when the sides are packed."""
+    """Pages in an engine's private element order: same order on both sides, and equal
+    block sizes unless the reader's engine repacks (then any sizes). True when the sides
+    are packed."""
     lp, rp = local.format.block_packing, remote.format.block_packing
     if not lp and not rp:
         return False
@@ -33,23 +34,13 @@ def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_re
         )
     pairs = list(zip(local.config.groups, remote.config.groups, strict=False))
 
-    def fits(b_local: int, b_remote: int) -> bool:
-        if not can_repack:
-            return b_local == b_remote
-        return max(b_local, b_remote) % min(b_local, b_remote) == 0
-
     mismatched = [
         (f"groups[{lg.group_id}].block_size", lg.spec.block_size, rg.spec.block_size)
         for lg, rg in pairs
-        if not fits(lg.spec.block_size, rg.spec.block_size)
+        if lg.spec.block_size != rg.spec.block_size and not can_repack
     ]
     if mismatched:
-        how = (
-            "a reader repacks whole pages after load, so one block size must be a "
-            "multiple of the other"
-            if can_repack
-            else "this reader cannot repack them, so both sides need the same block size"
-        )
+        how = "this reader cannot repack them, so both sides need the same block size"
         raise IncompatiblePeerError(
             mismatched,
             peer=peer,
@@ -68,10 +59,10 @@ def packed_plan(
     heads: HeadSlice | None = None,
 ) -> GroupPlan:
     """Whole remote pages, one per layer and remote block: side by side in local pages
-    (remote blocks no larger), or into staging slots (remote blocks larger). ``heads``
+    (remote blocks divide local ones), or into staging slots (any other sizes). ``heads``
     (tensor parallelism, heads-major pages only): just that slice of every page."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
-    if b_remote > b_local:
+    if b_local % b_remote:
         return _staged_plan(local, remote, lg, rg, heads)
     r_local = b_local // b_remote
     h_local, h_remote = _heads(lg), _heads(rg)
@@ -121,11 +112,10 @@ def _staged_plan(
     rg: KVCacheGroup,
     heads: HeadSlice | None,
 ) -> GroupPlan:
-    """Remote pages ``r`` times larger than local ones: one page per layer and remote
+    """Remote pages that do not fit whole into local ones: one page per layer and remote
     block (its slice of the heads) into a staging slot of local-heads pages, the group's
     layers back to back."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
-    r_remote = b_remote // b_local
     h_local, h_remote = _heads(lg), _heads(rg)
     ra, n = (heads.remote_head, heads.num_heads) if heads else (0, h_remote)
     if n != h_local:
@@ -138,10 +128,11 @@ def _staged_plan(
     for layer in sorted(lr):
         (li, lbytes), (ri, rbytes) = lr[layer], rr[layer]
         per_head = rbytes // h_remote
-        if rbytes != per_head * h_remote or per_head * h_local != lbytes * r_remote:
+        if rbytes != per_head * h_remote or per_head * h_local * b_local != lbytes * b_remote:
             raise LayoutError(
-                f"layer {layer}: remote pages of {rbytes} B ({h_remote} heads) do not hold "
-                f"{r_remote} local pages of {lbytes} B ({h_local} heads)"
+                f"layer {layer}: remote {b_remote}-token pages of {rbytes} B ({h_remote} "
+                f"heads) and local {b_local}-token pages of {lbytes} B ({h_local} heads) "
+                f"differ in bytes per token and head"
             )
         streams.append(
             PieceStream(

@@ -90,6 +90,7 @@ def bench_decode(num_requests: int, churn: int, prompt_len: int, num_steps: int)
             remote_block_size=BLOCK_SIZE,
             num_tokens=prompt_len,
             remote_request_id=rid,
+            resume_tokens=prompt_len - 1,
         )
         req = Req(rid, prompt, params)
         sched.get_num_new_matched_tokens(req, 0)

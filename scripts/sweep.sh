@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 
 MODELS="${MODELS:-tiny-dense tiny-hybrid tiny-hybrid-state}"
 # prefill_bs:prefill_kb:prefill_layout:prefill_cross  decode_bs:decode_kb:decode_layout:decode_cross
-PAIRS="${PAIRS:-16:16:NHD:0/16:16:NHD:0 16:16:NHD:1/16:8:HND:1 64:64:NHD:1/16:8:HND:0 16:8:HND:0/64:16:NHD:1 32:32:HND:1/16:16:NHD:1}"
+# The last four rows pair block sizes that are not multiples of each other.
+PAIRS="${PAIRS:-16:16:NHD:0/16:16:NHD:0 16:16:NHD:1/16:8:HND:1 64:64:NHD:1/16:8:HND:0 16:8:HND:0/64:16:NHD:1 32:32:HND:1/16:16:NHD:1 80:16:NHD:0/32:32:HND:1 96:32:HND:1/64:64:NHD:0 528:16:NHD:1/64:32:HND:0 32:16:HND:0/48:48:NHD:1}"
 export NUM_PROMPTS="${NUM_PROMPTS:-6}" MAX_TOKENS="${MAX_TOKENS:-8}"
 
 printf '%-18s %-16s %-16s %-6s %s\n' model prefill decode result summary

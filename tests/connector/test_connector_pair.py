@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from connector.lifecycle import SendState
 from connector.notifications import Done, encode_notification
 from layouts.allocation import CacheFormat, read_group_token_major
 from layouts.layout import KVLayout
@@ -81,9 +82,9 @@ def test_happy_path_loads_frees_and_restores(pair):
     params = prefill_finish(prefill, p)
     before = read_group_token_major(prefill.buffers, 0, np.array(p.block_ids[0]))
     d = Request("d1", p.prompt_token_ids, params)
-    assert decode_admit(decode, d) == 192  # (200 - 1) // lcm(64, 16) * 64
+    assert decode_admit(decode, d) == 199  # every prompt token but the last
     run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "load")
-    _expect_equal(prefill, decode, p, d, 0, slice(0, 192))
+    _expect_equal(prefill, decode, p, d, 0, slice(0, 199))
     # prefill's rewritten blocks were restored before being freed (prefix cache stays exact)
     assert torch.equal(read_group_token_major(prefill.buffers, 0, np.array(p.block_ids[0])), before)
     assert prefill.worker.metrics.sender_rewrites > 0
@@ -105,9 +106,9 @@ def test_prefill_that_may_not_rewrite_is_read_natively(clock, monkeypatch):
         params = prefill_finish(prefill, p)
         snapshot = [t.clone() for t in prefill.buffers.tensors]
         d = Request("d1", p.prompt_token_ids, params)
-        assert decode_admit(decode, d) == 192
+        assert decode_admit(decode, d) == 199
         run_until([prefill, decode], lambda: loaded(decode, "d1"), "load")
-        _expect_equal(prefill, decode, p, d, 0, slice(0, 192))
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 199))
         assert prefill.worker.metrics.sender_rewrites == 0
         for before, after in zip(snapshot, prefill.buffers.tensors, strict=True):
             assert torch.equal(before, after)
@@ -128,17 +129,17 @@ def test_partial_prefix_hit_reads_only_the_rest(pair):
     params = prefill_finish(prefill, p)
     d = Request("d1", p.prompt_token_ids, params)
     n = decode_admit(decode, d, num_computed=64)
-    assert n == 128
+    assert n == 135
     marker = decode.buffers.tensors[0].clone()
     run_until(
         [prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "partial load"
     )  # compare once prefill restored its blocks (they were rewritten for the reader)
-    _expect_equal(prefill, decode, p, d, 0, slice(64, 192))
+    _expect_equal(prefill, decode, p, d, 0, slice(64, 199))
     # the locally computed blocks (first 64 tokens = 4 decode blocks) were not written
     after = decode.buffers.tensors[0]
     for b in d.block_ids[0][:4]:
         assert torch.equal(after[b], marker[b])
-    assert decode.worker.metrics.descriptors_posted == (128 // 16) * 2  # 2 layers per chunk
+    assert decode.worker.metrics.descriptors_posted == 9 * 2  # 9 chunks, 2 layers each
     _finish_decode(decode, d)
     _assert_pools_full(prefill, decode)
 
@@ -148,7 +149,7 @@ def test_full_local_hit_still_frees_prefill(pair):
     p = Request("p1", token_ids(200), _remote_decode())
     params = prefill_finish(prefill, p)
     d = Request("d1", p.prompt_token_ids, params)
-    assert decode_admit(decode, d, num_computed=192) == 0
+    assert decode_admit(decode, d, num_computed=199) == 0
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "release of a full hit")
     assert decode.worker.metrics.descriptors_posted == 0
     _finish_decode(decode, d)
@@ -281,7 +282,9 @@ def test_hybrid_groups_full_window_state(clock):
     for prefill, decode in _pair(clock, kinds="FSM"):
         p = Request("p1", token_ids(300), _remote_decode())
         params = prefill_finish(prefill, p)
-        assert len(params.remote_block_ids[0]) == 5
+        # no resume block from this engine: decode resumes at the last state boundary
+        assert params.resume_tokens == 256
+        assert len(params.remote_block_ids[0]) == 4
         d = Request("d1", p.prompt_token_ids, params)
         assert decode_admit(decode, d) == 256
         run_until(
@@ -299,6 +302,42 @@ def test_hybrid_groups_full_window_state(clock):
                 got = a[d.block_ids[2][15]].contiguous().view(torch.uint8)
                 want = b[p.block_ids[2][3]].contiguous().view(torch.uint8)
                 assert torch.equal(got, want)
+        _finish_decode(decode, d)
+        _assert_pools_full(prefill, decode)
+
+
+@pytest.mark.parametrize("num_tokens", [300, 257])
+def test_a_resume_block_lets_decode_resume_at_the_last_prompt_token(clock, num_tokens):
+    """Prefill 64 / decode 16 with a state group: the engine's resume block (state after
+    N - 1 tokens) lands in decode's block of token N - 2; attention KV moves up to N - 1,
+    the last blocks partial on both sides."""
+    for prefill, decode in _pair(clock, kinds="FSM"):
+        p = Request("p1", token_ids(num_tokens), _remote_decode())
+        p.block_ids = prefill.allocate(num_tokens)
+        [resume] = prefill.pool.allocate(1)
+        delay, params = prefill.sched.request_finished(
+            p, p.block_ids, resume_state_block_ids={2: resume}
+        )
+        assert delay and params is not None
+        prefill.pool.free(prefill.sched.take_blocks_to_free("p1"))
+        end = num_tokens - 1
+        assert params.resume_tokens == end
+        assert params.remote_block_ids[2] == [resume]
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == end
+        run_until(
+            [prefill, decode],
+            lambda p_=prefill, d_=decode: loaded(d_, "d1") and "p1" in p_.freed,
+            "load",
+        )
+        _expect_equal(prefill, decode, p, d, 0, slice(0, end))
+        _expect_equal(prefill, decode, p, d, 1, slice(end - 24, end))
+        for name in ("g2.a", "g2.b"):
+            for a, b in zip(
+                decode.buffers.state_views(name), prefill.buffers.state_views(name), strict=True
+            ):
+                got = a[d.block_ids[2][(end - 1) // 16]].contiguous().view(torch.uint8)
+                assert torch.equal(got, b[resume].contiguous().view(torch.uint8))
         _finish_decode(decode, d)
         _assert_pools_full(prefill, decode)
 
@@ -350,9 +389,9 @@ def test_packed_pages_reach_the_engines_repacker(clock):
         p = Request("p1", token_ids(200), _remote_decode())
         params = prefill_finish(prefill, p)
         d = Request("d1", p.prompt_token_ids, params)
-        assert decode_admit(decode, d) == 192
+        assert decode_admit(decode, d) == 199
         run_until([prefill, decode], lambda: loaded(decode, "d1"), "load")
-        assert repacker.merges == [(0, sorted(d.block_ids[0][:3]), 16)]
+        assert repacker.merges == [(0, sorted(d.block_ids[0][:4]), 16)]
         assert repacker.splits == []
         # the pages arrived side by side: local block i holds remote blocks 4i .. 4i+3
         page = prefill.buffers.layer_bytes("g0.a").shape[1]
@@ -407,7 +446,7 @@ def _staged_pair(clock: FakeClock, staging_slots: float, kinds: str = "F"):
 
 @pytest.mark.parametrize("num_computed", [0, 16])
 def test_larger_packed_pages_are_staged_in_rounds_and_split_by_the_engine(clock, num_computed):
-    """Three 64-token prefill pages through a two-slot staging pool: two rounds; the
+    """Four 64-token prefill pages through a two-slot staging pool: two rounds; the
     engine gets each page whole and the decode slot of every token it must write (a
     prefix hit of one decode block leaves that block's tokens out)."""
     prefill, decode, repacker = _staged_pair(clock, staging_slots=2.5)
@@ -415,9 +454,9 @@ def test_larger_packed_pages_are_staged_in_rounds_and_split_by_the_engine(clock,
         p = Request("p1", token_ids(200), _remote_decode())
         params = prefill_finish(prefill, p)
         d = Request("d1", p.prompt_token_ids, params)
-        assert decode_admit(decode, d, num_computed) == 192 - num_computed
+        assert decode_admit(decode, d, num_computed) == 199 - num_computed
         run_until([prefill, decode], lambda: loaded(decode, "d1"), "the staged load")
-        assert [len(call[1][0]) for call in repacker.splits] == [2, 1]  # pages per round
+        assert [len(call[1][0]) for call in repacker.splits] == [2, 2]  # pages per round
         assert repacker.merges == []
         layers = prefill.config.groups[0].layer_names
         for r, (gid, pages, size, slots) in enumerate(repacker.splits):
@@ -429,9 +468,10 @@ def test_larger_packed_pages_are_staged_in_rounds_and_split_by_the_engine(clock,
                     assert torch.equal(layer_pages[j], want)
                 t = rb * 64 + np.arange(64)
                 lids = np.asarray(d.block_ids[0])
-                want_slots = np.where(t >= num_computed, lids[t // 16] * 16 + t % 16, -1)
+                wanted = (t >= num_computed) & (t < 199)
+                want_slots = np.where(wanted, lids[np.minimum(t, 198) // 16] * 16 + t % 16, -1)
                 assert np.array_equal(slots[j], want_slots)
-        assert decode.worker.metrics.receiver_rewrites == (192 - num_computed) // 16
+        assert decode.worker.metrics.receiver_rewrites == -(-(199 - num_computed) // 16)
         _finish_decode(decode, d)
         run_until([prefill, decode], lambda: prefill.sched.num_held_sends == 0, "prefill to free")
         _assert_pools_full(prefill, decode)
@@ -480,3 +520,32 @@ def test_a_done_that_arrives_before_its_request_frees_it_when_it_comes(pair):
     prefill.worker.start_load_kv()
     assert "early" in prefill.worker.get_finished().finished_sending
     assert prefill.worker.metrics.bad_notifications == 0
+
+
+def test_an_incompatible_decode_tells_prefill_to_free_at_once(clock):
+    """Decode cannot bridge prefill's engine-packed pages: each load fails (recompute)
+    and prefill frees the request's blocks right away, never waiting for the lease (the
+    fake clock never moves). The second load handshakes again."""
+    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock)
+    try:
+        for i in range(2):
+            p = Request(f"p{i}", token_ids(200), _remote_decode())
+            params = prefill_finish(prefill, p)
+            d = Request(f"d{i}", p.prompt_token_ids, params)
+            assert decode_admit(decode, d) == 199
+            run_until(
+                [prefill, decode],
+                lambda p_=p, d_=d: bool(failed(decode, d_.request_id)) and p_.request_id
+                in prefill.freed,
+                "the failed load and prefill's free",
+            )
+            [failure] = failed(decode, d.request_id)
+            assert "block_packing" in failure.reason
+            _finish_decode(decode, d)
+            _assert_pools_full(prefill, decode)  # right after the run, lease untouched
+        assert prefill.sched.send_outcomes == {SendState.DONE: 2}
+        assert decode.worker.metrics.bytes_read == 0
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()

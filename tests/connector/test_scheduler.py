@@ -21,7 +21,7 @@ from connector.config import ConfigError, FailurePolicy, KVRole, KVTransferConfi
 from connector.lifecycle import Ignored, LifecycleError, LoadState, SendState
 from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
-from connector.retention import retained_block_range
+from connector.retention import resume_point, retained_block_range
 from connector.scheduler import KVBridgeScheduler
 from examples.block_pool import BlockPool
 from layouts.groups import KVCacheConfig, KVCacheGroup
@@ -161,8 +161,9 @@ def test_prefill_happy_path_params_send_spec_and_free() -> None:
         remote_block_size=16,
         num_tokens=40,
         remote_request_id="r1",
+        resume_tokens=39,  # decode computes the last prompt token itself
     )
-    assert eng.pool.num_used == 3  # all three blocks are kept
+    assert eng.pool.num_used == 3  # all three blocks are kept (token 38 is in the third)
     assert eng.sched.send_state("r1") is SendState.PENDING
     meta, events = eng.step()
     [spec] = meta.reqs_to_send
@@ -193,8 +194,11 @@ def test_prefill_blocks_past_the_prompt_are_freed_at_once() -> None:
     params = eng.finish(remote_decode("r", 33), extra_blocks=1)
     [ids] = eng.held["r"]
     assert len(ids) == 4
-    assert params.remote_block_ids == [ids[:3]]
-    assert eng.pool.num_used == 3
+    # decode resumes at token 32: blocks 0, 1 hold tokens 0..31; block 2 holds only the
+    # last token, which decode computes, so it is freed with the one past the prompt
+    assert params.remote_block_ids == [ids[:2]]
+    assert params.resume_tokens == 32
+    assert eng.pool.num_used == 2
     eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
     eng.assert_clean()
 
@@ -202,31 +206,36 @@ def test_prefill_blocks_past_the_prompt_are_freed_at_once() -> None:
 HYBRID = (FULL, SW, STATE)
 
 
-def test_hybrid_clipping_with_a_small_margin() -> None:
-    eng = Engine(KVRole.PRODUCER, HYBRID, extra={"max_peer_block_size": 16})
-    params = eng.finish(remote_decode("r", 100))  # 7 blocks of 16 per group
-    full, window, state = eng.held["r"]
-    # window: tokens [100 - 1 - 16 - 24, 100) = [59, 100) -> blocks 3..6
-    # state: boundaries k*16 in (83, 99] -> k = 6 -> block 5 (state after 96 tokens)
-    assert params.remote_first_block == [0, 3, 5]
-    assert params.remote_block_ids == [full, window[3:7], [state[5]]]
-    assert eng.pool.num_used == 7 + 4 + 1
+def test_hybrid_keeps_the_window_and_the_state_where_decode_resumes() -> None:
+    eng = Engine(KVRole.PRODUCER, HYBRID)
+    req = remote_decode("r", 101)  # 7 blocks of 16 per group; decode resumes at 100
+    blocks = eng.allocate("r", 101)
+    del eng.blocks["r"]  # handed to the connector
+    [resume] = eng.pool.allocate(1)  # the engine's snapshot: state after 100 tokens
+    delay, params = eng.sched.request_finished(req, blocks, resume_state_block_ids={2: resume})
+    assert delay
+    full, window, _ = blocks
+    # window 24 before token 100: tokens [76, 100) -> blocks 4..6
+    assert params.resume_tokens == 100
+    assert params.remote_first_block == [0, 4, 6]
+    assert params.remote_block_ids == [full, window[4:7], [resume]]
+    eng.pool.free(eng.sched.take_blocks_to_free("r"))
+    assert eng.pool.num_used == 7 + 3 + 1  # every state-group block of the prompt is freed
     meta, _ = eng.step()
-    assert meta.reqs_to_send[0].block_ids == (tuple(full), tuple(window[3:]), (state[5],))
-    assert meta.reqs_to_send[0].first_block == (0, 3, 5)
+    assert meta.reqs_to_send[0].block_ids == (tuple(full), tuple(window[4:]), (resume,))
     eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
     eng.assert_clean()
 
 
-def test_hybrid_clipping_with_the_default_margin() -> None:
+def test_hybrid_without_a_resume_block_falls_back_to_the_last_state_boundary() -> None:
     eng = Engine(KVRole.PRODUCER, HYBRID)
-    params = eng.finish(remote_decode("r", 300))  # 19 blocks of 16 per group
+    params = eng.finish(remote_decode("r", 100))  # decode would resume at 99
     full, window, state = eng.held["r"]
-    # window: [300 - 1 - 128 - 24, 300) = [147, 300) -> blocks 9..18
-    # state: k*16 in (171, 299] -> k = 11..18 -> blocks 10..17
-    assert params.remote_first_block == [0, 9, 10]
-    assert params.remote_block_ids == [full, window[9:19], state[10:18]]
-    assert eng.pool.num_used == 19 + 10 + 8
+    # the state after 96 tokens (block 5) is the last one kept: decode resumes there
+    assert params.resume_tokens == 96
+    assert params.remote_first_block == [0, 4, 5]
+    assert params.remote_block_ids == [full[:6], window[4:6], [state[5]]]
+    assert eng.pool.num_used == 6 + 2 + 1
     eng.step()
     eng.clock.advance(LEASE_S)
     _, events = eng.step()
@@ -234,20 +243,36 @@ def test_hybrid_clipping_with_the_default_margin() -> None:
     eng.assert_clean()
 
 
+def test_resume_blocks_of_a_request_decode_cannot_use_are_freed_at_once() -> None:
+    eng = Engine(KVRole.PRODUCER, (FULL, STATE))
+    [resume] = eng.pool.allocate(1)
+    blocks = eng.allocate("r", 1)  # a one-token prompt: decode computes everything
+    del eng.blocks["r"]
+    delay, params = eng.sched.request_finished(
+        remote_decode("r", 1), blocks, resume_state_block_ids={1: resume}
+    )
+    assert delay and params.resume_tokens == 0 and params.remote_block_ids == [[], []]
+    eng.pool.free(eng.sched.take_blocks_to_free("r"))
+    with pytest.raises(LifecycleError, match=r"names groups \[0\]"):
+        eng.sched.request_finished(remote_decode("x", 9), [[1], [2]], resume_state_block_ids={0: 3})
+    eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    eng.assert_clean()
+
+
 def test_state_placeholders_are_trimmed_and_never_freed() -> None:
-    eng = Engine(KVRole.PRODUCER, (FULL, STATE), extra={"max_peer_block_size": 40})
+    eng = Engine(KVRole.PRODUCER, (FULL, STATE))
     full = eng.pool.allocate(4)
     state_real = eng.pool.allocate(1)
     state = [-1, -1, state_real[0], -1]  # the engine kept only the state after 48 tokens
     req = remote_decode("r", 60)
     delay, params = eng.sched.request_finished(req, [full, state])
     assert delay
-    # state keep range k*16 in (19, 59] -> blocks 1..2; the leading -1 is trimmed
-    assert params.remote_block_ids == [full, [state_real[0]]]
+    # no resume block: decode resumes at the boundary 48 (state block 2)
+    assert params.remote_block_ids == [full[:3], [state_real[0]]]
     assert params.remote_first_block == [0, 2]
-    assert eng.sched.take_blocks_to_free("r") == ()
+    assert eng.sched.take_blocks_to_free("r") == (full[3],)
     eng.sched.request_aborted("r")
-    assert sorted(eng.sched.take_blocks_to_free("r")) == sorted(full + state_real)
+    assert sorted(eng.sched.take_blocks_to_free("r")) == sorted(full[:3] + state_real)
     eng.pool.free(full + state_real)
     eng.assert_clean()
 
@@ -393,9 +418,9 @@ def test_producer_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"share one block size.*\[16, 32\]"):
         KVBridgeScheduler(transfer_config(KVRole.PRODUCER), kv)
     KVBridgeScheduler(transfer_config(KVRole.CONSUMER), kv)  # fine for a consumer
-    with pytest.raises(ConfigError, match=r"extra\.max_peer_block_size='big'"):
+    with pytest.raises(ConfigError, match=r"extra\.max_peer_block_size is no longer used"):
         KVBridgeScheduler(
-            transfer_config(KVRole.PRODUCER, extra={"max_peer_block_size": "big"}),
+            transfer_config(KVRole.PRODUCER, extra={"max_peer_block_size": 64}),
             kv_config((FULL,), 16),
         )
 
@@ -403,31 +428,29 @@ def test_producer_config_errors() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     num_tokens=st.integers(1, 700),
-    prefill_bs=st.sampled_from([4, 8, 16, 32, 64]),
-    decode_bs=st.sampled_from([4, 8, 16, 32, 64, 128]),
+    prefill_bs=st.sampled_from([4, 8, 16, 32, 48, 64, 80]),
     window=st.integers(1, 100),
-    margin=st.sampled_from([16, 64, 128]),
+    resume_state=st.booleans(),
 )
-def test_retained_blocks_cover_every_decode_within_the_margin(
-    num_tokens: int, prefill_bs: int, decode_bs: int, window: int, margin: int
+def test_retained_blocks_are_exactly_what_the_resume_point_needs(
+    num_tokens: int, prefill_bs: int, window: int, resume_state: bool
 ) -> None:
-    lcm = math.lcm(prefill_bs, decode_bs)
-    if lcm > margin + 1:
-        return  # outside the documented guarantee
-    n_load = (num_tokens - 1) // lcm * lcm
-    if n_load == 0:
-        return  # nothing to read
+    end = resume_point(num_tokens, prefill_bs, resume_state=resume_state)
+    assert end == (num_tokens - 1 if resume_state else (num_tokens - 1) // prefill_bs * prefill_bs)
     attn = dict(block_size=prefill_bs, num_kv_heads=1, head_size=4, dtype=torch.float32)
     window_spec = SlidingWindowSpec(**attn, sliding_window=window)
-    first, stop = retained_block_range(window_spec, num_tokens, margin)
-    needed = range(max(0, n_load - window) // prefill_bs, -(-n_load // prefill_bs))
-    assert first <= needed.start and needed.stop <= stop
-    state_spec = StateSpec(block_size=prefill_bs, shapes=((1,),), dtypes=(torch.float32,))
-    first, stop = retained_block_range(state_spec, num_tokens, margin)
-    assert first <= n_load // prefill_bs - 1 < stop
-    assert stop - first <= margin // prefill_bs + 1  # and no more states than the margin spans
+    first, stop = retained_block_range(window_spec, end)
+    blocks = set(range(first, stop))
+    tokens = range(max(0, end - window), end)  # the window before the resume point
+    assert blocks == {t // prefill_bs for t in tokens}
     full_spec = FullAttentionSpec(**attn)
-    assert retained_block_range(full_spec, num_tokens, margin) == (0, -(-num_tokens // prefill_bs))
+    assert retained_block_range(full_spec, end) == (0, -(-end // prefill_bs))
+    state_spec = StateSpec(block_size=prefill_bs, shapes=((1,),), dtypes=(torch.float32,))
+    first, stop = retained_block_range(state_spec, end)
+    if end and end % prefill_bs == 0:
+        assert (first, stop) == (end // prefill_bs - 1, end // prefill_bs)
+    else:
+        assert first == stop  # mid-block: only an engine's resume block has that state
 
 
 # ================================================================ decode (consumer)
@@ -445,6 +468,7 @@ def remote_params(num_tokens: int, num_groups: int = 1, block_size: int = 16) ->
         remote_block_size=block_size,
         num_tokens=num_tokens,
         remote_request_id="p-1",
+        resume_tokens=num_tokens - 1,
     )
 
 
@@ -464,15 +488,15 @@ def admit(eng: Engine, req: Req, num_computed: int = 0) -> int:
 def test_decode_happy_path() -> None:
     eng = Engine(KVRole.CONSUMER)
     req = decode_req("d", 100)
-    assert eng.sched.get_num_new_matched_tokens(req, 0) == (96, True)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (99, True)  # all but the last
     blocks = eng.allocate("d", 100)
-    eng.sched.update_state_after_alloc(req, blocks, 96)
+    eng.sched.update_state_after_alloc(req, blocks, 99)
     assert eng.sched.load_state("d") is LoadState.ALLOCATED
     meta, events = eng.step()
     [spec] = meta.reqs_to_load
     assert spec.request_id == "d" and spec.params is req.kv_transfer_params
-    assert spec.local_block_ids == (tuple(blocks[0][:6]),)  # 96 tokens = blocks 0..5
-    assert (spec.start_token, spec.end_token) == (0, 96)
+    assert spec.local_block_ids == (tuple(blocks[0][:7]),)  # 99 tokens = blocks 0..6
+    assert (spec.start_token, spec.end_token) == (0, 99)
     assert eng.sched.defers_free("d")
     _, events = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
     assert events.loaded_request_ids == {"d"}
@@ -485,15 +509,15 @@ def test_decode_happy_path() -> None:
     eng.assert_clean()
 
 
-def test_load_aligns_to_the_lcm_of_both_sides() -> None:
+def test_load_ends_at_the_resume_point_whatever_the_block_sizes() -> None:
     eng = Engine(KVRole.CONSUMER, block_size=32)
-    req = Req("d", prompt(200), remote_params(200, block_size=48))  # lcm 96
-    assert eng.sched.get_num_new_matched_tokens(req, 0) == (192, True)
-    short = Req("e", prompt(96), remote_params(96, block_size=48))  # 95 // 96 = 0
-    assert eng.sched.get_num_new_matched_tokens(short, 0) == (0, False)
-    # Prefill held fewer tokens than the decode's prompt: bounded by params.num_tokens.
+    req = Req("d", prompt(200), remote_params(200, block_size=48))  # not multiples
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (199, True)
+    short = Req("e", prompt(2), remote_params(2, block_size=48))
+    assert eng.sched.get_num_new_matched_tokens(short, 0) == (1, True)
+    # Prefill held fewer tokens than the decode's prompt: bounded by its resume point.
     fewer = Req("f", prompt(300), remote_params(150, block_size=48))
-    assert eng.sched.get_num_new_matched_tokens(fewer, 0) == (96, True)
+    assert eng.sched.get_num_new_matched_tokens(fewer, 0) == (149, True)
     for rid in ("d", "e", "f"):
         eng.sched.request_aborted(rid)
     meta, _ = eng.step()
@@ -504,17 +528,17 @@ def test_load_aligns_to_the_lcm_of_both_sides() -> None:
 def test_partial_prefix_hit_loads_the_rest() -> None:
     eng = Engine(KVRole.CONSUMER)
     req = decode_req("d", 100)
-    assert admit(eng, req, num_computed=32) == 64
+    assert admit(eng, req, num_computed=32) == 67
     meta, _ = eng.step()
     [spec] = meta.reqs_to_load
-    assert (spec.start_token, spec.end_token) == (32, 96)
+    assert (spec.start_token, spec.end_token) == (32, 99)
     _, events = eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
     assert events.loaded_request_ids == {"d"}
     eng.free_own("d")
     eng.assert_clean()
 
 
-@pytest.mark.parametrize("num_computed", [96, 99])
+@pytest.mark.parametrize("num_computed", [99, 112])
 def test_full_prefix_hit_only_releases_prefill(num_computed: int) -> None:
     eng = Engine(KVRole.CONSUMER)
     req = decode_req("d", 100)
@@ -534,7 +558,7 @@ def test_full_prefix_hit_only_releases_prefill(num_computed: int) -> None:
 def test_abort_before_allocation() -> None:
     eng = Engine(KVRole.CONSUMER)
     req = decode_req("d", 64)
-    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (63, True)
     eng.sched.request_aborted("d")
     assert not eng.sched.defers_free("d")
     meta, events = eng.step()
@@ -649,8 +673,8 @@ def test_waiting_requests_heartbeat_at_most_once_per_period() -> None:
     eng = Engine(KVRole.CONSUMER)
     req = decode_req("d", 64)
     full_hit = decode_req("h", 64)
-    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
-    assert eng.sched.get_num_new_matched_tokens(full_hit, 48) == (0, False)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (63, True)
+    assert eng.sched.get_num_new_matched_tokens(full_hit, 64) == (0, False)
     seen = []
     for _ in range(12):  # steps 1 s apart; heartbeat_s = 5
         eng.sched.request_waiting(req)
@@ -678,10 +702,11 @@ def test_waiting_requests_heartbeat_at_most_once_per_period() -> None:
 def test_hybrid_decode_load_spec_per_group() -> None:
     eng = Engine(KVRole.CONSUMER, HYBRID, block_size=8)
     req = Req("d", prompt(100), remote_params(100, num_groups=3, block_size=16))
-    assert admit(eng, req, num_computed=16) == 80  # lcm 16: n_load = 96
+    assert admit(eng, req, num_computed=16) == 83  # resume at 99
     meta, _ = eng.step()
     [spec] = meta.reqs_to_load
-    assert spec.local_block_ids == tuple(tuple(ids[:12]) for ids in eng.blocks["d"])
+    # 99 tokens in 8-token blocks: 13 blocks, the last one partial (its state entry too)
+    assert spec.local_block_ids == tuple(tuple(ids[:13]) for ids in eng.blocks["d"])
     eng.step(WorkerOutput(finished_recving=frozenset({"d"})))
     eng.free_own("d")
     eng.assert_clean()
@@ -706,14 +731,14 @@ def test_decode_engine_misuse_raises() -> None:
     with pytest.raises(LifecycleError, match="promised no tokens"):
         eng.sched.update_state_after_alloc(req, [[0, 1, 2]], 48)
     eng.sched.update_state_after_alloc(Req("local", prompt(8)), [[0]], 0)  # no-op
-    assert eng.sched.get_num_new_matched_tokens(req, 0) == (48, True)
-    with pytest.raises(LifecycleError, match=r"num_external_tokens=32.*offered 48"):
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (63, True)
+    with pytest.raises(LifecycleError, match=r"num_external_tokens=32.*offered 63"):
         eng.sched.update_state_after_alloc(req, [[0, 1, 2, 3]], 32)
     with pytest.raises(LifecycleError, match="group 0: 2 blocks allocated"):
-        eng.sched.update_state_after_alloc(req, [[0, 1]], 48)
+        eng.sched.update_state_after_alloc(req, [[0, 1]], 63)
     admit(eng, req)
     with pytest.raises(LifecycleError, match="ALLOCATED"):
-        eng.sched.update_state_after_alloc(req, eng.blocks["d"], 48)
+        eng.sched.update_state_after_alloc(req, eng.blocks["d"], 63)
     with pytest.raises(LifecycleError, match="ALLOCATED"):
         eng.sched.get_num_new_matched_tokens(req, 0)
     eng.sched.request_aborted("d")
@@ -822,7 +847,7 @@ def _decode_step(decode: Engine, wire: Wire, plans: dict[str, str], outcomes, rn
 @given(plan_list=st.lists(st.sampled_from(PLANS), min_size=1, max_size=10), rng=st.randoms())
 def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng) -> None:
     clock = FakeClock()  # one time line for both sides
-    prefill = Engine(KVRole.PRODUCER, HYBRID, clock=clock, extra={"max_peer_block_size": 32})
+    prefill = Engine(KVRole.PRODUCER, HYBRID, clock=clock)
     decode = Engine(KVRole.CONSUMER, HYBRID, clock=clock, failure_policy=FailurePolicy.FAIL)
     wire = Wire()
     plans, reqs = {}, {}
@@ -864,14 +889,14 @@ def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng
 
 def test_window_before_prefills_first_kept_block_is_computed_locally() -> None:
     """vLLM frees out-of-window blocks during prefill: the params start the window group
-    at its first kept block. Aligning the load end down can need older blocks."""
+    at its first kept block. A prompt shorter than prefill's can need older blocks."""
     eng = Engine(KVRole.CONSUMER, kinds=(FULL, SW), block_size=64)  # window 24
-    n = 178  # prefill 32-token blocks keep window blocks from (178 - 24) // 32 = 4
+    n = 178  # prefill 32-token blocks keep window blocks from (177 - 24) // 32 = 4
     params = remote_params(n, num_groups=2, block_size=32)
     params = msgspec.structs.replace(params, remote_first_block=[0, 4])
-    req = Req("w", prompt(n), params)
-    # lcm 64: load tokens [0, 128); the window needs tokens 104..127, in prefill block 3
+    req = Req("w", prompt(129), params)
+    # resume at 128: the window needs tokens 104..127, in prefill block 3
     assert admit(eng, req) == 0
     assert eng.sched.load_state("w") is LoadState.RELEASING  # prefill is told to free
-    ok = Req("v", prompt(n), msgspec.structs.replace(params, remote_first_block=[0, 3]))
+    ok = Req("v", prompt(129), msgspec.structs.replace(params, remote_first_block=[0, 3]))
     assert admit(eng, ok) == 128

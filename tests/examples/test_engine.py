@@ -249,6 +249,7 @@ def remote_params(n_tokens: int, num_groups: int) -> KVTransferParams:
         remote_block_size=16,
         num_tokens=n_tokens,
         remote_request_id="remote-1",
+        resume_tokens=n_tokens - 1,
     )
 
 

@@ -105,14 +105,12 @@ class Request:
             ids if kind is KVCacheKind.STATE else to_kernel_block_ids(ids, block_size, kb)
             for ids, kind in zip(self.manager_ids, config.group_kinds, strict=True)
         )
-        self.scratch = pool.pop()
 
     def step(self, ids: list[int], start: int, end: int) -> SeqInput:
         return SeqInput(
             token_ids=ids[start:end],
             start_pos=start,
             block_tables=self.tables,
-            state_scratch_slot=self.scratch,
         )
 
 
@@ -140,7 +138,7 @@ def test_paged_forward_matches_dense_reference(name, block_size, kb, layout):
     ids_a, ids_b = token_ids(n), token_ids(n, shift=7)
     a = Request(m.config, pool, block_size=block_size, kb=kb, n=n)
     b = Request(m.config, pool, block_size=block_size, kb=kb, n=n)
-    # A: one prefill chunk. B: chunks at a block multiple and (via scratch) off one.
+    # A: one prefill chunk. B: chunks at a block multiple and (running state) off one.
     got_a = m.forward([a.step(ids_a, 0, prompt)], caches)
     got_b = [
         m.forward([b.step(ids_b, s, e)], caches)[0]
@@ -245,8 +243,9 @@ def test_bad_inputs_raise_typed_errors():
     req = Request(m.config, pool, block_size=16, kb=8, n=20)
     with pytest.raises(BlockIdError, match="needs entry"):
         m.forward([req.step(ids, 0, 40)], caches)
-    with pytest.raises(LayoutError, match="scratch slot"):
-        m.forward([SeqInput(token_ids=ids[5:9], start_pos=5, block_tables=req.tables)], caches)
+    holes = tuple(np.full_like(t, -1) if i == 2 else t for i, t in enumerate(req.tables))
+    with pytest.raises(BlockIdError, match="needs the state in entry 0"):
+        m.forward([SeqInput(token_ids=ids[5:9], start_pos=5, block_tables=holes)], caches)
     with pytest.raises(LayoutError, match="3 KV-cache groups"):
         m.forward([SeqInput(token_ids=ids[:4], start_pos=0, block_tables=req.tables[:2])], caches)
     wrong = ModelCaches.allocate(
@@ -260,6 +259,40 @@ def test_bad_inputs_raise_typed_errors():
         m.forward([], wrong)
     with pytest.raises(ModelConfigError, match="tiny-dense"):
         ModelConfig.from_name("huge")
+
+
+@pytest.mark.parametrize("prompt", [40, 33, 47, 48])
+def test_a_snapshot_keeps_the_state_where_decode_resumes(prompt):
+    """Prefill keeps the state after ``prompt - 1`` tokens in a resume block; a second
+    request resumes from it (copied into the entry of its block of token prompt - 2) and
+    computes the last prompt token and on exactly like one run."""
+    m, caches, _, pool = setup("tiny-hybrid-state", 16, 8, KVLayout.NHD, 64)
+    n = prompt + 4
+    ids = token_ids(n)
+    state = m.config.group_kinds.index(KVCacheKind.STATE)
+    a = Request(m.config, pool, block_size=16, kb=8, n=n)
+    resume = pool.pop()
+    snap = SeqInput(
+        token_ids=ids[:prompt],
+        start_pos=0,
+        block_tables=a.tables,
+        state_snapshot=(prompt - 1, resume),
+    )
+    m.forward([snap], caches)
+    # decode's copy: attention KV as prefill left it, the state from the resume block
+    b = Request(m.config, pool, block_size=16, kb=8, n=n)
+    tables = list(b.tables)
+    for g, table in enumerate(a.tables):
+        if g != state:
+            tables[g] = table
+    b.tables = tuple(tables)
+    entry = int(b.manager_ids[state][(prompt - 2) // 16])
+    for i in m.config.group_layer_ids(state):
+        for t in caches.layers[i].tensors:
+            t[entry] = t[resume]
+    got = [m.forward([b.step(ids, p, p + 1)], caches)[0] for p in range(prompt - 1, n)]
+    want = m.reference_logits(ids)[prompt - 1 :]
+    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=RTOL)
 
 
 def test_config_groups_and_specs():

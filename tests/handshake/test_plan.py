@@ -287,9 +287,13 @@ def test_engine_packed_larger_sender_pages_go_whole_to_staging_for_a_split():
     assert "staged, engine splits" in str(plan)
 
 
-def test_engine_packed_block_sizes_that_do_not_divide_are_refused():
+@pytest.mark.parametrize("b_remote,b_local", [(96, 64), (64, 96), (160, 64)])
+def test_engine_packed_pages_that_do_not_divide_go_whole_to_staging(b_remote, b_local):
     fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
-    remote = make_side("p", 96, fmt, "F", 8)
-    local = make_side("d", 64, fmt, "F", 8)
-    with pytest.raises(IncompatiblePeerError, match="one block size must be a multiple"):
-        negotiate(local.layout, remote.layout, can_repack=True)
+    remote = make_side("p", b_remote, fmt, "F", 8)
+    local = make_side("d", b_local, fmt, "F", 8)
+    plan = negotiate(local.layout, remote.layout, can_repack=True)
+    g = plan.groups[0]
+    assert (g.split_from, g.repack_from, g.wire_tokens) == (b_remote, 0, b_remote)
+    page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
+    assert g.staging_bytes == 2 * page  # one whole remote page per layer

@@ -106,6 +106,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L32b", llama, 32, "recompute"),
         _spec("L128a", llama, 128, "recompute"),
         _spec("L128b", llama, 128, "recompute"),
+        _spec("L96a", llama, 96, "recompute"),
         _spec("G32a", gemma, 32, "fail"),
         _spec("G32b", gemma, 32, "fail"),
     ]
@@ -160,6 +161,8 @@ PAIRS = [
     ("L128b", "L128a", "L32b"),
     ("L32a", "L128b", "L128a"),  # decode 4x larger: whole pages side by side, then repacked
     ("L128a", "L32b", "L128b"),  # prefill 4x larger: whole pages staged, then split
+    ("L96a", "L128b", "L32a"),  # neither a multiple of the other: staged, then split
+    ("L128a", "L96a", "L32b"),
 ]
 
 
@@ -176,20 +179,18 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
     moved = _deltas(before, after)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_recomputed") == 0, moved
-    block = max(_size(decode), _size(prefill))
-    want = sum((len(p) - 1) // block * block for p in prompts) * BYTES_PER_TOKEN
-    assert _delta(before, after, "bytes_read") == want
-    # whole prefill pages: one descriptor per (prefill block, layer)
-    assert (
-        _delta(before, after, "descriptors_posted") == want // BYTES_PER_TOKEN // _size(prefill) * 4
-    )
+    # every prompt token but the last (decode computes it), in whole prefill pages: one
+    # descriptor per (prefill page, layer)
+    loaded = [len(p) - 1 for p in prompts]
+    pages = sum(-(-n // _size(prefill)) for n in loaded)
+    assert _delta(before, after, "bytes_read") == pages * _size(prefill) * BYTES_PER_TOKEN
+    assert _delta(before, after, "descriptors_posted") == pages * 4
     # decode blocks rebuilt by vLLM's kernel: merged (decode larger) or split into
     rebuilt = _delta(before, after, "receiver_rewrites")
-    tokens = want // BYTES_PER_TOKEN
     if _size(decode) == _size(prefill):
         assert rebuilt == 0
     else:
-        assert rebuilt == tokens // _size(decode)
+        assert rebuilt == sum(-(-n // _size(decode)) for n in loaded)
 
 
 def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(cluster):
@@ -202,11 +203,12 @@ def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(clu
     before = cluster.metrics("L32b")
     got = cluster.pd("L128a", "L32b", prompt)
     after = cluster.metrics("L32b")
-    end = (len(prompt) - 1) // 128 * 128
+    end = len(prompt) - 1  # decode resumes at the last prompt token
     assert end > 288
     assert _delta(before, after, "loads_loaded") == 1
-    assert _delta(before, after, "bytes_read") == (end - 256) * BYTES_PER_TOKEN  # pages 2..
-    assert _delta(before, after, "receiver_rewrites") == (end - 288) // 32
+    pages = -(-end // 128) - 2  # pages 2.. (decode's hit ends inside page 2)
+    assert _delta(before, after, "bytes_read") == pages * 128 * BYTES_PER_TOKEN
+    assert _delta(before, after, "receiver_rewrites") == -(-end // 32) - 9
     _assert_same(cluster.run("L128b", prompt), got)
 
 
@@ -239,9 +241,9 @@ def test_decode_prefix_hit_loads_only_the_rest(cluster):
     before = cluster.metrics("L32b")
     got = cluster.pd("L32a", "L32b", prompt)
     after = cluster.metrics("L32b")
-    loaded_tokens = (len(prompt) - 1) // 32 * 32 - 256
-    assert loaded_tokens > 0
-    assert _delta(before, after, "bytes_read") == loaded_tokens * BYTES_PER_TOKEN
+    pages = -(-(len(prompt) - 1) // 32) - 8  # whole 32-token pages past the 256 cached
+    assert pages > 0
+    assert _delta(before, after, "bytes_read") == pages * 32 * BYTES_PER_TOKEN
     _assert_same(cluster.run("L128a", prompt), got)
 
 

@@ -107,10 +107,13 @@ def pages_side_by_side(src, src_ids, dst_ids, r):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
-def test_split_of_larger_pages_equals_writing_the_small_blocks(dtype, small, large):
-    """Prefill pages ``large`` tokens long, staged whole: split writes tokens
-    ``[start, end)`` into decode's small blocks, byte for byte what the kernel writes."""
+@pytest.mark.parametrize(
+    "small,large", [(32, 64), (32, 128), (64, 128), (64, 96), (96, 64), (32, 160)]
+)
+def test_split_of_staged_pages_equals_writing_the_decode_blocks(dtype, small, large):
+    """Prefill pages ``large`` tokens long (larger than decode's or not dividing them),
+    staged whole: split writes tokens ``[start, end)`` into decode's ``small``-token
+    blocks, byte for byte what the kernel writes; ``end`` is the prompt's last token."""
     import numpy as np
 
     from connector.vllm.packing import CpuAttnRepacker, _write
@@ -124,12 +127,13 @@ def test_split_of_larger_pages_equals_writing_the_small_blocks(dtype, small, lar
     _write(src, key, value, (src_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1))
     staged = [src[src_ids].reshape(2, -1).view(torch.uint8)]  # what the staging slots hold
 
-    nb = tokens // small
+    nb = -(-tokens // small)
     dst = torch.zeros(nb + 2, H, small, 2 * D, dtype=dtype)
     dst_ids = np.arange(nb)[::-1] + 2  # decode's blocks, out of order
     start = small  # decode already had block 0 (a prefix hit): write tokens small..end
+    end = tokens - 1  # decode computes the last prompt token itself
     t = np.arange(tokens).reshape(2, large)
-    slots = np.where(t >= start, dst_ids[t // small] * small + t % small, -1)
+    slots = np.where((t >= start) & (t < end), dst_ids[t // small] * small + t % small, -1)
     layers = KVCacheConfig(
         groups=(
             KVCacheGroup(
@@ -144,7 +148,7 @@ def test_split_of_larger_pages_equals_writing_the_small_blocks(dtype, small, lar
     CpuAttnRepacker(layers, {"l0": dst}).split(0, staged, large, slots)
 
     want = torch.zeros_like(dst)
-    keep = torch.arange(start, tokens)
+    keep = torch.arange(start, end)
     want_slots = torch.from_numpy(dst_ids[keep.numpy() // small] * small + keep.numpy() % small)
     _write(want, key[keep], value[keep], want_slots)
     written = torch.from_numpy(dst_ids[1:].copy())
