@@ -92,6 +92,5 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             )
         if not 0 <= self.resume_tokens <= self.num_tokens:
             raise ParamsError(
-                f"resume_tokens={self.resume_tokens} must lie in [0, num_tokens="
-                f"{self.num_tokens}]"
+                f"resume_tokens={self.resume_tokens} must lie in [0, num_tokens={self.num_tokens}]"
             )

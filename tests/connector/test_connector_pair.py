@@ -536,8 +536,9 @@ def test_an_incompatible_decode_tells_prefill_to_free_at_once(clock):
             assert decode_admit(decode, d) == 199
             run_until(
                 [prefill, decode],
-                lambda p_=p, d_=d: bool(failed(decode, d_.request_id)) and p_.request_id
-                in prefill.freed,
+                lambda p_=p, d_=d: (
+                    bool(failed(decode, d_.request_id)) and p_.request_id in prefill.freed
+                ),
                 "the failed load and prefill's free",
             )
             [failure] = failed(decode, d.request_id)

@@ -6,7 +6,6 @@ events, and ends by proving the pool is full again (every block freed exactly on
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
