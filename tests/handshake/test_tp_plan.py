@@ -3,6 +3,8 @@ with exactly its KV heads, byte for byte, from the prefill rank(s) holding them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -42,14 +44,15 @@ def _transfer(
     descriptors per decode rank."""
     f_local = f_local or _fmt("HND", False)
     f_remote = f_remote or _fmt("NHD", True)
-    nb = 8
+    tokens = math.lcm(TOKENS, b_local, b_remote)  # whole blocks on both sides
+    n_r, n_l = tokens // b_remote, tokens // b_local
+    nb = max(8, n_r + 1, n_l + 1)
     remotes = [
         make_side(
             "p", b_remote, f_remote, kinds, nb, rank=r, tp_size=remote_tp, total_kv_heads=heads
         )
         for r in range(remote_tp)
     ]
-    n_r, n_l = TOKENS // b_remote, TOKENS // b_local
     rids = np.arange(n_r)[::-1] + 1  # remote blocks out of order
     lids = (np.arange(n_l) * 3 + 1) % nb  # distinct, out of order
     want = {
@@ -76,7 +79,7 @@ def _transfer(
                     and s.num_heads == tp.rank_heads(s.remote_rank, remote_tp, heads).count
                     else (s.local_head, s.remote_head, s.num_heads)
                 )
-                chunks = gp.chunks_for_tokens(0, TOKENS)
+                chunks = gp.chunks_for_tokens(0, tokens)
                 total += execute(plan, local, src, g, chunks, lids, rids, receiver_rewrite=False)
                 if gp.sender:  # prefill restores its blocks (Done)
                     rewrite_group(src.buffers, g, rids, gp.sender.dst, gp.sender.src)
@@ -121,6 +124,8 @@ def test_every_decode_rank_gets_its_heads(local_tp, remote_tp, heads):
         (32, 16, _fmt("NHD", False, split=True), _fmt("NHD", True)),
         (16, 32, _fmt("HND", True, kb=8), _fmt("NHD", False, split=True)),
         (16, 16, _fmt("NHD", True), _fmt("HND", True)),
+        (32, 48, _fmt("HND", False), _fmt("NHD", True)),  # not multiples: 16-token chunks
+        (48, 32, _fmt("NHD", True), _fmt("HND", False, kb=16)),
     ],
 )
 @pytest.mark.parametrize(("local_tp", "remote_tp"), [(2, 1), (1, 2)])
