@@ -41,9 +41,9 @@ from collections.abc import Callable, Mapping, Sequence
 from connector.api import ConnectorRequest, SchedulerEvents
 from connector.config import ConfigError, FailurePolicy, KVTransferConfig
 from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, SendState
-from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec, WorkerOutput
+from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
-from connector.retention import LeaseBook, SendRecord, resume_point, retained_block_range
+from connector.sends import Sends
 from layouts.groups import KVCacheConfig
 from layouts.specs import KVCacheKind, SlidingWindowSpec
 
@@ -87,7 +87,6 @@ class KVBridgeScheduler:
                 f"carry a single remote_block_size); got {block_sizes} for groups "
                 f"0..{self._num_groups - 1}"
             )
-        self._block_size = block_sizes[0]
         self._state_groups = [g for g, s in enumerate(self._specs) if s.kind is KVCacheKind.STATE]
         _refuse_margin(config)
         # Decode side: live records and the next metadata's queues.
@@ -98,14 +97,12 @@ class KVBridgeScheduler:
         self._to_abort: list[tuple[str, KVTransferParams]] = []
         self._waiting: dict[str, KVTransferParams] = {}
         # Prefill side.
-        self._sends = LeaseBook(config.lease_s)
-        self._to_send: dict[str, SendSpec] = {}
-        self._freed_sends: list[str] = []
+        self._sends = Sends(config, self._specs, tp_size=tp_size)
         # Both: ids for the next SchedulerEvents.free_request_ids.
         self._to_free: set[str] = set()
         self.ignored: Counter[Ignored] = Counter()
         self.load_outcomes: Counter[LoadState] = Counter()
-        self.send_outcomes: Counter[SendState] = Counter()
+        self.send_outcomes = self._sends.outcomes
 
     # ------------------------------------------------------------------ decode side
 
@@ -262,7 +259,7 @@ class KVBridgeScheduler:
         record = self._loads.get(request_id)
         if record is not None and record.state in (LoadState.LOADING, LoadState.ABORTING):
             return True
-        return self._sends.live(request_id) is not None
+        return self._sends.book.live(request_id) is not None
 
     def _finish_load(self, rid: str, outcome: LoadState) -> None:
         self._loads.pop(rid).advance(outcome)
@@ -314,129 +311,55 @@ class KVBridgeScheduler:
         params = request.kv_transfer_params
         if params is None or not params.do_remote_decode or not self.config.is_producer:
             return False, None
-        if rid in self._sends:
-            raise LifecycleError(f"request {rid!r}: request_finished called twice")
-        if len(block_ids_per_group) != self._num_groups:
-            raise LifecycleError(
-                f"request {rid!r}: {len(block_ids_per_group)} block lists for "
-                f"{self._num_groups} KV-cache groups"
-            )
-        resume = dict(resume_state_block_ids or {})
-        if set(resume) - set(self._state_groups):
-            raise LifecycleError(
-                f"request {rid!r}: resume_state_block_ids names groups {sorted(resume)}; the "
-                f"state groups are {self._state_groups}"
-            )
-        num_tokens = len(request.prompt_token_ids)
-        exact = all(g in resume for g in self._state_groups)
-        end = resume_point(num_tokens, self._block_size, resume_state=exact)
-        kept_lists, first_blocks, kept, free = [], [], [], []
-        for g, (spec, group_ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
-            ids = list(map(int, group_ids))
-            first, stop = retained_block_range(spec, end)
-            if len(ids) < stop:
-                raise LifecycleError(
-                    f"request {rid!r}, group {g}: {len(ids)} blocks for a {num_tokens}-token "
-                    f"prompt; blocks 0..{stop - 1} of {spec.block_size} tokens are needed"
-                )
-            # Negative ids are placeholders (no block kept there): trim them off the ends.
-            while first < stop and ids[first] < 0:
-                first += 1
-            while stop > first and ids[stop - 1] < 0:
-                stop -= 1
-            group_kept = ids[first:stop]
-            if g in resume:
-                if exact and end > 0:
-                    group_kept, first = [int(resume[g])], (end - 1) // spec.block_size
-                else:
-                    free.append(int(resume[g]))
-            kept_lists.append(group_kept)
-            first_blocks.append(first)
-            kept.extend(b for b in group_kept if b >= 0)
-            held = set(group_kept)
-            free.extend(b for b in ids if b >= 0 and b not in held)
-        self._sends.hold(rid, kept, free, self._clock())
-        self._to_send[rid] = SendSpec(
-            request_id=rid,
-            block_ids=tuple(map(tuple, kept_lists)),
-            first_block=tuple(first_blocks),
-            lease_s=self.config.lease_s,
-        )
-        return True, KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.config.engine_id,
-            remote_host=self.config.kv_ip,
-            remote_port=self.config.kv_port,  # + rank 0: the scheduler speaks for rank 0
-            remote_rank=0,
-            remote_tp_size=self.tp_size,
-            remote_block_ids=kept_lists,
-            remote_first_block=first_blocks,
-            remote_block_size=self._block_size,
-            num_tokens=num_tokens,
-            remote_request_id=rid,
-            resume_tokens=end,
+        return True, self._sends.hold(
+            request, block_ids_per_group, resume_state_block_ids, self._clock()
         )
 
     def take_blocks_to_free(self, request_id: str) -> tuple[int, ...]:
         """Blocks of a delayed-free prefill request the engine may free now; each block is
         returned once over all calls (unknown or drained requests give ``()``)."""
-        return self._sends.take(request_id)
-
-    def _release_send(self, record: SendRecord, why: SendState, *, by_worker: bool) -> None:
-        if record.state is SendState.PENDING:
-            del self._to_send[record.request_id]  # the worker never heard of it
-        elif not by_worker:
-            self._freed_sends.append(record.request_id)  # the worker must drop it too
-        self._sends.release(record, why)
-        self.send_outcomes[why] += 1
-        self._to_free.add(record.request_id)
-
-    def _expire_leases(self, now: float) -> None:
-        for record in self._sends.expired(now):
-            self._release_send(record, SendState.EXPIRED, by_worker=False)
+        return self._sends.book.take(request_id)
 
     # ------------------------------------------------------------------ both sides
 
     def build_connector_meta(self) -> ConnectorMetadata:
         """The step's work for the workers; empties the queues."""
-        self._expire_leases(self._clock())
+        self._sends.expire(self._clock())
         for rid in self._to_load:
             self._loads[rid].advance(LoadState.LOADING)
-        for rid in self._to_send:
-            send = self._sends.live(rid)
-            assert send is not None, f"queued SendSpec of {rid!r} outlived its record"
-            send.advance(SendState.HELD)
+        to_send, freed = self._sends.drain()
         for rid in self._to_release:
             self._finish_load(rid, LoadState.RELEASED)
         meta = ConnectorMetadata(
             reqs_to_load=tuple(self._to_load.values()),
-            reqs_to_send=tuple(self._to_send.values()),
+            reqs_to_send=to_send,
             reqs_to_abort=tuple(self._to_abort),
             reqs_waiting=tuple(self._waiting.items()),
             reqs_to_release=tuple(self._to_release.items()),
-            reqs_freed=tuple(self._freed_sends),
+            reqs_freed=freed,
         )
-        self._to_load, self._to_send, self._to_release, self._waiting = {}, {}, {}, {}
-        self._to_abort, self._freed_sends = [], []
+        self._to_load, self._to_release, self._waiting = {}, {}, {}
+        self._to_abort = []
         return meta
 
     def update_connector_output(self, output: WorkerOutput) -> SchedulerEvents:
         """Fold the workers' report in; unknown or repeated ids are counted in ``ignored``."""
         now = self._clock()
+        book = self._sends.book
         for rid in output.heartbeats:
-            send = self._sends.live(rid)
+            send = book.live(rid)
             if send is None:
                 self.ignored[Ignored.HEARTBEAT] += 1
                 continue
-            self._sends.extend(send, now)
+            book.extend(send, now)
         for rid in output.finished_sending:
-            send = self._sends.live(rid)
+            send = book.live(rid)
             if send is None:
                 self.ignored[Ignored.FINISHED_SENDING] += 1
                 continue
             why = SendState.EXPIRED if rid in output.expired_leases else SendState.DONE
-            self._release_send(send, why, by_worker=True)
-        self._expire_leases(now)
+            self._sends.release(send, why, by_worker=True)
+        self._sends.expire(now)
 
         recompute: list[LoadFailure] = []
         failed: list[LoadFailure] = []
@@ -452,7 +375,7 @@ class KVBridgeScheduler:
             if self._load_reported(rid, Ignored.FINISHED_RECVING, ok=True) is LoadState.LOADED
         ]
         events = SchedulerEvents(
-            free_request_ids=frozenset(self._to_free),
+            free_request_ids=frozenset(self._to_free | self._sends.take_released()),
             loaded_request_ids=frozenset(loaded),
             recompute=tuple(recompute),
             failed=tuple(failed),
@@ -486,9 +409,9 @@ class KVBridgeScheduler:
         if request_id in self._loads:
             self._abort_load(request_id)
             handled = True
-        send = self._sends.live(request_id)
+        send = self._sends.book.live(request_id)
         if send is not None:
-            self._release_send(send, SendState.ABORTED, by_worker=False)
+            self._sends.release(send, SendState.ABORTED, by_worker=False)
             handled = True
         if not handled:
             self.ignored[Ignored.ABORT] += 1
@@ -500,17 +423,17 @@ class KVBridgeScheduler:
         return None if record is None else record.state
 
     def send_state(self, request_id: str) -> SendState | None:
-        return self._sends.state(request_id)
+        return self._sends.book.state(request_id)
 
     @property
     def num_held_sends(self) -> int:
         """Prefill requests whose blocks are kept for a reader."""
-        return self._sends.num_live
+        return self._sends.book.num_live
 
     @property
     def num_held_blocks(self) -> int:
         """Prefill blocks kept for readers."""
-        return self._sends.num_kept_blocks
+        return self._sends.book.num_kept_blocks
 
     @property
     def num_live_loads(self) -> int:
@@ -520,11 +443,11 @@ class KVBridgeScheduler:
     @property
     def num_live_requests(self) -> int:
         """Decode requests not yet ended plus prefill requests still holding blocks."""
-        return len(self._loads) + self._sends.num_live
+        return len(self._loads) + self._sends.book.num_live
 
     def __repr__(self) -> str:
         return (
             f"KVBridgeScheduler(role={self.config.kv_role.value}, "
             f"engine_id={self.config.engine_id!r}, loads={len(self._loads)}, "
-            f"sends={self._sends.num_live})"
+            f"sends={self._sends.book.num_live})"
         )
