@@ -15,6 +15,9 @@ class ParamsError(KVBridgeError, ValueError):
     """``kv_transfer_params`` that cannot be used as they are."""
 
 
+MAX_TOKENS = 1 << 24  # bounds num_tokens and block sizes (and so every block list)
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     do_remote_prefill: bool = False  # decode: load this request's KV from a remote prefill
     do_remote_decode: bool = False  # prefill: keep the KV for a remote decode
@@ -31,6 +34,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # the resume point: prefill kept the KV of tokens [0, resume_tokens) and, for state
     # groups, the state after exactly resume_tokens tokens (see connector.retention)
     resume_tokens: int = 0
+    # set by a prefill with a secret (connector.signing): wall-clock expiry and HMAC
+    expires_at: float = 0.0
+    signature: str = ""
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -94,3 +100,20 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ParamsError(
                 f"resume_tokens={self.resume_tokens} must lie in [0, num_tokens={self.num_tokens}]"
             )
+        if self.num_tokens > MAX_TOKENS or self.remote_block_size > MAX_TOKENS:
+            raise ParamsError(
+                f"num_tokens={self.num_tokens} and remote_block_size={self.remote_block_size} "
+                f"must be at most {MAX_TOKENS}"
+            )
+        # a group holds at most the blocks of the prompt (+1: a state group's resume block)
+        limit = -(-self.num_tokens // self.remote_block_size) + 1
+        for g, ids in enumerate(self.remote_block_ids):
+            if len(ids) > limit:
+                raise ParamsError(
+                    f"remote_block_ids[{g}] lists {len(ids)} blocks; a {self.num_tokens}-token "
+                    f"prompt in {self.remote_block_size}-token blocks has at most {limit}"
+                )
+            if any(b < 0 for b in ids) or len(set(ids)) != len(ids):
+                raise ParamsError(f"remote_block_ids[{g}] must be distinct non-negative block ids")
+        if any(f < 0 for f in self.remote_first_block):
+            raise ParamsError(f"remote_first_block={self.remote_first_block} must be >= 0")

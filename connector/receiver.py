@@ -30,6 +30,7 @@ from connector.errors import TransferError
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
+from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.routing import Route, Router
 from connector.staged_reads import Repacker, StageBatch, Staged, StagedReads
@@ -218,6 +219,12 @@ class Receiver:
 
     def _start(self, load: Load, src: Source, peer: Peer) -> None:
         assert peer.plan is not None
+        bad = _outside(load.spec.params, peer)
+        if bad:
+            # params no prefill issued (unsigned deployments): never read, never Prepare,
+            # and no Done either: the request id in them may be another request's
+            self._finish_failed(load, bad, notify=False)
+            return
         rewrites = [
             GroupRewrite(
                 group_id=gid, src=WireArrangement.of(rw.src), dst=WireArrangement.of(rw.dst)
@@ -396,10 +403,11 @@ class Receiver:
         if peer is not None and peer.state is PeerState.READY:
             self._send(peer, msg)
 
-    def _finish_failed(self, load: Load, reason: str) -> None:
+    def _finish_failed(self, load: Load, reason: str, *, notify: bool = True) -> None:
         for src in load.sources:  # releasing an in-flight handle cancels it
             self._release_source(src)
-        self._notify_done(load, ok=False)
+        if notify:
+            self._notify_done(load, ok=False)
         self._forget(load)
         self._metrics.transfer_failures += 1
         self._failed.append(_failure(load.spec, reason))
@@ -413,6 +421,22 @@ class Receiver:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
         self._staged.close()
+
+
+def _outside(params: KVTransferParams, peer: Peer) -> str:
+    """Why ``params`` name blocks ``peer`` does not have ('' when they all exist)."""
+    assert peer.plan is not None and peer.layout is not None
+    regions = peer.layout.regions
+    for g in peer.plan.groups:
+        ids = params.remote_block_ids[g.group_id]
+        limit = min((regions[s.remote_region].region.num_blocks for s in g.streams), default=0)
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            return (
+                f"kv_transfer_params name remote blocks {min(ids)}..{max(ids)} of group "
+                f"{g.group_id}, outside the {limit} blocks {peer.key} advertised: not issued "
+                f"by that prefill; nothing read"
+            )
+    return ""
 
 
 def _failure(spec: LoadSpec, reason: str) -> LoadFailure:

@@ -44,6 +44,7 @@ from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, 
 from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
 from connector.sends import Sends
+from connector.signing import ParamsSigner
 from layouts.groups import KVCacheConfig
 from layouts.specs import KVCacheKind, SlidingWindowSpec
 
@@ -68,10 +69,12 @@ class KVBridgeScheduler:
         kv_cache_config: KVCacheConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         tp_size: int = 1,
     ) -> None:
         """``tp_size``: the engine's tensor-parallel size (its workers are ranks
-        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``)."""
+        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``). ``clock`` times
+        leases and heartbeats; ``wall_clock`` dates signed params (both workers read it)."""
         if tp_size < 1:
             raise ConfigError(f"tp_size={tp_size} must be at least 1")
         self.tp_size = tp_size
@@ -89,6 +92,16 @@ class KVBridgeScheduler:
             )
         self._state_groups = [g for g, s in enumerate(self._specs) if s.kind is KVCacheKind.STATE]
         _refuse_margin(config)
+        self._signer = ParamsSigner(config.secret_bytes, wall_clock=wall_clock)
+        if not self._signer.enabled:
+            logger.warning(
+                "kvbridge %s (%s): no secret configured: kv_transfer_params are not signed "
+                "and the side channel is not authenticated; any client that reaches a decode "
+                "worker can make it read any block of a prefill's registered memory. Keep "
+                "the workers on loopback or a private network, or set 'secret'",
+                config.engine_id,
+                config.kv_role.value,
+            )
         # Decode side: live records and the next metadata's queues.
         self._loads: dict[str, LoadRecord] = {}
         self._consumed: set[str] = set()  # remote KV used up; never load it again
@@ -132,6 +145,7 @@ class KVBridgeScheduler:
         record = self._loads.get(rid)
         if record is None:
             params.validate_for_load(self._num_groups)
+            self._signer.verify(params)  # once: later, heartbeats keep the lease alive
             record = LoadRecord(rid, params)
         elif record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
             raise LifecycleError(
@@ -311,9 +325,10 @@ class KVBridgeScheduler:
         params = request.kv_transfer_params
         if params is None or not params.do_remote_decode or not self.config.is_producer:
             return False, None
-        return True, self._sends.hold(
+        params = self._sends.hold(
             request, block_ids_per_group, resume_state_block_ids, self._clock()
         )
+        return True, self._signer.sign(params, self.config.lease_s)
 
     def take_blocks_to_free(self, request_id: str) -> tuple[int, ...]:
         """Blocks of a delayed-free prefill request the engine may free now; each block is

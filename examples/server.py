@@ -85,7 +85,8 @@ def parse_body(raw: bytes, model: str) -> CompletionBody:
         body = msgspec.json.decode(raw, type=CompletionBody)
     except msgspec.ValidationError as exc:
         raise HTTPFailure(f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError for invalid UTF-8 inside a JSON string
         raise HTTPFailure(f"body is not valid JSON: {exc}") from None
     if body.temperature != 0:
         raise HTTPFailure(f"temperature={body.temperature}: only greedy decoding (0) is served")

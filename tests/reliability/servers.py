@@ -1,0 +1,113 @@
+"""A prefill and a decode example server in this process (real engines, real NIXL between
+their agents, real HTTP), for tests that poke the servers from outside."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from examples.check import blocks_in_use
+from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
+
+MODEL = "tiny-hybrid-state"
+SECRET = "reliability-test-secret-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    url: str
+    loop: EngineLoop
+    server: WorkerHTTPServer
+    thread: threading.Thread
+
+    def post(self, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", path, data, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read() or b"{}")
+        finally:
+            conn.close()
+
+    def blocks_in_use(self, timeout_s: float = 10.0) -> int:
+        return blocks_in_use(self.url, timeout_s)
+
+
+def _start(role: str, kv: dict, block_size: int) -> Worker:
+    argv = [
+        "--role",
+        role,
+        "--model",
+        MODEL,
+        "--block-size",
+        str(block_size),
+        "--num-blocks",
+        "128",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+    loop, info = build(make_parser().parse_args(argv))
+    loop.start()
+    server = WorkerHTTPServer(("127.0.0.1", 0), loop, info, request_timeout_s=60)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    return Worker(f"http://127.0.0.1:{server.server_address[1]}", loop, server, thread)
+
+
+def _stop(w: Worker) -> None:
+    w.server.shutdown()
+    w.server.server_close()
+    w.thread.join()
+    w.loop.close()
+
+
+@contextmanager
+def worker_pair(
+    *, secret: str | None = SECRET, lease_s: float = 30.0, **decode_extra
+) -> Iterator[tuple[Worker, Worker]]:
+    """(prefill block 32, decode block 16) with the same ``secret`` (None: none)."""
+    common = {"secret": secret} if secret else {}
+    prefill = _start(
+        "prefill",
+        {
+            "kv_role": "kv_producer",
+            "engine_id": f"prefill-{free_port()}",
+            "kv_port": free_port(),
+            "lease_s": lease_s,
+            **common,
+        },
+        32,
+    )
+    try:
+        decode = _start(
+            "decode",
+            {
+                "kv_role": "kv_consumer",
+                "engine_id": f"decode-{free_port()}",
+                "kv_port": free_port(),
+                **common,
+                **decode_extra,
+            },
+            16,
+        )
+    except BaseException:
+        _stop(prefill)
+        raise
+    try:
+        yield prefill, decode
+    finally:
+        _stop(decode)
+        _stop(prefill)
