@@ -48,6 +48,7 @@ from examples.engine import (
     RequestOutput,
     SamplingParams,
 )
+from examples.faults import FAULTS, inject
 from examples.runner import ModelRunner, RunnerConfig
 from examples.tokenizer import ByteTokenizer
 from layouts.errors import KVBridgeError
@@ -406,25 +407,6 @@ class WorkerHTTPServer(ThreadingHTTPServer):
         return "\n".join(lines) + "\n"
 
 
-def corrupt_first_loaded_block(runner: ModelRunner):
-    """``--fault-inject corrupt-block``: after the first completed load, flip the sign bit
-    of every element of one loaded full-attention block (all layers of group 0)."""
-    done = threading.Event()
-
-    def hook(req: Request) -> None:
-        if done.is_set() or req.block_ids is None or not req.num_external_tokens:
-            return
-        block = req.block_ids[0][req.num_cached_tokens // runner.block_size]
-        itemsize = runner.kv_config.groups[0].spec.itemsize
-        for slot in runner.buffers.unit_slots(0):
-            row = slot.units[block].view(-1, itemsize)
-            row[:, itemsize - 1] ^= 0x80  # little-endian: the top byte holds the sign
-        logger.warning("fault injection: corrupted block %d of request %s", block, req.request_id)
-        done.set()
-
-    return hook
-
-
 def build(args: argparse.Namespace) -> tuple[EngineLoop, dict]:
     """The engine loop of a worker (built on its own thread by ``start()``) and the info
     ``/health`` reports; bad configuration raises before anything starts."""
@@ -454,8 +436,8 @@ def build(args: argparse.Namespace) -> tuple[EngineLoop, dict]:
             worker=worker,
             exclusive_blocks=config is not None and config.is_producer,
         )
-        if args.fault_inject == "corrupt-block":
-            engine.on_loaded = corrupt_first_loaded_block(runner)
+        if args.fault_inject:
+            inject(args.fault_inject, engine)
         return engine
 
     return EngineLoop(factory), info
@@ -489,7 +471,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer-config", default=None, help="JSON, or a JSON file path")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--request-timeout", type=float, default=120.0)
-    parser.add_argument("--fault-inject", choices=["corrupt-block"], default=None)
+    parser.add_argument("--fault-inject", choices=sorted(FAULTS), default=None)
     parser.add_argument("--log-level", default="INFO")
     RunnerConfig.add_arguments(parser)
     return parser
