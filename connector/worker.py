@@ -246,6 +246,11 @@ class KVBridgeWorker:
             heartbeats=frozenset(heartbeats),
         )
 
+    @property
+    def num_live_handles(self) -> int:
+        """NIXL transfer handles not yet released (0 when idle: a leak shows here)."""
+        return int(getattr(self._engine, "num_live_handles", 0))
+
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Prefill: decode ranks that finished reading a held request (None: not held)."""
         _, sender = self._ready()

@@ -382,6 +382,10 @@ class WorkerHTTPServer(ThreadingHTTPServer):
         metrics = getattr(loop.worker, "metrics", None)
         if metrics is not None:
             lines.append(metrics.prometheus().rstrip("\n"))
+            lines += [
+                "# TYPE kvbridge_live_transfer_handles gauge",
+                f"kvbridge_live_transfer_handles {loop.worker.num_live_handles}",
+            ]
         pool = loop.engine.pool
         lines += [
             "# TYPE kvbridge_free_blocks gauge",

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from examples.check import blocks_in_use
+from examples.launch import MODEL, free_port
 from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
 
-MODEL = "tiny-hybrid-state"
 SECRET = "reliability-test-secret-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["MODEL", "SECRET", "Worker", "free_port", "worker_pair"]
 
 
 @dataclass

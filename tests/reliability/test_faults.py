@@ -16,10 +16,9 @@ import time
 import pytest
 
 from examples.check import make_prompts
+from examples.launch import MODEL, Cluster
 from examples.reference import load_model, reference_generate
 from examples.tokenizer import ByteTokenizer
-from tests.reliability.cluster import Cluster
-from tests.reliability.servers import MODEL
 
 LEASE_S = 3.0
 MAX_TOKENS = 4

@@ -1,12 +1,14 @@
-"""Real server processes for fault tests: a prefill, a decode and the proxy, each in its own
-process group on 127.0.0.1, with free ports; every wait has a deadline; ``close()`` kills
-whatever is left (SIGCONT first, so a stopped process can die)."""
+"""Launching real server processes: a prefill, a decode and the proxy, each in its own
+process group on 127.0.0.1 with free ports (fault tests, the soak script). Every wait has
+a deadline; ``close()`` kills whatever is left (SIGCONT first, so a stopped process can
+die)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,9 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples.check import complete, http_get, parse_metrics
-from tests.reliability.servers import MODEL, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-hybrid-state"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
