@@ -93,6 +93,7 @@ class Receiver:
         *,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         repacker: Repacker | None = None,
         staging_bytes: int = 64 << 20,
         router: Router | None = None,
@@ -115,6 +116,7 @@ class Receiver:
         self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
+        self._wall_clock = wall_clock
         self._loads: dict[str, Load] = {}
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
@@ -231,8 +233,13 @@ class Receiver:
             )
             for gid, rw in peer.plan.sender_rewrites().items()
         ]
-        if rewrites:
-            msg = Prepare(request_id=load.spec.params.remote_request_id, rewrites=rewrites)
+        params = load.spec.params
+        # A read that needs no rewrite goes straight to the blocks, unless prefill's first
+        # lease may be running out: then claim them first (an empty Prepare), so a block
+        # whose lease ran out is never read as if it were still the request's.
+        claim = bool(params.expires_at) and self._wall_clock() > params.expires_at - CLAIM_MARGIN_S
+        if rewrites or claim:
+            msg = Prepare(request_id=params.remote_request_id, rewrites=rewrites)
             if self._send(peer, msg):
                 src.state = LoadState.PREPARING
             else:
@@ -421,6 +428,9 @@ class Receiver:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
         self._staged.close()
+
+
+CLAIM_MARGIN_S = 10.0  # read without asking only while prefill's first lease has this left
 
 
 def _outside(params: KVTransferParams, peer: Peer) -> str:

@@ -102,6 +102,7 @@ class Sender:
                 "already done, or its lease expired)",
             )
         pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
+        self._heartbeats.add(msg.request_id)  # the scheduler's lease is extended too
         if msg.rewrites and not self._rewrites_in_place:
             return Prepared(
                 request_id=msg.request_id,

@@ -45,19 +45,25 @@ class ParamsSigner:
         return self._key is not None
 
     def sign(self, params: KVTransferParams, ttl_s: float) -> KVTransferParams:
-        """``params`` valid for ``ttl_s`` seconds from now, signed (unchanged without a
-        secret: nothing would verify them)."""
-        if self._key is None:
-            return params
+        """``params`` dated to expire ``ttl_s`` seconds from now, and signed (without a
+        secret only dated: decode still claims the blocks before reading near expiry)."""
         dated = msgspec.structs.replace(
             params, expires_at=round(self._wall_clock() + ttl_s, 3), signature=""
         )
+        if self._key is None:
+            return dated
         return msgspec.structs.replace(dated, signature=self._mac(dated))
 
     def verify(self, params: KVTransferParams) -> None:
         """Raise :class:`ParamsSignatureError` unless prefill signed exactly these params
-        and they have not expired (no-op without a secret)."""
+        and they have not expired (without a secret: only the expiry, when dated)."""
         if self._key is None:
+            if params.expires_at and self._wall_clock() > params.expires_at:
+                raise ParamsSignatureError(
+                    f"kv_transfer_params of {params.remote_request_id!r} expired "
+                    f"{self._wall_clock() - params.expires_at:.1f} s ago "
+                    f"(expires_at={params.expires_at}); prefill has freed or will free the blocks"
+                )
             return
         rid = params.remote_request_id
         if not params.signature:

@@ -72,6 +72,7 @@ class KVBridgeWorker:
         tp_size: int = 1,
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         rewrites_in_place: bool = True,
     ) -> None:
         """``rewrites_in_place=False``: the engine may run its own requests on a block
@@ -87,6 +88,7 @@ class KVBridgeWorker:
         self.tp_size = tp_size
         self.metrics = ConnectorMetrics()
         self._clock = clock
+        self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
         progress_us = _progress_us(config.extra)
         self._engine_factory = engine_factory or (lambda name: _nixl_engine(name, progress_us))
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
@@ -189,6 +191,7 @@ class KVBridgeWorker:
             self._send,
             timeout_s=self.config.transfer_timeout_s,
             clock=self._clock,
+            wall_clock=self._wall_clock,
             repacker=self._repacker,
             staging_bytes=self._staging_bytes,
             router=self._router,

@@ -106,11 +106,13 @@ def make_side(
             **extra_config,
         }
     )
-    worker = KVBridgeWorker(config, MODEL, clock=clock, rewrites_in_place=rewrites_in_place)
+    worker = KVBridgeWorker(
+        config, MODEL, clock=clock, wall_clock=clock, rewrites_in_place=rewrites_in_place
+    )
     if repacker is not None:
         worker.set_repacker(repacker)
     worker.register_kv_caches(buffers)
-    sched = KVBridgeScheduler(config, kv, clock=clock)
+    sched = KVBridgeScheduler(config, kv, clock=clock, wall_clock=clock)
     return Side(
         sched=sched, worker=worker, pool=BlockPool(kv.num_blocks), buffers=buffers, config=kv
     )

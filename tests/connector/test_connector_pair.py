@@ -550,3 +550,72 @@ def test_an_incompatible_decode_tells_prefill_to_free_at_once(clock):
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+SAME_FMT = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+
+
+def _same_format_pair(clock):
+    prefill = make_side("kv_producer", "prefill", 16, SAME_FMT, "F", clock, lease_s=30.0)
+    decode = make_side("kv_consumer", "decode", 16, SAME_FMT, "F", clock)
+    return prefill, decode
+
+
+def test_near_the_first_lease_end_decode_claims_the_blocks_before_reading(clock):
+    """No rewrite is due, so decode would read at once; 25 s into prefill's 30 s lease it
+    first claims the blocks (an empty Prepare, which also renews the lease), then reads."""
+    prefill, decode = _same_format_pair(clock)
+    try:
+        p = Request("p1", token_ids(100), _remote_decode())
+        params = prefill_finish(prefill, p)
+        assert params.expires_at == clock.now + 30.0
+        clock.now += 25.0
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 99
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "the claimed load")
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 99))
+        _finish_decode(decode, d)
+        run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free")
+        assert prefill.worker.metrics.notifications_received == 2  # the claim, then Done
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_blocks_whose_lease_ran_out_are_never_read(clock):
+    """Decode took the request at 25 s; prefill's lease ran out at 30 s before the load
+    started. The claim is refused, nothing is read, decode recomputes."""
+    prefill, decode = _same_format_pair(clock)
+    try:
+        p = Request("p1", token_ids(100), _remote_decode())
+        params = prefill_finish(prefill, p)
+        clock.now += 25.0
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 99
+        clock.now += 6.0  # before either side steps: prefill's lease is over
+        run_until([prefill, decode], lambda: bool(failed(decode, "d1")), "the refused claim")
+        [failure] = failed(decode, "d1")
+        assert "lease expired" in failure.reason
+        assert decode.worker.metrics.bytes_read == 0
+        assert prefill.sched.send_outcomes == {SendState.EXPIRED: 1}
+        _finish_decode(decode, d)
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_expired_params_are_refused_when_decode_first_sees_them(clock):
+    from connector.signing import ParamsSignatureError
+
+    prefill, decode = _same_format_pair(clock)
+    try:
+        p = Request("p1", token_ids(100), _remote_decode())
+        params = prefill_finish(prefill, p)
+        clock.now += 31.0
+        with pytest.raises(ParamsSignatureError, match=r"expired 1\.0 s ago"):
+            decode.sched.get_num_new_matched_tokens(Request("d1", p.prompt_token_ids, params), 0)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()

@@ -90,7 +90,10 @@ class Engine:
         self.clock = clock or FakeClock()
         self.kv = kv_config(kinds, block_size)
         self.sched = KVBridgeScheduler(
-            transfer_config(role, **config_overrides), self.kv, clock=self.clock
+            transfer_config(role, **config_overrides),
+            self.kv,
+            clock=self.clock,
+            wall_clock=self.clock,
         )
         self.pool = BlockPool(NUM_BLOCKS)
         self.blocks: dict[str, list[list[int]]] = {}  # blocks the engine frees itself
@@ -161,6 +164,7 @@ def test_prefill_happy_path_params_send_spec_and_free() -> None:
         num_tokens=40,
         remote_request_id="r1",
         resume_tokens=39,  # decode computes the last prompt token itself
+        expires_at=eng.clock.now + LEASE_S,  # dated even without a secret (never signed)
     )
     assert eng.pool.num_used == 3  # all three blocks are kept (token 38 is in the third)
     assert eng.sched.send_state("r1") is SendState.PENDING

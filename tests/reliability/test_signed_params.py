@@ -78,11 +78,17 @@ def test_unsigned_foreign_and_expired_params_are_refused_by_name():
         signer.verify(signed)
 
 
-def test_without_a_secret_nothing_is_signed_or_checked():
-    signer = ParamsSigner(None)
+def test_without_a_secret_params_are_dated_but_not_signed():
+    clock = Clock()
+    signer = ParamsSigner(None, wall_clock=clock)
     assert not signer.enabled
-    assert signer.sign(_params(), 30) == _params()
-    signer.verify(_params())
+    dated = signer.sign(_params(), 30)
+    assert dated.signature == "" and dated.expires_at == clock.now + 30
+    signer.verify(dated)
+    signer.verify(_params())  # undated params (another producer) pass
+    clock.now += 31
+    with pytest.raises(ParamsSignatureError, match="expired"):
+        signer.verify(dated)
 
 
 def _prefill(prefill, prompt: str) -> dict:
