@@ -225,6 +225,9 @@ def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:
 
 class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 resets connections under a few dozen
+    # concurrent clients (seen in scripts/soak.py); the kernel caps it at somaxconn
+    request_queue_size = 1024
 
     def __init__(self, addr, router: Router) -> None:
         super().__init__(addr, ProxyHandler)

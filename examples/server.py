@@ -369,6 +369,9 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[list[float]]:
 
 class WorkerHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 resets connections under a few dozen
+    # concurrent clients (seen in scripts/soak.py); the kernel caps it at somaxconn
+    request_queue_size = 1024
 
     def __init__(self, addr, loop: EngineLoop, info: dict, request_timeout_s: float):
         super().__init__(addr, Handler)
