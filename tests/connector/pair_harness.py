@@ -7,7 +7,6 @@ checks the block pools at the end (every block freed exactly once).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from connector.scheduler import KVBridgeScheduler
 from connector.staged_reads import Repacker
 from connector.worker import KVBridgeWorker, ModelInfo
 from examples.block_pool import BlockPool
+from examples.launch import free_port
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.groups import KVCacheConfig
 from tests.handshake.plan_harness import make_groups
@@ -35,12 +35,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

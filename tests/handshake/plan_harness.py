@@ -18,8 +18,21 @@ from handshake.plan_model import TransferPlan
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.descriptors import block_descriptors
 from layouts.groups import KVCacheConfig, KVCacheGroup
+from layouts.layout import KVLayout, KVPacking
 from layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, StateSpec
 from layouts.transforms import rewrite_group
+
+
+def cache_format(
+    layout: str, cross: bool, kernel: int | None = None, packing: str = "blocks_first"
+) -> CacheFormat:
+    """A kvbridge cache format by short names (tests' shorthand)."""
+    return CacheFormat(
+        layout=KVLayout(layout),
+        kernel_block_size=kernel,
+        cross_layer=cross,
+        packing=KVPacking(packing),
+    )
 
 
 def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCacheGroup]:

@@ -13,20 +13,13 @@ import pytest
 import torch
 
 from handshake.plan import negotiate
-from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout, KVPacking
-from tests.handshake.plan_harness import execute, make_side
+from layouts.allocation import read_group_token_major
+from tests.handshake.plan_harness import cache_format, execute, make_side
 
 NON_MULTIPLE_PAIRS = [(80, 32), (96, 64), (528, 64), (48, 32), (32, 48), (64, 96), (32, 80)]
 
 
-def _fmt(layout: str, cross: bool, kernel: int | None = None, packing: str = "blocks_first"):
-    return CacheFormat(
-        layout=KVLayout(layout),
-        kernel_block_size=kernel,
-        cross_layer=cross,
-        packing=KVPacking(packing),
-    )
+_fmt = cache_format
 
 
 def _load(b_remote, f_remote, b_local, f_local, start, end, *, kinds="F", in_place=True, seed=0):

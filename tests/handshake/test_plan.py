@@ -12,20 +12,14 @@ from handshake.errors import IncompatiblePeerError
 from handshake.plan import negotiate
 from handshake.plan_model import TransformSide
 from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout, KVPacking
-from tests.handshake.plan_harness import execute, make_side
+from layouts.layout import KVLayout
+from tests.handshake.plan_harness import cache_format, execute, make_side
 
 NUM_TOKENS = 256
 BLOCK_SIZES = (16, 32, 64, 128)
 
 
-def _fmt(layout: str, cross: bool, kernel: int | None = None, packing: str = "blocks_first"):
-    return CacheFormat(
-        layout=KVLayout(layout),
-        kernel_block_size=kernel,
-        cross_layer=cross,
-        packing=KVPacking(packing),
-    )
+_fmt = cache_format
 
 
 def _run(b_remote, f_remote, b_local, f_local, kinds="F", seed=0, *, in_place=True):
