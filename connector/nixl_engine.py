@@ -83,6 +83,9 @@ class NixlEngineConfig:
     progress: ProgressMode = ProgressMode.PROGRESS_THREAD_OFF
     progress_delay_us: int = 1000  # PROGRESS_THREAD_DELAY only
     capture_telemetry: bool = False
+    # True: several threads call in turn (the worker's lock serialises them); the agent
+    # locks its API (STRICT) and any thread may call. False: only the creating thread.
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if not self.agent_name:
@@ -167,8 +170,11 @@ class NixlTransferEngine:
             enable_prog_thread=threaded,
             capture_telemetry=config.capture_telemetry,
             backends=list(config.backends),
-            # NIXL's own progress thread runs beside the owner's calls: lock the API
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded else None,
+            # NIXL's own progress thread (or another of ours) runs beside the owner's
+            # calls: lock the API
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            if threaded or config.shared
+            else None,
         )
         with (
             _nixl_call(f"agent {self.agent_name!r}: create"),
@@ -195,7 +201,7 @@ class NixlTransferEngine:
     # -- ownership ---------------------------------------------------------------------
 
     def _enter(self, what: str) -> nixl_agent:
-        if threading.get_ident() != self._owner_thread:
+        if not self.config.shared and threading.get_ident() != self._owner_thread:
             raise TransferError(
                 f"agent {self.agent_name!r}: {what} called from thread "
                 f"{threading.get_ident()}, but the engine belongs to thread "

@@ -8,15 +8,19 @@ thread that drives the engine step; handshakes run in the background.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 from connector.config import ConfigError, KVTransferConfig
 from connector.errors import TransferError
+from connector.idle_progress import IdleProgress
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
 from connector.notifications import (
@@ -48,6 +52,8 @@ from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +64,21 @@ class ModelInfo:
     dtype: str
     num_kv_heads: int  # the model's KV heads (all ranks together; a rank holds a slice)
     head_size: int
+
+
+def _engine_call(method: Callable[P, R]) -> Callable[P, R]:
+    """An engine-facing call: one at a time with the idle-progress thread."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        self = args[0]
+        assert isinstance(self, KVBridgeWorker)
+        with self._lock:
+            if self._idle is not None:
+                self._idle.touch()
+            return method(*args, **kwargs)
+
+    return call
 
 
 class KVBridgeWorker:
@@ -90,7 +111,10 @@ class KVBridgeWorker:
         self._clock = clock
         self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
         progress_us = _progress_us(config.extra)
-        self._engine_factory = engine_factory or (lambda name: _nixl_engine(name, progress_us))
+        shared = bool(_idle_progress_ms(config.extra))  # engine called from two threads
+        self._engine_factory = engine_factory or (
+            lambda name: _nixl_engine(name, progress_us, shared=shared)
+        )
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
         self._buffers: KVCacheBuffers | None = None
@@ -104,6 +128,14 @@ class KVBridgeWorker:
         self._known_agents: set[str] = set()
         self._outbox: list[tuple[PeerKey, str, int, Notification]] = []
         self._closed = False
+        # the engine's calls and the idle-progress thread (if any) take turns
+        self._lock = threading.RLock()
+        idle_ms = _idle_progress_ms(config.extra)
+        self._idle = (
+            IdleProgress(self._lock, self._progress, idle_ms / 1000)  # real time, always
+            if idle_ms
+            else None
+        )
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -197,12 +229,16 @@ class KVBridgeWorker:
             router=self._router,
             notify=self._queue_to,
         )
+        if self._idle is not None:
+            self._idle.start()
 
     # -- per step -------------------------------------------------------------------------
 
+    @_engine_call
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._meta = metadata
 
+    @_engine_call
     def start_load_kv(self) -> None:
         receiver, sender = self._ready()
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -230,11 +266,13 @@ class KVBridgeWorker:
             self.metrics.heartbeats_sent += 1
         self._progress()
 
+    @_engine_call
     def wait_for_save(self) -> None:
         """Saves are synchronous here (the forward wrote the blocks); sends were recorded
         in :meth:`start_load_kv`. Kept for the engine-facing API."""
         self._ready()
 
+    @_engine_call
     def get_finished(self) -> WorkerOutput:
         receiver, sender = self._ready()
         self._progress()
@@ -254,11 +292,13 @@ class KVBridgeWorker:
         """NIXL transfer handles not yet released (0 when idle: a leak shows here)."""
         return int(getattr(self._engine, "num_live_handles", 0))
 
+    @_engine_call
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Prefill: decode ranks that finished reading a held request (None: not held)."""
         _, sender = self._ready()
         return sender.readers_done(request_id)
 
+    @_engine_call
     def abort_send(self, request_id: str) -> None:
         """Prefill: a kept request is dropped (engine abort); restore and forget it."""
         _, sender = self._ready()
@@ -379,6 +419,12 @@ class KVBridgeWorker:
     # -- teardown ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._idle is not None:
+            self._idle.close()  # before the lock: it may be in a round right now
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -400,6 +446,18 @@ class KVBridgeWorker:
         self.shutdown()
 
 
+def _idle_progress_ms(extra: dict) -> float:
+    """``extra["idle_progress_ms"]``: 0 (default) advances transfers only when the engine
+    calls in; > 0 also from a thread whenever the engine has been idle that long (vLLM
+    stops stepping when it has no requests, yet a decode may wait on this worker)."""
+    value = extra.get("idle_progress_ms", 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(
+            f"extra.idle_progress_ms={value!r} must be a non-negative number (milliseconds)"
+        )
+    return float(value)
+
+
 def _progress_us(extra: dict) -> int:
     """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
     calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines
@@ -412,7 +470,7 @@ def _progress_us(extra: dict) -> int:
     return value
 
 
-def _nixl_engine(agent_name: str, progress_us: int = 0) -> TransferEngine:
+def _nixl_engine(agent_name: str, progress_us: int = 0, *, shared: bool = False) -> TransferEngine:
     from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
 
     if progress_us:
@@ -421,6 +479,7 @@ def _nixl_engine(agent_name: str, progress_us: int = 0) -> TransferEngine:
                 agent_name=agent_name,
                 progress=ProgressMode.PROGRESS_THREAD_DELAY,
                 progress_delay_us=progress_us,
+                shared=shared,
             )
         )
-    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name))
+    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name, shared=shared))

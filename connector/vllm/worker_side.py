@@ -46,10 +46,11 @@ class VLLMWorkerSide:
         caches hold its share of the model's ``total_kv_heads`` KV heads."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
-        if "nixl_progress_us" not in config.extra:
-            # vLLM calls the connector only while it has work: an idle prefill must still
-            # answer the READs (UCX's control traffic) of decodes that read its blocks
-            config = replace(config, extra={**config.extra, "nixl_progress_us": 1000})
+        # vLLM calls the connector only while it has work: an idle prefill must still
+        # answer the READs (UCX's control traffic) of decodes that read its blocks, and
+        # their notifications (a claim's Prepare, Done)
+        defaults = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
+        config = replace(config, extra={**defaults, **config.extra})
         spec = kv_config.groups[0].spec
         assert isinstance(spec, AttentionSpec)
         self.worker = KVBridgeWorker(

@@ -619,3 +619,44 @@ def test_expired_params_are_refused_when_decode_first_sees_them(clock):
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+@pytest.mark.parametrize("idle_ms", [0, 2])
+def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, idle_ms):
+    """Prefill's engine never steps after the request finished (vLLM waits for new
+    requests). Decode's Prepare is answered only by the idle-progress thread."""
+    prefill = make_side(
+        "kv_producer",
+        "prefill",
+        64,
+        PREFILL_FMT,
+        "F",
+        clock,
+        lease_s=30.0,
+        extra={"idle_progress_ms": idle_ms},
+    )
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock)
+    try:
+        p = Request("p1", token_ids(200), _remote_decode())
+        params = prefill_finish(prefill, p)
+        prefill.step()  # the step that ends the request hands the worker its SendSpec
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 199
+        if not idle_ms:  # nothing answers: the load waits (bounded here, not by a sleep)
+            with pytest.raises(AssertionError, match="timed out after 1.5 s"):
+                run_until([decode], lambda: loaded(decode, "d1"), "the load", timeout_s=1.5)
+            return
+        run_until([decode], lambda: loaded(decode, "d1"), "the load, prefill idle")
+        run_until(
+            [decode],
+            lambda: prefill.worker.readers_done("p1") is None,
+            "prefill's worker to take decode's Done while idle",
+        )
+        prefill.step()  # the engine's next step frees the blocks
+        assert "p1" in prefill.freed
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 199))
+        _finish_decode(decode, d)
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
