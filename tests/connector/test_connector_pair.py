@@ -643,7 +643,7 @@ def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, id
         d = Request("d1", p.prompt_token_ids, params)
         assert decode_admit(decode, d) == 199
         if not idle_ms:  # nothing answers: the load waits (bounded here, not by a sleep)
-            with pytest.raises(AssertionError, match="timed out after 1.5 s"):
+            with pytest.raises(AssertionError, match=r"timed out after 1\.5 s"):
                 run_until([decode], lambda: loaded(decode, "d1"), "the load", timeout_s=1.5)
             return
         run_until([decode], lambda: loaded(decode, "d1"), "the load, prefill idle")

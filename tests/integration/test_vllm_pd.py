@@ -3,6 +3,9 @@
 One set of servers serves the whole module (starting vLLM costs a minute or more):
 
     L32a L32b L128a L128b   tiny-llama, block sizes 32 and 128, kv_both, policy recompute
+    L96a                    tiny-llama, block size 96 (96 and 128: neither divides the other)
+    T32                     tiny-llama at tensor-parallel size 2 (one core per rank), block 32,
+                            kv_consumer
     G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
@@ -109,6 +112,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L96a", llama, 96, "recompute"),
         _spec("G32a", gemma, 32, "fail"),
         _spec("G32b", gemma, 32, "fail"),
+        _spec("T32", llama, 32, "recompute", tp=2, role="decode"),
     ]
     servers = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
     try:
@@ -116,7 +120,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
-        yield Cluster(servers, {"L": llama.name, "G": gemma.name})
+        yield Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
     finally:
         stop_all(list(servers.values()))
 
@@ -210,6 +214,28 @@ def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(clu
     assert _delta(before, after, "bytes_read") == pages * 128 * BYTES_PER_TOKEN
     assert _delta(before, after, "receiver_rewrites") == -(-end // 32) - 9
     _assert_same(cluster.run("L128b", prompt), got)
+
+
+def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
+    """Real weights on disk, so TP 2 serves the same model as TP 1: tokens match a TP-1
+    server. Each decode rank reads its head of every 128-token prefill page into its
+    staging slots and splits it into its 32-token blocks; the ranks' bytes add up to the
+    prompt's KV once. (TP 2 -> 1 runs in scripts/run_vllm_pd.sh, see the README.)"""
+    prefill, decode, reference = "L128a", "T32", "L32a"
+    # A cold TP-2 server's first steps hold its workers for tens of seconds (gloo, kernel
+    # warm-up): a handshake started then can time out (README, known limits). Warm it.
+    cluster.run(decode, make_prompts(1, 64, seed=6002)[0])
+    prompts = make_prompts(2, 300, seed=6001)
+    before = cluster.metrics(decode)
+    got = [cluster.pd(prefill, decode, p) for p in prompts]
+    after = cluster.metrics(decode)
+    moved = _deltas(before, after)
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    assert _delta(before, after, "loads_recomputed") == 0, moved
+    pages = sum(-(-(len(p) - 1) // 128) for p in prompts)
+    assert _delta(before, after, "bytes_read") == pages * 128 * BYTES_PER_TOKEN, moved
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run(reference, p), g)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("G32a", "G32b"), ("G32b", "G32a")])
