@@ -17,7 +17,10 @@ stay until the last of them (or the lease) ends it.
 A ``Done`` may arrive before the request does: an engine hands its worker the finished
 request with its next step, and an idle engine takes none, while decode (which needs no
 ``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
-for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added.
+for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added. A ``Prepare`` may
+arrive that early too (a rewrite, or a decode claiming the blocks near the lease end): it
+is answered when the request is added, or refused after ``EARLY_PREPARE_TTL_S``; one for
+a request that already ended here is refused at once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from layouts.transforms import rewrite_group
 logger = logging.getLogger(__name__)
 
 EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
+EARLY_PREPARE_TTL_S = 5.0  # how long a Prepare waits for its request to be added
 
 
 @dataclass
@@ -79,6 +83,10 @@ class Sender:
         self._expired: set[str] = set()
         self._heartbeats: set[str] = set()
         self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
+        # request -> (expiry, [(requester agent, Prepare)]) waiting for the request
+        self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
+        self._replies: list[tuple[str, Prepared]] = []  # deferred answers to send
+        self._ended: dict[str, float] = {}  # request -> when it ended here (recent ones)
 
     @property
     def num_pending(self) -> int:
@@ -88,19 +96,27 @@ class Sender:
         if spec.request_id in self._pending:
             return
         self._pending[spec.request_id] = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        _, prepares = self._early_prepares.pop(spec.request_id, (0.0, []))
+        for agent, prepare in prepares:
+            reply = self.on_prepare(prepare, agent)
+            assert reply is not None  # the request is pending now
+            self._replies.append((agent, reply))
         _, early = self._early.pop(spec.request_id, (0.0, []))
         for msg in early:
             self.on_done(msg)
 
-    def on_prepare(self, msg: Prepare) -> Prepared:
+    def on_prepare(self, msg: Prepare, agent: str = "") -> Prepared | None:
+        """The answer to send ``agent``, or None: the request is not here yet, and the
+        answer comes from :meth:`take_replies` once it is (or it waited too long)."""
         pending = self._pending.get(msg.request_id)
         if pending is None:
-            return Prepared(
-                request_id=msg.request_id,
-                ok=False,
-                reason=f"unknown request {msg.request_id!r} on this prefill (never kept, "
-                "already done, or its lease expired)",
+            if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
+                return _unknown(msg.request_id)
+            _, waiting = self._early_prepares.setdefault(
+                msg.request_id, (self._clock() + EARLY_PREPARE_TTL_S, [])
             )
+            waiting.append((agent, msg))
+            return None
         pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
         self._heartbeats.add(msg.request_id)  # the scheduler's lease is extended too
         if msg.rewrites and not self._rewrites_in_place:
@@ -139,6 +155,7 @@ class Sender:
         del self._pending[msg.request_id]
         self._restore(pending)
         self._finished.add(msg.request_id)
+        self._ended[msg.request_id] = self._clock()
         return True
 
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
@@ -157,6 +174,10 @@ class Sender:
     def abort(self, request_id: str, *, report: bool = True) -> None:
         """Drop a kept request, restoring its blocks; ``report`` lists it as finished."""
         pending = self._pending.pop(request_id, None)
+        self._ended[request_id] = self._clock()  # also when it never got here
+        _, waiting = self._early_prepares.pop(request_id, (0.0, []))
+        self._replies += [(agent, _unknown(request_id)) for agent, _ in waiting]
+        self._early.pop(request_id, None)
         if pending is not None:
             self._restore(pending)
             if report:
@@ -169,14 +190,27 @@ class Sender:
                 _, msgs = self._early.pop(rid)
                 self._metrics.bad_notifications += len(msgs)
                 logger.warning("Done for %s arrived but the request never did; dropped", rid)
+        for rid, (expiry, waiting) in list(self._early_prepares.items()):
+            if now > expiry:
+                del self._early_prepares[rid]
+                self._replies += [(agent, _unknown(rid)) for agent, _ in waiting]
+        for rid, ended in list(self._ended.items()):
+            if now - ended > EARLY_DONE_TTL_S:
+                del self._ended[rid]
         for rid, pending in list(self._pending.items()):
             if now > pending.deadline:
                 self._pending.pop(rid)
                 self._restore(pending)
                 self._finished.add(rid)
                 self._expired.add(rid)
+                self._ended[rid] = now
                 self._metrics.leases_expired += 1
                 logger.warning("lease of %s expired; freeing its blocks", rid)
+
+    def take_replies(self) -> list[tuple[str, Prepared]]:
+        """Deferred ``Prepared`` answers and the agents to send them to."""
+        out, self._replies = self._replies, []
+        return out
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         out = (self._finished, self._expired, self._heartbeats)
@@ -239,3 +273,12 @@ class Sender:
     def close(self) -> None:
         for rid in list(self._pending):
             self.abort(rid)
+
+
+def _unknown(request_id: str) -> Prepared:
+    return Prepared(
+        request_id=request_id,
+        ok=False,
+        reason=f"unknown request {request_id!r} on this prefill (never kept, already done, "
+        f"or its lease expired)",
+    )

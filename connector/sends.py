@@ -112,7 +112,8 @@ class Sends:
 
     def release(self, record: SendRecord, why: SendState, *, by_worker: bool) -> None:
         if record.state is SendState.PENDING:
-            del self.to_send[record.request_id]  # the worker never heard of it
+            del self.to_send[record.request_id]  # the worker never heard of it, but a
+            self.freed.append(record.request_id)  # reader may ask: it must refuse
         elif not by_worker:
             self.freed.append(record.request_id)  # the worker must drop it too
         self.book.release(record, why)

@@ -277,6 +277,7 @@ class KVBridgeWorker:
         receiver, sender = self._ready()
         self._progress()
         sender.expire()
+        self._send_replies()
         done, failed = receiver.take_results()
         finished, expired, heartbeats = sender.take_results()
         return WorkerOutput(
@@ -317,9 +318,15 @@ class KVBridgeWorker:
         self._handle_notifications()
         receiver.step()
         self._flush_outbox()
+        self._send_replies()
         assert self._peers is not None
         self.metrics.handshakes = self._peers.handshakes
         self.metrics.handshake_failures = self._peers.failures
+
+    def _send_replies(self) -> None:
+        assert self._sender is not None
+        for agent, reply in self._sender.take_replies():
+            self._send_raw(agent, reply)
 
     def _add_requesters(self) -> None:
         assert self._engine is not None
@@ -353,8 +360,9 @@ class KVBridgeWorker:
                     logger.warning("notification from %s dropped: %s", agent, exc)
                     continue
                 if isinstance(msg, Prepare):
-                    reply = self._sender.on_prepare(msg)
-                    self._send_raw(agent, reply)
+                    reply = self._sender.on_prepare(msg, agent)
+                    if reply is not None:  # else answered once the request is added
+                        self._send_raw(agent, reply)
                 elif isinstance(msg, Done):
                     if not self._sender.on_done(msg):
                         self.metrics.bad_notifications += 1

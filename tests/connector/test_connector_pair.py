@@ -660,3 +660,40 @@ def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, id
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+def test_a_prepare_that_arrives_before_the_request_waits_for_it(clock):
+    """vLLM hands its worker a finished request one step later; an idle-progress thread
+    may read a decode's Prepare (here a claim) before that. It is answered once the
+    request is added, not refused as unknown."""
+    prefill = make_side(
+        "kv_producer",
+        "prefill",
+        16,
+        SAME_FMT,
+        "F",
+        clock,
+        lease_s=30.0,
+        extra={"idle_progress_ms": 2},
+    )
+    decode = make_side("kv_consumer", "decode", 16, SAME_FMT, "F", clock)
+    try:
+        p = Request("p1", token_ids(100), _remote_decode())
+        params = prefill_finish(prefill, p)  # the SendSpec waits for prefill's next step
+        clock.now += 25.0  # near the lease end: decode claims first
+        d = Request("d1", p.prompt_token_ids, params)
+        assert decode_admit(decode, d) == 99
+        run_until(
+            [decode],
+            lambda: prefill.worker.metrics.notifications_received >= 1,
+            "prefill's idle thread to read the claim",
+        )
+        assert not failed(decode, "d1")
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "the load")
+        _expect_equal(prefill, decode, p, d, 0, slice(0, 99))
+        _finish_decode(decode, d)
+        run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free")
+        _assert_pools_full(prefill, decode)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()

@@ -364,7 +364,8 @@ def test_prefill_abort_before_the_send_spec_left() -> None:
     eng.finish(remote_decode("r", 50))
     eng.sched.request_aborted("r")
     meta, events = eng.step()
-    assert meta.reqs_to_send == () and meta.reqs_freed == ()
+    # never sent; still named, so the worker refuses a reader who asks for it at once
+    assert meta.reqs_to_send == () and meta.reqs_freed == ("r",)
     assert events.free_request_ids == {"r"}
     eng.assert_clean()
 

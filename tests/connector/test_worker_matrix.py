@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from connector.sender import EARLY_PREPARE_TTL_S
 from handshake.client import ClientConfig
 from layouts.allocation import read_group_token_major
 from layouts.layout import KVLayout, KVPacking
@@ -268,7 +269,8 @@ def test_dead_port_fails_within_handshake_timeout(cluster: Cluster, dead_port: i
 
 def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None:
     """The plan needs a sender rewrite, so decode asks prefill to Prepare a request it
-    never kept: Prepared(ok=False) becomes a LoadFailure that names the request."""
+    never kept: after EARLY_PREPARE_TTL_S (the request might still have been on its way to
+    prefill's worker) Prepared(ok=False) becomes a LoadFailure that names the request."""
     prefill = cluster.node("kv_producer", fmt("x-NHD", 64), "FS")
     decode = cluster.node("kv_consumer", fmt("x-HND-k8", 16), "FS")
     prefill.fill(11)
@@ -282,6 +284,7 @@ def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None
         [prefill, decode],
         lambda: req.load_id in decode.failed or req.load_id in decode.loaded,
         f"LoadFailure for {req.load_id}",
+        timeout_s=EARLY_PREPARE_TTL_S + 10,
     )
     failure = decode.failed[req.load_id]
     assert ghost in failure.reason and "prepare" in failure.reason, failure.reason
