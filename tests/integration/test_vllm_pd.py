@@ -84,7 +84,13 @@ class Cluster:
 
 
 def _spec(
-    name: str, model: Path, block_size: int, policy: str, tp: int = 1, role: str = "both"
+    name: str,
+    model: Path,
+    block_size: int,
+    policy: str,
+    tp: int = 1,
+    role: str = "both",
+    lease_s: float | None = None,
 ) -> ServerSpec:
     return ServerSpec(
         name,
@@ -93,7 +99,7 @@ def _spec(
         tensor_parallel_size=tp,
         connector="kvbridge",
         role=role,
-        kv_extra=dict(LEASE),
+        kv_extra={**LEASE, **({"lease_s": lease_s} if lease_s else {})},
         failure_policy=policy,
         max_model_len=2048,
         enforce_eager=True,  # no torch.compile warm-up: starts ~3x faster on CPU
@@ -107,7 +113,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     specs = [
         _spec("L32a", llama, 32, "recompute"),
         _spec("L32b", llama, 32, "recompute"),
-        _spec("L128a", llama, 128, "recompute"),
+        # the TP-2 decode's loads take seconds on 2 cores: a lease that outlasts them
+        _spec("L128a", llama, 128, "recompute", lease_s=60),
         _spec("L128b", llama, 128, "recompute"),
         _spec("L96a", llama, 96, "recompute"),
         _spec("G32a", gemma, 32, "fail"),
@@ -223,8 +230,9 @@ def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
     prompt's KV once. (TP 2 -> 1 runs in scripts/run_vllm_pd.sh, see the README.)"""
     prefill, decode, reference = "L128a", "T32", "L32a"
     # A cold TP-2 server's first steps hold its workers for tens of seconds (gloo, kernel
-    # warm-up): a handshake started then can time out (README, known limits). Warm it.
-    cluster.run(decode, make_prompts(1, 64, seed=6002)[0])
+    # warm-up), and its first handshake took 16 s here (README, known limits): warm it
+    # up with one P/D request first (that one may load or recompute).
+    cluster.pd(prefill, decode, make_prompts(1, 64, seed=6002)[0])
     prompts = make_prompts(2, 300, seed=6001)
     before = cluster.metrics(decode)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
