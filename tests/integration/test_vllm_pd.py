@@ -5,7 +5,7 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
     L32a L32b L128a L128b   tiny-llama, block sizes 32 and 128, kv_both, policy recompute
     L96a                    tiny-llama, block size 96 (96 and 128: neither divides the other)
     T32                     tiny-llama at tensor-parallel size 2 (one core per rank), block 32,
-                            kv_consumer
+                            kv_consumer; only with KVBRIDGE_VLLM_TP=1 (see its test)
     G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
@@ -45,6 +45,9 @@ TIMEOUT_S = 120.0
 LEASE = {"lease_s": 15, "heartbeat_s": 3}
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama: layers x K,V x kv heads x head dim x fp32
 M = "vllm:kvbridge_"
+# The TP-2 decode test is opt-in: its staged loads sometimes stay in `reading` for the
+# whole transfer timeout on this 2-core machine (issue 10; README, known limits).
+WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP") == "1"
 
 
 @dataclass
@@ -119,8 +122,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L96a", llama, 96, "recompute"),
         _spec("G32a", gemma, 32, "fail"),
         _spec("G32b", gemma, 32, "fail"),
-        _spec("T32", llama, 32, "recompute", tp=2, role="decode"),
     ]
+    if WITH_TP:
+        specs.append(_spec("T32", llama, 32, "recompute", tp=2, role="decode"))
     servers = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
     try:
         start_all(list(servers.values()), timeout_s=900)
@@ -223,6 +227,7 @@ def test_larger_prefill_blocks_after_a_decode_prefix_hit_split_only_the_rest(clu
     _assert_same(cluster.run("L128b", prompt), got)
 
 
+@pytest.mark.skipif(not WITH_TP, reason="opt-in: KVBRIDGE_VLLM_TP=1 (flaky on 2 cores, issue 10)")
 def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
     """Real weights on disk, so TP 2 serves the same model as TP 1: tokens match a TP-1
     server. Each decode rank reads its head of every 128-token prefill page into its
