@@ -94,17 +94,13 @@ class Proc:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
 
-def _worker_argv(role: str, port: int, kv: dict, block_size: int, extra: list[str]) -> list[str]:
+def worker_args(role: str, kv: dict, block_size: int, *extra: str) -> list[str]:
+    """``examples.server`` arguments of a tiny-model worker with a KV connector."""
     return [
-        sys.executable,
-        "-m",
-        "examples.server",
         "--role",
         role,
         "--model",
         MODEL,
-        "--port",
-        str(port),
         "--block-size",
         str(block_size),
         "--num-blocks",
@@ -113,6 +109,11 @@ def _worker_argv(role: str, port: int, kv: dict, block_size: int, extra: list[st
         json.dumps(kv),
         *extra,
     ]
+
+
+def _worker_argv(role: str, port: int, kv: dict, block_size: int, extra: list[str]) -> list[str]:
+    server = [sys.executable, "-m", "examples.server", "--port", str(port)]
+    return server + worker_args(role, kv, block_size, *extra)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from examples.check import blocks_in_use
-from examples.launch import MODEL, free_port
+from examples.launch import MODEL, free_port, worker_args
 from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
 
 SECRET = "reliability-test-secret-0123456789"
@@ -41,18 +41,7 @@ class Worker:
 
 
 def _start(role: str, kv: dict, block_size: int) -> Worker:
-    argv = [
-        "--role",
-        role,
-        "--model",
-        MODEL,
-        "--block-size",
-        str(block_size),
-        "--num-blocks",
-        "128",
-        "--kv-transfer-config",
-        json.dumps(kv),
-    ]
+    argv = worker_args(role, kv, block_size)
     loop, info = build(make_parser().parse_args(argv))
     loop.start()
     server = WorkerHTTPServer(("127.0.0.1", 0), loop, info, request_timeout_s=60)
