@@ -8,7 +8,6 @@ thread that drives the engine step; handshakes run in the background.
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -16,9 +15,8 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
 
-from connector.config import ConfigError, KVTransferConfig
+from connector.config import KVTransferConfig
 from connector.errors import TransferError
 from connector.idle_progress import IdleProgress
 from connector.metadata import ConnectorMetadata, WorkerOutput
@@ -41,6 +39,7 @@ from connector.sender import Sender
 from connector.staged_reads import Repacker
 from connector.staging import staging_capacity
 from connector.transport import TransferEngine
+from connector.worker_setup import engine_call, idle_progress_ms, nixl_engine, progress_us
 from handshake.affinity import unpinned
 from handshake.client import ClientConfig, HandshakeClient
 from handshake.compat import compat_hash
@@ -52,8 +51,6 @@ from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,21 +61,6 @@ class ModelInfo:
     dtype: str
     num_kv_heads: int  # the model's KV heads (all ranks together; a rank holds a slice)
     head_size: int
-
-
-def _engine_call(method: Callable[P, R]) -> Callable[P, R]:
-    """An engine-facing call: one at a time with the idle-progress thread."""
-
-    @functools.wraps(method)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        self = args[0]
-        assert isinstance(self, KVBridgeWorker)
-        with self._lock:
-            if self._idle is not None:
-                self._idle.touch()
-            return method(*args, **kwargs)
-
-    return call
 
 
 class KVBridgeWorker:
@@ -110,10 +92,10 @@ class KVBridgeWorker:
         self.metrics = ConnectorMetrics()
         self._clock = clock
         self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
-        progress_us = _progress_us(config.extra)
-        shared = bool(_idle_progress_ms(config.extra))  # engine called from two threads
+        delay_us = progress_us(config.extra)
+        shared = bool(idle_progress_ms(config.extra))  # engine called from two threads
         self._engine_factory = engine_factory or (
-            lambda name: _nixl_engine(name, progress_us, shared=shared)
+            lambda name: nixl_engine(name, delay_us, shared=shared)
         )
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
@@ -130,7 +112,7 @@ class KVBridgeWorker:
         self._closed = False
         # the engine's calls and the idle-progress thread (if any) take turns
         self._lock = threading.RLock()
-        idle_ms = _idle_progress_ms(config.extra)
+        idle_ms = idle_progress_ms(config.extra)
         self._idle = (
             IdleProgress(self._lock, self._progress, idle_ms / 1000)  # real time, always
             if idle_ms
@@ -234,11 +216,11 @@ class KVBridgeWorker:
 
     # -- per step -------------------------------------------------------------------------
 
-    @_engine_call
+    @engine_call
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._meta = metadata
 
-    @_engine_call
+    @engine_call
     def start_load_kv(self) -> None:
         receiver, sender = self._ready()
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -266,13 +248,13 @@ class KVBridgeWorker:
             self.metrics.heartbeats_sent += 1
         self._progress()
 
-    @_engine_call
+    @engine_call
     def wait_for_save(self) -> None:
         """Saves are synchronous here (the forward wrote the blocks); sends were recorded
         in :meth:`start_load_kv`. Kept for the engine-facing API."""
         self._ready()
 
-    @_engine_call
+    @engine_call
     def get_finished(self) -> WorkerOutput:
         receiver, sender = self._ready()
         self._progress()
@@ -293,13 +275,13 @@ class KVBridgeWorker:
         """NIXL transfer handles not yet released (0 when idle: a leak shows here)."""
         return int(getattr(self._engine, "num_live_handles", 0))
 
-    @_engine_call
+    @engine_call
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Prefill: decode ranks that finished reading a held request (None: not held)."""
         _, sender = self._ready()
         return sender.readers_done(request_id)
 
-    @_engine_call
+    @engine_call
     def abort_send(self, request_id: str) -> None:
         """Prefill: a kept request is dropped (engine abort); restore and forget it."""
         _, sender = self._ready()
@@ -452,42 +434,3 @@ class KVBridgeWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _idle_progress_ms(extra: dict) -> float:
-    """``extra["idle_progress_ms"]``: 0 (default) advances transfers only when the engine
-    calls in; > 0 also from a thread whenever the engine has been idle that long (vLLM
-    stops stepping when it has no requests, yet a decode may wait on this worker)."""
-    value = extra.get("idle_progress_ms", 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(
-            f"extra.idle_progress_ms={value!r} must be a non-negative number (milliseconds)"
-        )
-    return float(value)
-
-
-def _progress_us(extra: dict) -> int:
-    """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
-    calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines
-    that stop calling the connector while idle (vLLM)."""
-    value = extra.get("nixl_progress_us", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"extra.nixl_progress_us={value!r} must be a non-negative integer (microseconds)"
-        )
-    return value
-
-
-def _nixl_engine(agent_name: str, progress_us: int = 0, *, shared: bool = False) -> TransferEngine:
-    from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
-
-    if progress_us:
-        return NixlTransferEngine(
-            NixlEngineConfig(
-                agent_name=agent_name,
-                progress=ProgressMode.PROGRESS_THREAD_DELAY,
-                progress_delay_us=progress_us,
-                shared=shared,
-            )
-        )
-    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name, shared=shared))

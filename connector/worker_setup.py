@@ -1,0 +1,68 @@
+"""The worker's settings read from ``extra``, its NIXL engine, and the lock its engine-facing
+calls share with the idle-progress thread (kept apart from ``worker.py``, which is the
+per-step logic)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from connector.config import ConfigError
+from connector.transport import TransferEngine
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def engine_call(method: Callable[P, R]) -> Callable[P, R]:
+    """An engine-facing call: one at a time with the idle-progress thread."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        self: Any = args[0]  # a KVBridgeWorker: _lock, _idle
+        with self._lock:
+            if self._idle is not None:
+                self._idle.touch()
+            return method(*args, **kwargs)
+
+    return call
+
+
+def idle_progress_ms(extra: dict) -> float:
+    """``extra["idle_progress_ms"]``: 0 (default) advances transfers only when the engine
+    calls in; > 0 also from a thread whenever the engine has been idle that long (vLLM
+    stops stepping when it has no requests, yet a decode may wait on this worker)."""
+    value = extra.get("idle_progress_ms", 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(
+            f"extra.idle_progress_ms={value!r} must be a non-negative number (milliseconds)"
+        )
+    return float(value)
+
+
+def progress_us(extra: dict) -> int:
+    """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
+    calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines
+    that stop calling the connector while idle (vLLM)."""
+    value = extra.get("nixl_progress_us", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"extra.nixl_progress_us={value!r} must be a non-negative integer (microseconds)"
+        )
+    return value
+
+
+def nixl_engine(agent_name: str, progress_us: int = 0, *, shared: bool = False) -> TransferEngine:
+    from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
+
+    if progress_us:
+        return NixlTransferEngine(
+            NixlEngineConfig(
+                agent_name=agent_name,
+                progress=ProgressMode.PROGRESS_THREAD_DELAY,
+                progress_delay_us=progress_us,
+                shared=shared,
+            )
+        )
+    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name, shared=shared))
