@@ -57,29 +57,22 @@ class ParamsSigner:
     def verify(self, params: KVTransferParams) -> None:
         """Raise :class:`ParamsSignatureError` unless prefill signed exactly these params
         and they have not expired (without a secret: only the expiry, when dated)."""
-        if self._key is None:
-            if params.expires_at and self._wall_clock() > params.expires_at:
-                raise ParamsSignatureError(
-                    f"kv_transfer_params of {params.remote_request_id!r} expired "
-                    f"{self._wall_clock() - params.expires_at:.1f} s ago "
-                    f"(expires_at={params.expires_at}); prefill has freed or will free the blocks"
-                )
-            return
         rid = params.remote_request_id
-        if not params.signature:
-            raise ParamsSignatureError(
-                f"kv_transfer_params of {rid!r} are not signed, and this worker requires "
-                f"signed params (a secret is configured): pass them on exactly as the "
-                f"prefill returned them, from a prefill configured with the same secret"
-            )
-        want = self._mac(msgspec.structs.replace(params, signature=""))
-        if not hmac.compare_digest(want, params.signature):
-            raise ParamsSignatureError(
-                f"kv_transfer_params of {rid!r} do not match their signature: changed "
-                f"after the prefill returned them, or signed with another secret"
-            )
+        if self._key is not None:
+            if not params.signature:
+                raise ParamsSignatureError(
+                    f"kv_transfer_params of {rid!r} are not signed, and this worker requires "
+                    f"signed params (a secret is configured): pass them on exactly as the "
+                    f"prefill returned them, from a prefill configured with the same secret"
+                )
+            want = self._mac(msgspec.structs.replace(params, signature=""))
+            if not hmac.compare_digest(want, params.signature):
+                raise ParamsSignatureError(
+                    f"kv_transfer_params of {rid!r} do not match their signature: changed "
+                    f"after the prefill returned them, or signed with another secret"
+                )
         now = self._wall_clock()
-        if now > params.expires_at:
+        if params.expires_at and now > params.expires_at:  # signed params are always dated
             raise ParamsSignatureError(
                 f"kv_transfer_params of {rid!r} expired {now - params.expires_at:.1f} s ago "
                 f"(expires_at={params.expires_at}); prefill has freed or will free the blocks"

@@ -15,7 +15,20 @@ from examples.launch import MODEL, free_port, worker_args
 from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
 
 SECRET = "reliability-test-secret-0123456789"
-__all__ = ["MODEL", "SECRET", "Worker", "free_port", "worker_pair"]
+__all__ = ["MODEL", "SECRET", "Worker", "free_port", "post", "worker_pair"]
+
+
+def post(url: str, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
+    """POST JSON (or raw bytes) to a worker or the proxy; the status and the JSON answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
 
 
 @dataclass
@@ -26,15 +39,7 @@ class Worker:
     thread: threading.Thread
 
     def post(self, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        host, port = self.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        try:
-            conn.request("POST", path, data, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read() or b"{}")
-        finally:
-            conn.close()
+        return post(self.url, body, path)
 
     def blocks_in_use(self, timeout_s: float = 10.0) -> int:
         return blocks_in_use(self.url, timeout_s)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from examples.check import make_prompts
-from tests.reliability.servers import free_port, worker_pair
+from tests.reliability.servers import free_port, post, worker_pair
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +162,10 @@ def test_fuzzed_bodies_never_crash_the_proxy(pair):
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     try:
-        from tests.reliability.servers import Worker
-
-        proxy = Worker(f"http://127.0.0.1:{server.server_address[1]}", None, server, thread)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
         prompt = make_prompts(1)[0]
         valid = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
-        status, out = proxy.post(valid)
+        status, out = post(url, valid)
         assert status == 200 and _all_but_last(out["usage"]), out
         rng = random.Random(99)
         for _ in range(100):
@@ -178,9 +176,9 @@ def test_fuzzed_bodies_never_crash_the_proxy(pair):
                     body[i] = rng.randrange(256)
                 else:
                     del body[i : i + rng.randint(1, 10)]
-            status, out = proxy.post(bytes(body))
+            status, out = post(url, bytes(body))
             assert status == 200 or (400 <= status < 500 and "error" in out), (status, out)
-        status, out = proxy.post(valid)
+        status, out = post(url, valid)
         assert status == 200, out
         assert prefill.blocks_in_use() == 0 and decode.blocks_in_use() == 0
     finally:
