@@ -20,6 +20,7 @@ cache serves them by accident. The tests that kill a prefill server run last.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.receiver import CLAIM_MARGIN_S
 from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
 from examples.vllm.metrics import scrape
 from examples.vllm.models import ensure_model
@@ -58,32 +60,66 @@ class Cluster:
     def url(self, name: str) -> str:
         return self.servers[name].url
 
+    @contextlib.contextmanager
+    def logs_on_error(self, name: str) -> Iterator[None]:
+        """A failed request names the server's log lines (CI prints only the test's)."""
+        try:
+            yield
+        except RequestError as exc:
+            raise ServerFailed(f"{exc}\n{_log_excerpt(self.servers[name])}", exc.status) from exc
+        except ServerFailed as exc:
+            raise ServerFailed(f"{exc}\n{_log_excerpt(self.servers[name])}", exc.status) from exc
+
     def metrics(self, name: str) -> dict[str, float]:
         return scrape(self.url(name))
 
     def run(self, name: str, prompt: list[int], **extra) -> Completion:
         model = self.models["L" if name == "proxy" else name[0]]
-        return complete(
-            self.url(name), model, prompt, max_tokens=MAX_TOKENS, timeout_s=TIMEOUT_S, extra=extra
-        )
+        with self.logs_on_error(name):
+            return complete(
+                self.url(name),
+                model,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                timeout_s=TIMEOUT_S,
+                extra=extra,
+            )
 
     def pd(self, prefill: str, decode: str, prompt: list[int]) -> Completion:
         """vLLM's P/D flow by hand: prefill keeps the KV, decode loads it."""
         params = self.prefill(prefill, prompt)
-        return self.run(decode, prompt, kv_transfer_params=params)
+        with self.logs_on_error(prefill):
+            return self.run(decode, prompt, kv_transfer_params=params)
 
     def prefill(self, name: str, prompt: list[int]) -> dict:
         model = self.models[name[0]]
-        first = complete(
-            self.url(name),
-            model,
-            prompt,
-            max_tokens=1,
-            timeout_s=TIMEOUT_S,
-            extra={"kv_transfer_params": {"do_remote_decode": True}},
-        )
+        with self.logs_on_error(name):
+            first = complete(
+                self.url(name),
+                model,
+                prompt,
+                max_tokens=1,
+                timeout_s=TIMEOUT_S,
+                extra={"kv_transfer_params": {"do_remote_decode": True}},
+            )
         assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
         return first.kv_transfer_params
+
+
+class ServerFailed(AssertionError):
+    """A request failed; the message quotes the logs of the servers involved."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status (0: no answer)
+
+
+def _log_excerpt(service: Service) -> str:
+    errors = "\n".join(service.error_lines(5)) or "(no exception lines)"
+    return (
+        f"--- {service.name}: exception lines ---\n{errors}\n"
+        f"--- {service.name}: last lines of {service.log_path} ---\n{service.log_tail(60)}"
+    )
 
 
 def _spec(
@@ -263,6 +299,25 @@ def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
         _assert_same(cluster.run(prefill, p), g)
 
 
+@pytest.mark.parametrize(("prefill", "decode"), [("L32a", "L32b"), ("G32b", "G32a")])
+def test_a_late_decode_claims_the_blocks_first_and_loads(cluster, prefill, decode):
+    """Past ``expires_at - CLAIM_MARGIN_S`` decode claims the blocks with a Prepare before
+    it reads them; the prefill server is idle by then, so its worker must answer anyway."""
+    prompt = make_prompts(1, 200, seed=4400 + ord(prefill[0]))[0]
+    params = cluster.prefill(prefill, prompt)
+    expires_at = float(params["expires_at"])
+    _wait_for(
+        "the claim margin of the prefill lease to begin",
+        lambda: time.time() > expires_at - CLAIM_MARGIN_S + 0.5,
+        timeout_s=LEASE["lease_s"],
+    )
+    before = cluster.metrics(decode)
+    got = cluster.run(decode, prompt, kv_transfer_params=params)
+    moved = _deltas(before, cluster.metrics(decode))
+    assert _delta(before, cluster.metrics(decode), "loads_loaded") == 1, moved
+    _assert_same(cluster.run(prefill, prompt), got)
+
+
 def test_through_the_proxy(cluster):
     prompt = make_prompts(1, 400, seed=4242)[0]
     before = cluster.metrics("L128b")
@@ -364,7 +419,7 @@ def test_zz_prefill_killed_decode_fails_the_request_and_keeps_serving(cluster):
     prompt = make_prompts(1, 180, seed=7007)[0]
     params = cluster.prefill("G32a", prompt)
     _kill(cluster.servers["G32a"])
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ServerFailed) as info:
         cluster.run("G32b", prompt, kv_transfer_params=params)
     assert info.value.status >= 400, info.value
     _wait_for(
