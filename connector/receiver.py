@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from connector.errors import TransferError
+from connector.load_rows import group_rows
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
@@ -39,7 +40,6 @@ from connector.transport import TransferEngine, XferHandle, XferState
 from handshake.plan_model import GroupPlan
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
-from layouts.specs import KVCacheKind, SlidingWindowSpec
 from layouts.transforms import rewrite_group
 
 logger = logging.getLogger(__name__)
@@ -265,51 +265,22 @@ class Receiver:
 
     def _post_group(self, load: Load, src: Source, peer: Peer, g: GroupPlan) -> None:
         spec, params = load.spec, load.spec.params
-        lids = np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64)
-        rids = np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64)
-        rfirst = params.remote_first_block[g.group_id] if params.remote_first_block else 0
-        start, end = spec.start_token, spec.end_token
-        if g.kind is KVCacheKind.STATE:
-            # prefill sends one block: the state after ``end`` tokens (its resume point);
-            # it lands in the block of token end - 1 (examples/state_layer.py's contract)
-            if end <= start:
-                return
-            local_bs = self._buffers.config.groups[g.group_id].spec.block_size
-            lblock = (end - 1) // local_bs
-            if rids.size != 1 or not 0 <= lblock < lids.size:
-                raise KVBridgeError(
-                    f"state for token {end} needs one remote block (got {rids.size}) and "
-                    f"local block {lblock} (have {lids.size})"
-                )
-            for i, stream in enumerate(g.streams):
-                m = stream.num_pieces
-                lrows = (lids[lblock] * m + np.arange(m)).astype(np.int64)
-                rrows = (rids[0] * m + np.arange(m)).astype(np.int64)
-                self._read(load, src, peer, g, i, lrows, rrows)
-            self._touch(load, g.group_id, lids[lblock : lblock + 1])
+        found = group_rows(
+            g,
+            self._buffers.config.groups[g.group_id].spec,
+            np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64),
+            np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64),
+            params.remote_first_block[g.group_id] if params.remote_first_block else 0,
+            spec.start_token,
+            spec.end_token,
+        )
+        if found.staged is not None:
+            src.staged.append(found.staged)
             return
-        lo = start
-        local_spec = self._buffers.config.groups[g.group_id].spec
-        if isinstance(local_spec, SlidingWindowSpec):
-            lo = max(start, end - local_spec.sliding_window)
-        if g.split_from:
-            blocks = g.chunks_for_tokens(lo, end)  # one chunk per remote block
-            if blocks.size and (blocks[0] < rfirst or blocks[-1] - rfirst >= rids.size):
-                raise KVBridgeError(
-                    f"group {g.group_id}: tokens [{lo}, {end}) need remote blocks "
-                    f"{blocks[0]}..{blocks[-1]} but prefill sent "
-                    f"{rfirst}..{rfirst + rids.size - 1}"
-                )
-            if blocks.size:
-                src.staged.append(Staged(g, blocks, lo, end, lids, rids, rfirst))
-            return
-        chunks = g.chunks_for_tokens(lo, end)
-        if chunks.size == 0:
-            return
-        for i, stream in enumerate(g.streams):
-            lrows, rrows = g.indices(stream, chunks, lids, rids, remote_first_block=rfirst)
+        for i, lrows, rrows in found.rows:
             self._read(load, src, peer, g, i, lrows, rrows)
-        self._touch(load, g.group_id, lids[chunks // g.local_chunks_per_block])
+        if found.touched is not None:
+            self._touch(load, g.group_id, found.touched)
 
     @staticmethod
     def _touch(load: Load, group_id: int, ids: np.ndarray) -> None:

@@ -18,6 +18,7 @@ from handshake.messages import (
     WireSpec,
     WorkerDescription,
 )
+from handshake.modes import TransferMode
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheConfig, KVCacheGroup
@@ -71,6 +72,8 @@ class PeerLayout:
     block_size: int
     regions: tuple[RegionInfo, ...]
     rewrites_in_place: bool = True  # the sender may rewrite its blocks after save
+    transfer_mode: TransferMode = TransferMode.PULL
+    can_repack: bool = False  # rebuilds its packed pages from remote ones after a load
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -134,6 +137,8 @@ def describe(
     side_channel_host: str = "",
     side_channel_port: int = 0,
     rewrites_in_place: bool = True,
+    transfer_mode: TransferMode = TransferMode.PULL,
+    can_repack: bool = False,
 ) -> WorkerDescription:
     """The description a worker publishes for its buffers."""
     config, fmt = buffers.config, buffers.format
@@ -188,6 +193,8 @@ def describe(
         rewrites_in_place=rewrites_in_place,
         block_packing=fmt.block_packing,
         packed_heads_major=fmt.packed_heads_major,
+        transfer_mode=transfer_mode.value,
+        can_repack=can_repack,
     )
 
 
@@ -233,6 +240,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         for g in groups:
             if isinstance(g.spec, AttentionSpec):
                 fmt.kernel_block_size_for(g.spec.block_size)
+        mode = TransferMode.parse(desc.transfer_mode)
     except (LayoutError, ValueError, TypeError) as exc:
         raise ProtocolError(
             f"description from engine {desc.engine_id!r} (rank {desc.rank}) is invalid: {exc}"
@@ -255,6 +263,8 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         block_size=desc.block_size,
         regions=regions,
         rewrites_in_place=desc.rewrites_in_place,
+        transfer_mode=mode,
+        can_repack=desc.can_repack,
     )
 
 

@@ -18,7 +18,9 @@ Protocol history:
     1 - MetadataRequest, WorkerDescription (groups, regions, NIXL metadata), ErrorReply;
         MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty);
         WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis);
-        WorkerDescription.rewrites_in_place (default true), block_packing (default "").
+        WorkerDescription.rewrites_in_place (default true), block_packing (default "");
+        WorkerDescription.transfer_mode (default "pull": an older peer only pulls) and
+        can_repack (default false).
 """
 
 from __future__ import annotations
@@ -134,6 +136,10 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # non-empty: the engine's private element order inside a page (CacheFormat.block_packing)
     block_packing: str = ""
     packed_heads_major: bool = False  # CacheFormat.packed_heads_major
+    transfer_mode: str = "pull"  # handshake.modes.TransferMode: both sides must agree
+    # the engine rebuilds its packed pages from remote ones after a load (a push writer
+    # must plan exactly as this reader does)
+    can_repack: bool = False
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -35,6 +35,7 @@ import math
 
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
+from handshake.modes import TransferMode
 from handshake.native_read import native_stream
 from handshake.packed_plan import check_block_packing, packed_plan
 from handshake.pieces import (
@@ -74,6 +75,13 @@ def negotiate(
     if min_native_piece_bytes is None:
         min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
     peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
+    if local.transfer_mode is not remote.transfer_mode:
+        raise IncompatiblePeerError(
+            [("transfer_mode", local.transfer_mode.value, remote.transfer_mode.value)],
+            peer=peer,
+            hint="set extra.transfer_mode to the same value ('pull' or 'push') on prefill "
+            "and decode",
+        )
     heads = head_slice(local, remote, peer)
     packed = check_block_packing(local, remote, peer, can_repack)
     if heads is not None and packed:
@@ -116,6 +124,15 @@ def negotiate(
                 peer=peer,
                 hint=f"cannot bridge the block formats: {exc}",
             ) from None
+    staged = [p.group_id for p in plans if p.split_from]
+    if local.transfer_mode is TransferMode.PUSH and staged:
+        raise IncompatiblePeerError(
+            [("transfer_mode", "push", "push")],
+            peer=peer,
+            hint=f"groups {staged}: prefill's engine-packed pages are larger than decode's, "
+            f"so decode must stage them before its engine splits them; a push cannot write "
+            f"into decode's staging slots: use transfer_mode 'pull' for this pair",
+        )
     return TransferPlan(
         local_engine_id=local.identity.engine_id,
         remote_engine_id=remote.identity.engine_id,
