@@ -24,6 +24,9 @@ class ConnectorMetrics:
     bad_notifications: int = 0
     leases_expired: int = 0
     heartbeats_sent: int = 0
+    pushes_written: int = 0  # prefill: Push requests whose writes completed
+    push_failures: int = 0  # prefill: Push requests answered with ok=False
+    bytes_written: int = 0  # prefill: bytes written into decode's blocks
 
     def prometheus(self, prefix: str = "kvbridge") -> str:
         lines = []

@@ -9,6 +9,11 @@
       Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
       Heartbeat([req, ...])    ------>      extend leases of requests still queued
 
+    push mode (handshake.modes): decode names its blocks, prefill writes into them
+      Push(req, blocks, rewrites) ------>   rewrite after save, NIXL WRITE into decode
+                               <------      Pushed(req, ok, reason, bytes)
+      Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
+
 Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
 (NIXL notifications are meant for <= 64 KiB).
 """
@@ -88,7 +93,38 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
 
-Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat
+class Push(msgspec.Struct, frozen=True, tag=True):
+    """Decode asks prefill to WRITE tokens ``[start_token, end_token)`` of a kept request
+    into decode's blocks. Prefill looks decode up at ``reader_host:reader_port`` (its own
+    handshake), plans as decode planned (``plan_digest`` must match), applies ``rewrites``
+    as for a ``Prepare``, writes, then answers ``Pushed``. It must not start writing later
+    than ``timeout_s`` after it got this: decode gives the blocks to others after that."""
+
+    request_id: str  # prefill's request id
+    reader_engine_id: str
+    reader_rank: int
+    reader_host: str
+    reader_port: int
+    block_ids: list[list[int]]  # decode's block ids per group, by logical block
+    start_token: int
+    end_token: int
+    rewrites: list[GroupRewrite]
+    plan_digest: str
+    timeout_s: float
+    version: int = NOTIF_PROTOCOL_VERSION
+
+
+class Pushed(msgspec.Struct, frozen=True, tag=True):
+    """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    num_bytes: int = 0
+    num_descs: int = 0
+
+
+Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Notification)

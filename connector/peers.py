@@ -75,9 +75,15 @@ class PeerDirectory:
         local_layout: PeerLayout,
         *,
         can_repack: bool = False,
+        writer: bool = False,
     ) -> None:
+        """``writer``: the peers are decode workers this (prefill) worker pushes to; a
+        peer's plan is then the one that decode computes (decode's blocks are the plan's
+        local side), and the lists are swapped: remote lists on decode's blocks, local
+        ones on this worker's."""
         self._engine = engine
         self._can_repack = can_repack
+        self._writer = writer
         self._client = client
         self._local_description = local_description
         self._local = local_layout
@@ -139,7 +145,8 @@ class PeerDirectory:
             try:
                 check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
                 layout = parse_description(desc)
-                if not reads_from(self._local, layout):
+                reader, source = (layout, self._local) if self._writer else (self._local, layout)
+                if not reads_from(reader, source):
                     # a prefill rank this decode rank only tells Done (an unread replica)
                     peer.agent = self._engine.add_peer(desc.nixl_metadata)
                     peer.description, peer.layout = desc, layout
@@ -147,7 +154,8 @@ class PeerDirectory:
                     self.handshakes += 1
                     logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
                     return
-                plan = negotiate(self._local, layout, can_repack=self._can_repack)
+                can_repack = layout.can_repack if self._writer else self._can_repack
+                plan = negotiate(reader, source, can_repack=can_repack)
             except IncompatiblePeerError as exc:
                 self._incompatible(peer, desc, str(exc))
                 return
@@ -155,12 +163,10 @@ class PeerDirectory:
             peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
             for g in plan.groups:
                 for i, stream in enumerate(g.streams):
-                    region = layout.regions[stream.remote_region].region
+                    index, offsets = self._theirs(g, stream)
+                    region = layout.regions[index].region
                     table = block_descriptors(
-                        region,
-                        np.arange(region.num_blocks),
-                        offsets=g.remote_offsets(stream),
-                        length=stream.length,
+                        region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
                     )
                     peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(
                         agent, table, memory_kind=region.memory_kind
@@ -202,24 +208,27 @@ class PeerDirectory:
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
 
+    def _theirs(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
+        """The peer's region index and piece offsets of a stream."""
+        if self._writer:
+            return stream.local_region, group.local_offsets(stream)
+        return stream.remote_region, group.remote_offsets(stream)
+
+    def _mine(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
+        """This worker's region index and piece offsets of a stream."""
+        if self._writer:
+            return stream.remote_region, group.remote_offsets(stream)
+        return stream.local_region, group.local_offsets(stream)
+
     def local_list(self, group: GroupPlan, stream: PieceStream) -> DescList:
-        """The local descriptor list for a plan's stream, prepared once and shared."""
-        key = (
-            group.group_id,
-            stream.local_region,
-            stream.local_offsets,
-            stream.length,
-            group.local_chunks_per_block,
-            stream.local_chunk_bytes,
-        )
+        """This worker's descriptor list for a plan's stream, prepared once and shared."""
+        index, offsets = self._mine(group, stream)
+        key = (group.group_id, index, offsets.tobytes(), stream.length)
         dl = self._local_lists.get(key)
         if dl is None:
-            region = self._local.regions[stream.local_region].region
+            region = self._local.regions[index].region
             table = block_descriptors(
-                region,
-                np.arange(region.num_blocks),
-                offsets=group.local_offsets(stream),
-                length=stream.length,
+                region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
             )
             dl = self._engine.prep_local(table)
             self._local_lists[key] = dl

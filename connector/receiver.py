@@ -27,10 +27,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from connector.errors import TransferError
-from connector.load_rows import group_rows
+from connector.load_rows import GroupRows, group_rows
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
-from connector.notifications import Done, GroupRewrite, Prepare, Prepared, WireArrangement
+from connector.notifications import (
+    Done,
+    GroupRewrite,
+    Prepare,
+    Prepared,
+    Push,
+    Pushed,
+    WireArrangement,
+)
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.routing import Route, Router
@@ -52,7 +60,18 @@ class LoadState(enum.Enum):
     WAITING_PEER = "waiting_peer"
     PREPARING = "preparing"
     READING = "reading"
+    PUSHED = "pushed"  # push mode: asked prefill to write, waiting for Pushed
     DONE = "done"
+
+
+@dataclass(frozen=True)
+class PushEndpoint:
+    """Push mode: where prefill finds this decode rank (its own handshake listener)."""
+
+    engine_id: str
+    rank: int
+    host: str
+    port: int
 
 
 @dataclass
@@ -98,8 +117,11 @@ class Receiver:
         staging_bytes: int = 64 << 20,
         router: Router | None = None,
         notify: Notify | None = None,
+        push: PushEndpoint | None = None,
     ) -> None:
+        """``push``: ask prefill to write (push mode) instead of reading (pull)."""
         self._engine = engine
+        self._push = push
         self._repacker = repacker
         self._staged = StagedReads(
             engine,
@@ -177,6 +199,29 @@ class Receiver:
             return
         self._post(load, src)
 
+    def on_pushed(self, msg: Pushed, agent: str = "") -> None:
+        """Prefill wrote its part of a load into our blocks (or says why not)."""
+        rid = self._by_remote.get(msg.request_id)
+        load = self._loads.get(rid) if rid else None
+        src = None
+        if load is not None:
+            src = next(
+                (
+                    s
+                    for s in load.sources
+                    if s.state is LoadState.PUSHED and (not agent or self._agent_of(s.key) == agent)
+                ),
+                None,
+            )
+        if load is None or src is None:
+            self._metrics.bad_notifications += 1
+            return
+        if not msg.ok:
+            self._finish_failed(load, f"prefill {src.key} could not push the blocks: {msg.reason}")
+            return
+        load.num_bytes += msg.num_bytes
+        src.state = LoadState.DONE
+
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
         for peer in self._peers.poll():
@@ -234,6 +279,9 @@ class Receiver:
             for gid, rw in peer.plan.sender_rewrites().items()
         ]
         params = load.spec.params
+        if self._push is not None:
+            self._ask_push(load, src, peer, rewrites)
+            return
         # A read that needs no rewrite goes straight to the blocks, unless prefill's first
         # lease may be running out: then claim them first (an empty Prepare), so a block
         # whose lease ran out is never read as if it were still the request's.
@@ -246,6 +294,57 @@ class Receiver:
                 self._finish_failed(load, f"prefill {peer.key} unreachable for Prepare")
             return
         self._post(load, src)
+
+    def _ask_push(self, load: Load, src: Source, peer: Peer, rewrites: list[GroupRewrite]) -> None:
+        """Push mode: name our blocks to prefill; it writes and answers ``Pushed``."""
+        assert self._push is not None and peer.plan is not None
+        spec = load.spec
+        try:
+            for g in peer.plan.groups:  # the blocks that will receive data (and checks)
+                found = self._rows(load, g)
+                if found.touched is not None:
+                    self._touch(load, g.group_id, found.touched)
+        except KVBridgeError as exc:
+            self._finish_failed(load, f"could not plan the push: {exc}")
+            return
+        if not load.started:
+            load.started = self._clock()
+        # prefill starts no write after this; we keep the blocks PUSH_MARGIN_S longer
+        left = load.deadline - self._clock() - PUSH_MARGIN_S
+        msg = Push(
+            request_id=spec.params.remote_request_id,
+            reader_engine_id=self._push.engine_id,
+            reader_rank=self._push.rank,
+            reader_host=self._push.host,
+            reader_port=self._push.port,
+            block_ids=[list(ids) for ids in spec.local_block_ids],
+            start_token=spec.start_token,
+            end_token=spec.end_token,
+            rewrites=rewrites,
+            plan_digest=peer.plan.digest,
+            timeout_s=max(left, 0.001),
+        )
+        try:
+            sent = self._send(peer, msg)
+        except KVBridgeError as exc:  # too many blocks for one notification
+            self._finish_failed(load, f"cannot ask {peer.key} to push: {exc}")
+            return
+        if not sent:
+            self._finish_failed(load, f"prefill {peer.key} unreachable for Push")
+            return
+        src.state = LoadState.PUSHED
+
+    def _rows(self, load: Load, g: GroupPlan) -> GroupRows:
+        spec, params = load.spec, load.spec.params
+        return group_rows(
+            g,
+            self._buffers.config.groups[g.group_id].spec,
+            np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64),
+            np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64),
+            params.remote_first_block[g.group_id] if params.remote_first_block else 0,
+            spec.start_token,
+            spec.end_token,
+        )
 
     def _post(self, load: Load, src: Source) -> None:
         peer = self._peers.get(src.key)
@@ -264,16 +363,7 @@ class Receiver:
             self._finish_failed(load, f"could not post the read: {exc}")
 
     def _post_group(self, load: Load, src: Source, peer: Peer, g: GroupPlan) -> None:
-        spec, params = load.spec, load.spec.params
-        found = group_rows(
-            g,
-            self._buffers.config.groups[g.group_id].spec,
-            np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64),
-            np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64),
-            params.remote_first_block[g.group_id] if params.remote_first_block else 0,
-            spec.start_token,
-            spec.end_token,
-        )
+        found = self._rows(load, g)
         if found.staged is not None:
             src.staged.append(found.staged)
             return
@@ -402,6 +492,7 @@ class Receiver:
 
 
 CLAIM_MARGIN_S = 10.0  # read without asking only while prefill's first lease has this left
+PUSH_MARGIN_S = 1.0  # decode keeps a push's blocks this long after prefill's last start
 
 
 def _outside(params: KVTransferParams, peer: Peer) -> str:

@@ -158,6 +158,15 @@ class Sender:
         self._ended[msg.request_id] = self._clock()
         return True
 
+    def kept(self, request_id: str) -> SendSpec | None:
+        """The spec of a request whose blocks are kept here (None: not, or not yet)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else pending.spec
+
+    def has_ended(self, request_id: str) -> bool:
+        """The request was kept here and has ended (Done, lease, abort): never again."""
+        return request_id in self._ended
+
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Reader ranks that said Done for a held request (None: not held)."""
         pending = self._pending.get(request_id)

@@ -28,18 +28,27 @@ from connector.notifications import (
     NotificationError,
     Prepare,
     Prepared,
+    Push,
+    Pushed,
     decode_notification,
     encode_notification,
 )
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
-from connector.receiver import Receiver
+from connector.pushes import Pusher
+from connector.receiver import PushEndpoint, Receiver
 from connector.routing import Route, Router
 from connector.sender import Sender
 from connector.staged_reads import Repacker
 from connector.staging import staging_capacity
 from connector.transport import TransferEngine
-from connector.worker_setup import engine_call, idle_progress_ms, nixl_engine, progress_us
+from connector.worker_setup import (
+    engine_call,
+    idle_progress_ms,
+    nixl_engine,
+    progress_us,
+    transfer_mode,
+)
 from handshake.affinity import unpinned
 from handshake.client import ClientConfig, HandshakeClient
 from handshake.compat import compat_hash
@@ -47,6 +56,7 @@ from handshake.description import WorkerIdentity, describe, parse_description
 from handshake.framing import HandshakeSecurity
 from handshake.listener import HandshakeListener, ListenerConfig
 from handshake.messages import MetadataRequest, WorkerDescription
+from handshake.modes import TransferMode
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
 
@@ -85,6 +95,7 @@ class KVBridgeWorker:
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         self._staging_bytes = staging_capacity(config.extra)
+        self.transfer_mode = transfer_mode(config.extra)
         self._router = Router(rank, tp_size, model.num_kv_heads)
         self.model = model
         self.rank = rank
@@ -105,6 +116,8 @@ class KVBridgeWorker:
         self._peers: PeerDirectory | None = None
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
+        self._targets: PeerDirectory | None = None  # push mode: decode workers we write to
+        self._pusher: Pusher | None = None
         self._meta = ConnectorMetadata()
         self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
         self._known_agents: set[str] = set()
@@ -175,6 +188,8 @@ class KVBridgeWorker:
             side_channel_host=self.config.kv_ip,
             side_channel_port=self._listener.port,
             rewrites_in_place=self.rewrites_in_place,
+            transfer_mode=self.transfer_mode,
+            can_repack=self._repacker is not None,
         )
         request = MetadataRequest(
             protocol_version=self._description.protocol_version,
@@ -187,16 +202,24 @@ class KVBridgeWorker:
             ClientConfig(timeout_s=self.config.handshake_timeout_s, security=security),
             request=request,
         )
+        local_layout = parse_description(self._description)
         self._peers = PeerDirectory(
-            engine,
-            client,
-            self._description,
-            parse_description(self._description),
-            can_repack=self._repacker is not None,
+            engine, client, self._description, local_layout, can_repack=self._repacker is not None
         )
         self._sender = Sender(
             buffers, self.metrics, clock=self._clock, rewrites_in_place=self.rewrites_in_place
         )
+        push = None
+        if self.transfer_mode is TransferMode.PUSH:
+            self._targets = PeerDirectory(
+                engine, client, self._description, local_layout, writer=True
+            )
+            self._pusher = Pusher(
+                engine, self._targets, self._sender, self.metrics, self._send_raw, clock=self._clock
+            )
+            push = PushEndpoint(
+                self.config.engine_id, self.rank, self.config.kv_ip, self._listener.port
+            )
         self._receiver = Receiver(
             engine,
             self._peers,
@@ -210,6 +233,7 @@ class KVBridgeWorker:
             staging_bytes=self._staging_bytes,
             router=self._router,
             notify=self._queue_to,
+            push=push,
         )
         if self._idle is not None:
             self._idle.start()
@@ -298,6 +322,8 @@ class KVBridgeWorker:
         receiver, _ = self._ready()
         self._add_requesters()
         self._handle_notifications()
+        if self._pusher is not None:
+            self._pusher.step()
         receiver.step()
         self._flush_outbox()
         self._send_replies()
@@ -346,12 +372,25 @@ class KVBridgeWorker:
                     if reply is not None:  # else answered once the request is added
                         self._send_raw(agent, reply)
                 elif isinstance(msg, Done):
+                    if self._pusher is not None:  # a decode that gave up: stop writing
+                        self._pusher.cancel(msg.request_id, msg.reader_rank)
                     if not self._sender.on_done(msg):
                         self.metrics.bad_notifications += 1
                 elif isinstance(msg, Heartbeat):
                     self._sender.on_heartbeat(msg)
                 elif isinstance(msg, Prepared):
                     self._receiver.on_prepared(msg, agent)
+                elif isinstance(msg, Push):
+                    self._on_push(msg, agent)
+                elif isinstance(msg, Pushed):
+                    self._receiver.on_pushed(msg, agent)
+
+    def _on_push(self, msg: Push, agent: str) -> None:
+        if self._pusher is None:
+            reason = "this prefill runs in pull mode (extra.transfer_mode); decode must read"
+            self._send_raw(agent, Pushed(request_id=msg.request_id, ok=False, reason=reason))
+            return
+        self._pusher.on_push(msg, agent)
 
     def _route(self, params: KVTransferParams) -> Route | None:
         try:
@@ -420,12 +459,16 @@ class KVBridgeWorker:
         self._closed = True
         if self._receiver is not None:
             self._receiver.close()
+        if self._pusher is not None:
+            self._pusher.close()
         if self._sender is not None:
             self._sender.close()
         if self._listener is not None:
             self._listener.close()
         if self._peers is not None:
             self._peers.close()
+        if self._targets is not None:
+            self._targets.close()
         if self._engine is not None:
             self._engine.close()
 

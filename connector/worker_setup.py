@@ -10,6 +10,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from connector.config import ConfigError
 from connector.transport import TransferEngine
+from handshake.modes import TransferMode
+from layouts.errors import LayoutError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -39,6 +41,17 @@ def idle_progress_ms(extra: dict) -> float:
             f"extra.idle_progress_ms={value!r} must be a non-negative number (milliseconds)"
         )
     return float(value)
+
+
+def transfer_mode(extra: dict) -> TransferMode:
+    """``extra["transfer_mode"]``: ``"pull"`` (default: decode READs prefill's blocks) or
+    ``"push"`` (prefill WRITEs into decode's); prefill and decode must set the same."""
+    value = extra.get("transfer_mode", TransferMode.PULL.value)
+    try:
+        return TransferMode.parse(value)
+    except LayoutError:
+        choices = [m.value for m in TransferMode]
+        raise ConfigError(f"extra.transfer_mode={value!r} is not one of {choices}") from None
 
 
 def progress_us(extra: dict) -> int:

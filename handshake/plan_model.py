@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,6 +193,11 @@ class TransferPlan:
 
     def sender_rewrites(self) -> dict[int, Rewrite]:
         return {g.group_id: g.sender for g in self.groups if g.sender}
+
+    @property
+    def digest(self) -> str:
+        """A short fingerprint of the whole plan: a push writer must plan as its reader."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
         lines = [

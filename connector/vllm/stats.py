@@ -34,7 +34,8 @@ GAUGES = ("held_requests", "held_blocks", "loading_requests")
 COUNTERS = tuple(f.name for f in fields(ConnectorMetrics)) + SCHEDULER_COUNTERS
 
 _DOCS = {
-    "bytes_read": "Bytes decode read from prefill through kvbridge.",
+    "bytes_read": "Bytes decode loaded from prefill through kvbridge (read, or pushed).",
+    "bytes_written": "Bytes prefill wrote into decode's blocks (push mode).",
     "transfer_seconds": "Seconds decode spent in kvbridge request loads (post to done).",
     "transfers": "Request loads kvbridge completed.",
     "descriptors_posted": "NIXL descriptors kvbridge posted.",

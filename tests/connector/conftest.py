@@ -336,10 +336,11 @@ class Cluster:
         self._cache: OrderedDict[tuple, Node] = OrderedDict()
         self._extra: list[Node] = []
 
-    def node(self, role: str, fmt: SideFormat, kinds: str) -> Node:
-        """A cached worker for (role, format, groups), built on first use."""
-        key = (role, fmt, kinds)
-        node = self._cache.pop(key, None) or self._build(role, fmt, kinds, {})
+    def node(self, role: str, fmt: SideFormat, kinds: str, mode: str = "pull") -> Node:
+        """A cached worker for (role, format, groups, transfer mode), built on first use."""
+        key = (role, fmt, kinds, mode)
+        config = {"extra": {"transfer_mode": mode}} if mode != "pull" else {}
+        node = self._cache.pop(key, None) or self._build(role, fmt, kinds, config)
         self._cache[key] = node
         while len(self._cache) > self._keep:
             _, old = self._cache.popitem(last=False)

@@ -110,10 +110,15 @@ def untouched_blocks(decode: Node, req: Request) -> dict[int, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("case", _cases(), ids=str)
-def test_load_matrix(cluster: Cluster, case: Case) -> None:
-    prefill = cluster.node("kv_producer", case.prefill, case.kinds)
-    decode = cluster.node("kv_consumer", case.decode, case.kinds)
+def test_load_matrix(cluster: Cluster, case: Case, mode: str) -> None:
+    """Pull: decode READs. Push: prefill WRITEs into decode's blocks (decode posts
+    nothing); the same bytes land either way."""
+    prefill = cluster.node("kv_producer", case.prefill, case.kinds, mode)
+    decode = cluster.node("kv_consumer", case.decode, case.kinds, mode)
+    posted = decode.worker.metrics.descriptors_posted, prefill.worker.metrics.descriptors_posted
+    written = prefill.worker.metrics.bytes_written
     seed = zlib.crc32(str(case).encode())
     prefill.fill(seed)
     decode.fill(seed + 1)
@@ -129,6 +134,16 @@ def test_load_matrix(cluster: Cluster, case: Case) -> None:
         assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
     assert_restored(prefill.buffers, prefill_before, "prefill after Done")
     assert req.send_id not in prefill.expired
+    # pull: decode posts READs and prefill nothing; push: prefill posts WRITEs, decode nothing
+    (mover, before_m), (idle, before_i) = (
+        ((decode, posted[0]), (prefill, posted[1]))
+        if mode == "pull"
+        else ((prefill, posted[1]), (decode, posted[0]))
+    )
+    assert mover.worker.metrics.descriptors_posted > before_m, f"{mode}: nothing posted"
+    assert idle.worker.metrics.descriptors_posted == before_i, f"{mode}: the other side posted"
+    pushed = prefill.worker.metrics.bytes_written - written
+    assert (pushed > 0) == (mode == "push"), pushed
 
 
 def _expected_descriptors(node: Node, req: Request, block_size: int) -> int:

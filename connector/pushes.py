@@ -1,0 +1,259 @@
+"""Prefill side of push mode: write a kept request's KV into decode's blocks.
+
+Decode sends ``Push`` (its block ids, the token range, the rewrites its plan wants). For
+each one::
+
+    WAITING --(request kept here, decode described)--> WRITING --(all DONE)--> Pushed(ok)
+       |                                                   |
+       `-- request ended / decode unreachable or           `-- TransferError / deadline
+           incompatible / plans differ / rewrite refused /
+           deadline                                      --> Pushed(ok=False, reason)
+
+Prefill looks decode up with its own handshake (``PeerDirectory(writer=True)``), so it
+plans exactly as decode did: the same pure ``negotiate`` on the same two descriptions,
+checked by ``TransferPlan.digest``. The rows come from ``connector.load_rows``, the very
+function decode uses to READ; here they become WRITEs from this worker's blocks (rewritten
+after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
+``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
+(it gave up) cancels the writes first.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from connector.errors import TransferError
+from connector.load_rows import group_rows
+from connector.metrics import ConnectorMetrics
+from connector.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
+from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.sender import EARLY_PREPARE_TTL_S, Sender
+from connector.transport import TransferEngine, XferHandle, XferState
+from layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
+
+MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
+
+
+class PushState(enum.Enum):
+    WAITING = "waiting"  # for the request to be kept here and for decode's description
+    WRITING = "writing"
+
+
+@dataclass
+class _Push:
+    msg: Push
+    agent: str  # decode's NIXL agent: where Pushed goes
+    key: PeerKey
+    deadline: float  # no write starts after this; writes still running then are cancelled
+    wait_until: float  # the request must be kept here by then
+    state: PushState = PushState.WAITING
+    handles: list[XferHandle] = field(default_factory=list)
+    num_bytes: int = 0
+    num_descs: int = 0
+
+
+class Pusher:
+    """The pushes a prefill worker owes its decode workers."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        targets: PeerDirectory,
+        sender: Sender,
+        metrics: ConnectorMetrics,
+        reply: Callable[[str, Pushed], bool],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._targets = targets
+        self._sender = sender
+        self._metrics = metrics
+        self._reply = reply
+        self._clock = clock
+        self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._pushes)
+
+    def on_push(self, msg: Push, agent: str) -> None:
+        rid, where = msg.request_id, (msg.request_id, msg.reader_rank)
+        if msg.version != NOTIF_PROTOCOL_VERSION:
+            self._refuse(
+                agent,
+                rid,
+                f"Push version {msg.version}, this prefill speaks {NOTIF_PROTOCOL_VERSION}",
+            )
+            return
+        if where in self._pushes:
+            self._refuse(agent, rid, f"a push of {rid!r} to rank {msg.reader_rank} is in flight")
+            return
+        if self._sender.has_ended(rid) or len(self._pushes) >= MAX_PUSHES:
+            self._refuse(
+                agent,
+                rid,
+                f"unknown request {rid!r} on this prefill (never kept, "
+                f"already done, or its lease expired)",
+            )
+            return
+        if not msg.reader_host or not 0 < msg.reader_port < 65536 or msg.timeout_s <= 0:
+            self._refuse(
+                agent,
+                rid,
+                f"Push names no usable side channel "
+                f"({msg.reader_host!r}:{msg.reader_port}) or timeout ({msg.timeout_s})",
+            )
+            return
+        now = self._clock()
+        key = (msg.reader_engine_id, msg.reader_rank)
+        self._targets.ensure(key, msg.reader_host, msg.reader_port, for_read=True)
+        self._pushes[where] = _Push(
+            msg=msg,
+            agent=agent,
+            key=key,
+            deadline=now + msg.timeout_s,
+            wait_until=now + min(msg.timeout_s, EARLY_PREPARE_TTL_S),
+        )
+
+    def cancel(self, request_id: str, reader_rank: int) -> None:
+        """Decode gave up on this push (``Done(ok=False)``): stop writing, say nothing."""
+        push = self._pushes.pop((request_id, reader_rank), None)
+        if push is not None:
+            self._release(push)
+
+    def step(self) -> None:
+        """Start pushes whose request and decode are ready; finish the written ones."""
+        self._targets.poll()
+        now = self._clock()
+        for where, push in list(self._pushes.items()):
+            if where not in self._pushes:
+                continue
+            if push.state is PushState.WAITING:
+                self._try_start(push, now)
+            elif push.state is PushState.WRITING:
+                self._poll(push, now)
+
+    def close(self) -> None:
+        for push in list(self._pushes.values()):
+            self._fail(push, "prefill connector shut down")
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _try_start(self, push: _Push, now: float) -> None:
+        peer = self._targets.get(push.key)
+        if peer is None or peer.state in (PeerState.FAILED, PeerState.INCOMPATIBLE):
+            reason = peer.reason if peer is not None else "forgotten"
+            self._fail(push, f"cannot push to decode {push.key}: {reason}")
+            return
+        spec = self._sender.kept(push.msg.request_id)
+        if now > push.deadline or (spec is None and now > push.wait_until):
+            waited = "the request to be kept here" if spec is None else "decode's description"
+            self._fail(push, f"timed out waiting for {waited}")
+            return
+        if spec is None or peer.state is not PeerState.READY:
+            return
+        self._start(push, peer)
+
+    def _start(self, push: _Push, peer: Peer) -> None:
+        msg = push.msg
+        if peer.plan is None or peer.layout is None:
+            self._fail(push, f"decode {push.key} reads none of this rank's heads")
+            return
+        if peer.plan.digest != msg.plan_digest:
+            self._fail(
+                push,
+                f"prefill planned {peer.plan.digest}, decode {msg.plan_digest}: the two sides "
+                f"see different descriptions (restarted or reconfigured?); plan here:\n"
+                f"{peer.plan}",
+            )
+            return
+        prepared = self._sender.on_prepare(
+            Prepare(request_id=msg.request_id, rewrites=msg.rewrites), push.agent
+        )
+        if prepared is None or not prepared.ok:
+            self._fail(push, prepared.reason if prepared else "request not kept here")
+            return
+        spec = self._sender.kept(msg.request_id)
+        assert spec is not None  # on_prepare just found it
+        push.state = PushState.WRITING
+        try:
+            if len(msg.block_ids) != len(peer.plan.groups):
+                raise KVBridgeError(
+                    f"Push names {len(msg.block_ids)} groups, the plan has {len(peer.plan.groups)}"
+                )
+            for g in peer.plan.groups:
+                found = group_rows(
+                    g,
+                    peer.layout.config.groups[g.group_id].spec,
+                    np.asarray(msg.block_ids[g.group_id], dtype=np.int64),
+                    np.asarray(spec.block_ids[g.group_id], dtype=np.int64),
+                    spec.first_block[g.group_id] if spec.first_block else 0,
+                    msg.start_token,
+                    msg.end_token,
+                )
+                if found.staged is not None:  # negotiation refuses push for these
+                    raise KVBridgeError(f"group {g.group_id} needs decode's staging slots")
+                for i, reader_rows, writer_rows in found.rows:
+                    stream = g.streams[i]
+                    mine = self._targets.local_list(g, stream)
+                    theirs = peer.remote_lists[(g.group_id, i)]
+                    push.handles.append(self._engine.write(mine, writer_rows, theirs, reader_rows))
+                    push.num_descs += int(reader_rows.size)
+                    push.num_bytes += int(reader_rows.size) * stream.length
+        except TransferError as exc:
+            self._fail(push, f"write to decode {push.key} failed: {exc}")
+            self._targets.drop(push.key, f"transfer failed: {exc}")
+            return
+        except KVBridgeError as exc:
+            self._fail(push, f"could not post the writes: {exc}")
+            return
+        self._metrics.descriptors_posted += push.num_descs
+
+    def _poll(self, push: _Push, now: float) -> None:
+        try:
+            pending = [h for h in push.handles if self._engine.poll(h) is XferState.PENDING]
+        except TransferError as exc:
+            self._fail(push, f"write to decode {push.key} failed: {exc}")
+            self._targets.drop(push.key, f"transfer failed: {exc}")
+            return
+        if pending:
+            if now > push.deadline:
+                self._fail(push, f"writes not complete within {push.msg.timeout_s:.1f} s")
+            return
+        self._release(push)
+        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        self._metrics.pushes_written += 1
+        self._metrics.bytes_written += push.num_bytes
+        self._reply(
+            push.agent,
+            Pushed(
+                request_id=push.msg.request_id,
+                ok=True,
+                num_bytes=push.num_bytes,
+                num_descs=push.num_descs,
+            ),
+        )
+
+    def _fail(self, push: _Push, reason: str) -> None:
+        self._release(push)  # releasing an in-flight handle cancels it
+        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        self._refuse(push.agent, push.msg.request_id, reason)
+
+    def _refuse(self, agent: str, request_id: str, reason: str) -> None:
+        self._metrics.push_failures += 1
+        logger.warning("push of %s refused: %s", request_id, reason)
+        self._reply(agent, Pushed(request_id=request_id, ok=False, reason=reason))
+
+    def _release(self, push: _Push) -> None:
+        for h in push.handles:
+            self._engine.release(h)
+        push.handles.clear()
