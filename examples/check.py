@@ -260,15 +260,13 @@ def run(args: argparse.Namespace) -> int:
         for name, url in (("prefill", args.prefill), ("decode", args.decode))
         if url
     }
-    metrics = {}
-    if args.decode:
-        try:
-            metrics = parse_metrics(http_get(args.decode.rstrip("/") + "/metrics")[1].decode())
-        except OSError as exc:
-            print(f"  (decode /metrics unreadable: {exc})")
+    metrics, prefill_metrics = _metrics(args.decode, "decode"), _metrics(args.prefill, "prefill")
     bytes_read = int(metrics.get("kvbridge_bytes_read", 0))
     seconds = metrics.get("kvbridge_transfer_seconds", 0.0)
-    descs = int(metrics.get("kvbridge_descriptors_posted", 0))
+    # pull: decode posts the READs; push: prefill posts the WRITEs
+    descs = int(metrics.get("kvbridge_descriptors_posted", 0)) + int(
+        prefill_metrics.get("kvbridge_descriptors_posted", 0)
+    )
     transfers = int(metrics.get("kvbridge_transfers", 0))
     failures = int(metrics.get("kvbridge_transfer_failures", 0))
     n = len(prompts)
@@ -293,6 +291,16 @@ def run(args: argparse.Namespace) -> int:
         f"descriptors={descs} transfers={transfers} max_diff={worst:.3g}"
     )
     return 0 if ok else 1
+
+
+def _metrics(url: str | None, name: str) -> dict[str, float]:
+    if not url:
+        return {}
+    try:
+        return parse_metrics(http_get(url.rstrip("/") + "/metrics")[1].decode())
+    except OSError as exc:
+        print(f"  ({name} /metrics unreadable: {exc})")
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,20 +1,24 @@
-"""Transfer benchmark: connector-driven loads vs a raw NIXL READ of the same bytes.
+"""Transfer benchmark: connector-driven loads vs a raw NIXL READ / WRITE of the same bytes.
 
 Two processes: a child plays the prefill worker (``--serve``: a KVBridgeWorker over caches
-it fills itself), this process plays decode (a KVBridgeWorker reading from it). Per cache
-format, after one warm-up load (handshake, descriptor lists, UCX connection)::
+it fills itself), this process plays decode (a KVBridgeWorker loading from it). Per cache
+format and transfer mode, after one warm-up load (handshake, descriptor lists, UCX
+connection)::
 
     connector:  child keeps a 2048-token request -> LoadSpec -> start_load_kv ->
-                get_finished() until the load is reported (timed, median of N)
-    raw NIXL:   one READ of one descriptor covering the same number of bytes, from the
-                child's cross-layer buffer into ours (no connector code at all)
+                get_finished() until the load is reported (timed, median of N); pull:
+                decode READs; push: decode sends Push, the child WRITEs into its blocks
+    raw NIXL:   one READ (and one WRITE) of one descriptor covering the same number of
+                bytes, between the child's cross-layer buffer and ours (no connector code)
     torch:      dst.copy_(src) of the same bytes in this process (the memory's speed)
+
+``--device cuda`` puts both sides' caches in GPU memory (NIXL VRAM registrations).
 
 It also reports descriptors per request, the time NIXL took to prepare the descriptor
 lists (once per peer) and the per-request index computation (``GroupPlan.indices``).
 Loaded bytes are checked (sha256 of both sides' token-major KV) for every format.
 
-Run:  .venv/bin/python scripts/bench_transfer.py [--layers 32] [--iterations 7]
+Run:  .venv/bin/python scripts/bench_transfer.py [--layers 32] [--iterations 7] [--device cpu]
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Shape:
             model_name="bench", dtype="float16", num_kv_heads=self.heads, head_size=self.head_size
         )
 
-    def buffers(self, fmt: CacheFormat) -> KVCacheBuffers:
+    def buffers(self, fmt: CacheFormat, device: str = "cpu") -> KVCacheBuffers:
         spec = FullAttentionSpec(
             block_size=self.block_size,
             num_kv_heads=self.heads,
@@ -95,7 +99,8 @@ class Shape:
         group = KVCacheGroup(
             group_id=0, layer_names=tuple(f"layer.{i}" for i in range(self.layers)), spec=spec
         )
-        return KVCacheBuffers(KVCacheConfig(groups=(group,), num_blocks=self.num_blocks), fmt)
+        config = KVCacheConfig(groups=(group,), num_blocks=self.num_blocks)
+        return KVCacheBuffers(config, fmt, device=device)
 
 
 def parse_format(code: str) -> CacheFormat:
@@ -110,39 +115,47 @@ def parse_format(code: str) -> CacheFormat:
 
 def fill(buffers: KVCacheBuffers, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    for t in buffers.tensors:
+    for t in buffers.tensors:  # generated on the host, then copied where the cache lives
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
 
 
 def kv_digest(buffers: KVCacheBuffers, block_ids: list[int]) -> str:
     tm = read_group_token_major(buffers, 0, np.asarray(block_ids))
-    return hashlib.sha256(tm.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    host = tm.contiguous().view(torch.uint8).cpu()  # explicit: the bytes leave the device
+    return hashlib.sha256(host.numpy().tobytes()).hexdigest()
 
 
-def _config(role: str, engine_id: str) -> KVTransferConfig:
+def _config(role: str, engine_id: str, mode: str) -> KVTransferConfig:
     return KVTransferConfig.from_dict(
-        {"kv_role": role, "engine_id": engine_id, "kv_port": 0, "transfer_timeout_s": TIMEOUT_S}
+        {
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_port": 0,
+            "transfer_timeout_s": TIMEOUT_S,
+            "extra": {"transfer_mode": mode},
+        }
     )
 
 
 # -- the prefill child -----------------------------------------------------------------------
 
 
-def serve(shape: Shape, fmt_code: str, engine_id: str) -> None:
+def serve(shape: Shape, fmt_code: str, engine_id: str, mode: str, device: str) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
 
     def say(**event: object) -> None:
         sys.stdout.write("@@ " + json.dumps(event) + "\n")
         sys.stdout.flush()
 
-    buffers = shape.buffers(parse_format(fmt_code))
+    buffers = shape.buffers(parse_format(fmt_code), device)
     fill(buffers, seed=1)
-    with KVBridgeWorker(_config("kv_producer", engine_id), shape.model()) as worker:
+    with KVBridgeWorker(_config("kv_producer", engine_id, mode), shape.model()) as worker:
         worker.register_kv_caches(buffers)
         say(event="ready", port=worker.side_channel_port, agent=worker.agent_name)
         while True:
             for rid in worker.get_finished().finished_sending:
-                say(event="sent", request_id=rid)
+                posted = worker.metrics.descriptors_posted
+                say(event="sent", request_id=rid, descriptors_posted=posted)
             # 1 ms of waiting on stdin keeps this loop from spinning a core
             if not select.select([sys.stdin], [], [], 0.001)[0]:
                 continue
@@ -167,7 +180,7 @@ def serve(shape: Shape, fmt_code: str, engine_id: str) -> None:
 
 
 class Child:
-    def __init__(self, shape: Shape, fmt_code: str) -> None:
+    def __init__(self, shape: Shape, fmt_code: str, mode: str, device: str) -> None:
         self.engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
             sys.executable,
@@ -176,6 +189,8 @@ class Child:
             fmt_code,
             "--engine-id",
             self.engine_id,
+            f"--mode={mode}",
+            f"--device={device}",
             *shape_args(shape),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -230,7 +245,7 @@ def shape_args(shape: Shape) -> list[str]:
 class TimedEngine:
     """A NixlTransferEngine whose preparation and post calls are timed (seconds)."""
 
-    TIMED = ("prep_local", "prep_remote", "read")
+    TIMED = ("prep_local", "prep_remote", "read", "write")
 
     def __init__(self, inner: NixlTransferEngine) -> None:
         self._inner = inner
@@ -282,9 +297,17 @@ class Row:
 
 
 def measure_connector(
-    shape: Shape, pfmt: str, dfmt: str, *, shuffled: bool, iterations: int, indices_s
+    shape: Shape,
+    pfmt: str,
+    dfmt: str,
+    *,
+    shuffled: bool,
+    mode: str,
+    device: str,
+    iterations: int,
+    indices_s,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
-    child = Child(shape, pfmt)
+    child = Child(shape, pfmt, mode, device)
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
@@ -292,11 +315,11 @@ def measure_connector(
         return engines[-1]
 
     decode = KVBridgeWorker(
-        _config("kv_consumer", f"bench-D-{uuid.uuid4().hex[:6]}"),
+        _config("kv_consumer", f"bench-D-{uuid.uuid4().hex[:6]}", mode),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
     )
-    buffers = shape.buffers(parse_format(dfmt))
+    buffers = shape.buffers(parse_format(dfmt), device)
     decode.register_kv_caches(buffers)
     n = shape.blocks_per_request
     rng = np.random.default_rng(0)
@@ -305,6 +328,8 @@ def measure_connector(
         lids = rng.permutation(shape.num_blocks)[:n].tolist()
     else:
         rids = lids = list(range(n))
+
+    child_posted = [0]
 
     def one_load() -> float:
         rid = f"r-{uuid.uuid4().hex[:8]}"
@@ -341,30 +366,33 @@ def measure_connector(
                 break
             if time.monotonic() > deadline:
                 raise SystemExit(f"load {spec.request_id} not done within {TIMEOUT_S} s")
-        child.wait("sent")  # Done reached prefill (its blocks are restored) - untimed
+        # Done reached prefill (its blocks are restored) - untimed
+        child_posted[0] = child.wait("sent")["descriptors_posted"]
         return took
 
     one_load()  # warm-up: handshake, descriptor lists, UCX connection
     engine = engines[0]
     prep_ms = (engine.seconds["prep_local"] + engine.seconds["prep_remote"]) * 1e3
-    posted0 = decode.metrics.descriptors_posted
+    posted0 = decode.metrics.descriptors_posted + child_posted[0]
     picked0, read0 = indices_s(), engine.seconds["read"]
     seconds = median_s(one_load, iterations)
-    descs = (decode.metrics.descriptors_posted - posted0) // iterations
-    pick_ms = (indices_s() - picked0) / iterations * 1e3
-    read_ms = (engine.seconds["read"] - read0) / iterations * 1e3
+    # pull: decode posts the READs; push: the child posts the WRITEs (its own engine)
+    descs = (decode.metrics.descriptors_posted + child_posted[0] - posted0) // iterations
+    pick_ms = (indices_s() - picked0) / iterations * 1e3 if mode == "pull" else "-"
+    read_ms = (engine.seconds["read"] - read0) / iterations * 1e3 if mode == "pull" else "-"
     child.command(cmd="digest", block_ids=rids)
     if child.wait("digest")["sha256"] != kv_digest(buffers, lids):
         raise SystemExit(f"{pfmt} -> {dfmt}: loaded bytes differ from prefill's")
     order = "shuffled" if shuffled else "contiguous"
-    name = f"connector {pfmt} -> {dfmt}, {order}"
+    name = f"connector {mode} {pfmt} -> {dfmt}, {order}"
     return Row(name, descs, seconds, prep_ms, pick_ms, read_ms), child, decode, buffers
 
 
 def measure_raw(
     child: Child, decode: KVCacheBuffers, shape: Shape, iterations: int
-) -> tuple[Row, Row]:
-    """One READ of one descriptor: the child's cross-layer buffer -> ours, same bytes."""
+) -> tuple[Row, Row, Row]:
+    """One READ of one descriptor (the child's cross-layer buffer -> ours), then one WRITE
+    (ours -> the child's), same bytes. The WRITE overwrites the child's cache: run last."""
     raw = NixlTransferEngine(NixlEngineConfig(agent_name=f"bench-raw-{uuid.uuid4().hex[:6]}"))
     try:
         dst = decode.tensors[0]
@@ -386,33 +414,46 @@ def measure_raw(
         assert region.block_bytes * shape.blocks_per_request == nbytes, "cross-layer region"
         peer = raw.add_peer(desc.nixl_metadata)
         remote = raw.prep_remote(peer, np.array([[region.base_addr, nbytes, region.device_id]]))
-        local = raw.prep_local(np.array([[dst.data_ptr(), nbytes, 0]]))
+        device_id = dst.device.index or 0
+        local = raw.prep_local(np.array([[dst.data_ptr(), nbytes, device_id]]))
         one = np.zeros(1, dtype=np.int64)
 
-        def read_once() -> float:
-            t0 = time.perf_counter()
-            handle = raw.read(local, one, remote, one)
-            wait_done(raw, handle, timeout_s=TIMEOUT_S, poll_interval_s=0.0)
-            took = time.perf_counter() - t0
-            raw.release(handle)
-            return took
+        def once(post) -> Callable[[], float]:
+            def run() -> float:
+                t0 = time.perf_counter()
+                handle = post(local, one, remote, one)
+                wait_done(raw, handle, timeout_s=TIMEOUT_S, poll_interval_s=0.0)
+                took = time.perf_counter() - t0
+                raw.release(handle)
+                return took
 
+            return run
+
+        read_once, write_once = once(raw.read), once(raw.write)
         read_once()  # connection wire-up
         nixl_row = Row("raw NIXL READ, 1 descriptor", 1, median_s(read_once, iterations))
+        write_once()
+        write_row = Row("raw NIXL WRITE, 1 descriptor", 1, median_s(write_once, iterations))
     finally:
         raw.close()
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dst.device).fill_(7)
     out = torch.empty_like(src)
 
     def copy_once() -> float:
+        sync()
         t0 = time.perf_counter()
         out.copy_(src)
+        sync()  # GPU copies are asynchronous: time them to the end
         return time.perf_counter() - t0
 
+    def sync() -> None:
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+
     copy_once()
-    threads = torch.get_num_threads()
-    torch_row = Row(f"torch copy_ in one process ({threads} threads)", "-", median_s(copy_once, 5))
-    return nixl_row, torch_row
+    where = str(src.device) if src.is_cuda else f"{torch.get_num_threads()} threads"
+    torch_row = Row(f"torch copy_ in one process ({where})", "-", median_s(copy_once, 5))
+    return nixl_row, write_row, torch_row
 
 
 def main() -> None:
@@ -423,6 +464,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--iterations", type=int, default=7)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both caches live")
+    ap.add_argument("--modes", default="pull,push", help="transfer modes to run (comma list)")
+    ap.add_argument("--mode", default="pull", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
     ap.add_argument("--engine-id", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -434,7 +478,7 @@ def main() -> None:
         tokens=args.tokens,
     )
     if args.serve:
-        serve(shape, args.serve, args.engine_id)
+        serve(shape, args.serve, args.engine_id, args.mode, args.device)
         return
     indices_s = time_indices()
     mib = shape.request_bytes / 2**20
@@ -442,31 +486,43 @@ def main() -> None:
         f"shape: {shape.layers} layers x {shape.heads} KV heads x {shape.head_size} fp16, "
         f"block {shape.block_size}, {shape.tokens}-token request = {mib:.0f} MiB; "
         f"{args.iterations} timed runs each (median); pid {os.getpid()}, "
-        f"{os.cpu_count()} CPUs; UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
+        f"{os.cpu_count()} CPUs; device {args.device}; "
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
         flush=True,
     )
     rows: list[Row] = []
-    # (prefill, decode, shuffled): the first one also serves the raw READ
-    runs = [
+    # (prefill, decode, shuffled): the first one also serves the raw READ and WRITE
+    formats = [
         ("x-NHD", "x-NHD", True),
         ("x-NHD", "x-NHD", False),
         ("bf-NHD", "bf-NHD", True),
         ("ks-NHD", "ks-NHD", True),
         ("x-NHD", "x-HND", True),  # sender rewrite (permute after save) on the way
     ]
-    for i, (pfmt, dfmt, shuffled) in enumerate(runs):
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    runs = [(mode, *f) for mode in modes for f in formats]
+    raw_rows: list[Row] = []
+    for i, (mode, pfmt, dfmt, shuffled) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
-            shape, pfmt, dfmt, shuffled=shuffled, iterations=args.iterations, indices_s=indices_s
+            shape,
+            pfmt,
+            dfmt,
+            shuffled=shuffled,
+            mode=mode,
+            device=args.device,
+            iterations=args.iterations,
+            indices_s=indices_s,
         )
         try:
-            if i == 0:
-                rows.extend(measure_raw(child, buffers, shape, args.iterations))
             rows.append(row)
+            if i == 0:  # after the connector's digest check: the raw WRITE overwrites
+                raw_rows = list(measure_raw(child, buffers, shape, args.iterations))
         finally:
             decode.shutdown()
             child.close()
         print(f"  done: {row.name}", flush=True)
-    raw_s = rows[0].seconds
+    rows = raw_rows + rows
+    raw_read_s, raw_write_s = raw_rows[0].seconds, raw_rows[1].seconds
     print()
     header = (
         f"{'what':<46} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
@@ -479,6 +535,7 @@ def main() -> None:
         prep = f"{r.prep_ms:.2f}" if isinstance(r.prep_ms, float) else r.prep_ms
         pick = f"{r.pick_ms:.3f}" if isinstance(r.pick_ms, float) else r.pick_ms
         read = f"{r.read_ms:.2f}" if isinstance(r.read_ms, float) else r.read_ms
+        raw_s = raw_write_s if " push " in r.name or "WRITE" in r.name else raw_read_s
         print(
             f"{r.name:<46} {r.descs!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
             f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8}"
@@ -487,7 +544,10 @@ def main() -> None:
         "\nprep ms: NIXL prep of the local + remote descriptor lists (once per peer); "
         "pick ms: GroupPlan.indices per request; read ms: inside engine.read() per request\n"
         "(make_prepped_xfer + post; the default UCX transport copies during the post).\n"
-        "'x raw' = raw NIXL time / row time (>= 1: at least as fast as the raw READ)."
+        "'x raw' = raw NIXL time / row time (>= 1: as fast as the raw transfer): pull rows\n"
+        "against the raw READ, push rows against the raw WRITE. A push row's time runs from\n"
+        "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
+        "Pushed (the child polls every ~1 ms between its steps)."
     )
 
 

@@ -10,6 +10,8 @@
 #   PREFILL_KV_LAYOUT [NHD]       DECODE_KV_LAYOUT [NHD]
 #   CROSS_LAYERS [0]              or PREFILL_CROSS_LAYERS / DECODE_CROSS_LAYERS (1 = on)
 #   NUM_BLOCKS [512]              NUM_PROMPTS [8]    MAX_TOKENS [16]    ATOL [1e-4]
+#   TRANSFER_MODE [pull]          pull: decode READs prefill's blocks; push: prefill WRITEs
+#                                 into decode's (both workers get extra.transfer_mode)
 #   FAULT_INJECT []               "corrupt-block" (or 1): decode flips one loaded block
 #   STARTUP_TIMEOUT [90]          seconds to wait for /health
 #   SHOW_ANSWERS [0]              print each prompt's answer
@@ -34,6 +36,7 @@ NUM_PROMPTS="${NUM_PROMPTS:-8}"
 MAX_TOKENS="${MAX_TOKENS:-16}"
 ATOL="${ATOL:-1e-4}"
 FAULT_INJECT="${FAULT_INJECT:-}"
+TRANSFER_MODE="${TRANSFER_MODE:-pull}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
 SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-integration.XXXXXX")}"
@@ -74,6 +77,11 @@ for s in socks:
 print(*(s.getsockname()[1] for s in socks))
 EOF
 )
+case "$TRANSFER_MODE" in
+    pull | push) ;;
+    *) echo "TRANSFER_MODE=$TRANSFER_MODE: expected pull or push" >&2; exit 2 ;;
+esac
+EXTRA="\"extra\": {\"transfer_mode\": \"$TRANSFER_MODE\"}"
 case "$FAULT_INJECT" in
     "" | 0) FAULT_ARGS=() ;;
     1 | corrupt-block) FAULT_ARGS=(--fault-inject corrupt-block) ;;
@@ -83,13 +91,13 @@ esac
 "$PY" -m examples.server --role prefill --model "$MODEL" --port "$P_PORT" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
     --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV}" \
+    --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV, $EXTRA}" \
     >"$LOG_DIR/prefill.log" 2>&1 &
 PIDS+=($!)
 "$PY" -m examples.server --role decode --model "$MODEL" --port "$D_PORT" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV}" \
+    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV, $EXTRA}" \
     "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
 PIDS+=($!)
 "$PY" -m examples.proxy --port "$X_PORT" \
@@ -100,6 +108,7 @@ PIDS+=($!)
 echo "model $MODEL: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
     "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
+    "mode=$TRANSFER_MODE" \
     "${FAULT_INJECT:+(fault: $FAULT_INJECT)}"
 # Steps run in the background and are waited for: bash runs the INT/TERM traps only
 # between commands, and `wait` returns at once on a signal while a foreground child does not.

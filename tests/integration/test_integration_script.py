@@ -100,12 +100,22 @@ MATRIX = {
         DECODE_CROSS_LAYERS="1",
     ),
 }
+# push mode: prefill WRITEs into decode's blocks, same checks
+MATRIX["push-hetero-64-NHD-cross-to-16k8-HND"] = {
+    **MATRIX["hetero-64-NHD-cross-to-16k8-HND"],
+    "TRANSFER_MODE": "push",
+}
+MATRIX["push-state-80k16-NHD-to-32-HND-cross"] = {
+    **MATRIX["state-80k16-NHD-to-32-HND-cross"],
+    "TRANSFER_MODE": "push",
+}
 
 
 @pytest.mark.parametrize("env", list(MATRIX.values()), ids=list(MATRIX))
 def test_pair_matches_the_reference(env):
     rc, out = run_script(**env)
     assert rc == 0, out
+    assert f"mode={env.get('TRANSFER_MODE', 'pull')}" in out, out
     assert "prompts matched: 6/6" in out and "RESULT: PASS" in out, out
     summary = re.search(
         r"SUMMARY matched=6/6 loaded=(\d+)/(\d+) bytes=(\d+) .* transfers=(\d+)", out
