@@ -18,6 +18,8 @@ class ConnectorMetrics:
     transfer_seconds: float = 0.0
     sender_rewrites: int = 0  # blocks rewritten after save
     sender_restores: int = 0
+    eager_hits: int = 0  # requests rewritten on save that their reader wanted that way
+    eager_misses: int = 0  # ... that their reader wanted another way (restored, redone)
     receiver_rewrites: int = 0
     notifications_sent: int = 0
     notifications_received: int = 0

@@ -286,6 +286,8 @@ class Receiver:
         # lease may be running out: then claim them first (an empty Prepare), so a block
         # whose lease ran out is never read as if it were still the request's.
         claim = bool(params.expires_at) and self._wall_clock() > params.expires_at - CLAIM_MARGIN_S
+        # a sender that rewrites on save may hold the blocks in another reader's format
+        claim = claim or bool(peer.layout and peer.layout.rewrites_on_save)
         if rewrites or claim:
             msg = Prepare(request_id=params.remote_request_id, rewrites=rewrites)
             if self._send(peer, msg):

@@ -14,6 +14,16 @@ Under tensor parallelism several decode ranks may read one prefill rank's heads 
 request: each sends ``Done`` naming itself and how many readers there are, and the blocks
 stay until the last of them (or the lease) ends it.
 
+Permute after save, really after save: the sender remembers the rewrites its last reader
+asked for and applies them as soon as the next request is added (the engine hands it over
+right after the forward pass saved it), so by the time that request's ``Prepare`` (or
+``Push``) comes the blocks are usually in the reader's format already and the answer is
+immediate. A reader that wants another format gets the blocks restored and rewritten its
+way (a miss: two extra passes, counted in ``eager_misses``). Only where rewrites are
+allowed at all (``rewrites_in_place``) and asked for (``rewrite_on_save``, which the
+handshake advertises: a reader that needs no rewrite then claims the blocks with an empty
+``Prepare`` before reading, so a guess never reaches it).
+
 A ``Done`` may arrive before the request does: an engine hands its worker the finished
 request with its next step, and an idle engine takes none, while decode (which needs no
 ``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
@@ -53,6 +63,7 @@ class _Pending:
     deadline: float
     rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
     done_by: set[int] = field(default_factory=set)  # reader ranks that said Done
+    eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
 
 
 @dataclass
@@ -72,8 +83,10 @@ class Sender:
         *,
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
+        rewrite_on_save: bool = False,
     ) -> None:
         self._buffers = buffers
+        self._rewrite_on_save = rewrite_on_save and rewrites_in_place
         self._rewrites_in_place = rewrites_in_place
         self._metrics = metrics
         self._clock = clock
@@ -87,6 +100,8 @@ class Sender:
         self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
         self._replies: list[tuple[str, Prepared]] = []  # deferred answers to send
         self._ended: dict[str, float] = {}  # request -> when it ended here (recent ones)
+        # the rewrites the last reader asked for: applied on add (permute after save)
+        self._learned: dict[int, tuple[BlockArrangement, BlockArrangement]] = {}
 
     @property
     def num_pending(self) -> int:
@@ -95,7 +110,10 @@ class Sender:
     def add(self, spec: SendSpec) -> None:
         if spec.request_id in self._pending:
             return
-        self._pending[spec.request_id] = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        pending = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        self._pending[spec.request_id] = pending
+        if self._learned and self._rewrite_on_save:
+            self._rewrite_eagerly(pending)
         _, prepares = self._early_prepares.pop(spec.request_id, (0.0, []))
         for agent, prepare in prepares:
             reply = self.on_prepare(prepare, agent)
@@ -126,15 +144,37 @@ class Sender:
                 reason="this prefill does not rewrite blocks in place (its engine may read "
                 "them meanwhile); read them in their native arrangement",
             )
+        wanted = {
+            rw.group_id: (rw.src.to_arrangement(), rw.dst.to_arrangement()) for rw in msg.rewrites
+        }
+        if pending.eager:
+            pending.eager = False  # a reader claims the format from now on
+            if pending.rewritten != wanted:
+                self._metrics.eager_misses += 1
+                self._restore(pending)
+            else:
+                self._metrics.eager_hits += 1
         try:
-            for rw in msg.rewrites:
-                self._rewrite(
-                    pending, rw.group_id, rw.src.to_arrangement(), rw.dst.to_arrangement()
-                )
+            for group_id, (src, dst) in wanted.items():
+                self._rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
             self._restore(pending)
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
+        if wanted:
+            self._learned = wanted
         return Prepared(request_id=msg.request_id, ok=True)
+
+    def _rewrite_eagerly(self, pending: _Pending) -> None:
+        """Rewrite a request just added into the last reader's format (a guess: undone
+        when its reader wants another one; skipped when a block is lent another way)."""
+        try:
+            for group_id, (src, dst) in self._learned.items():
+                self._rewrite(pending, group_id, src, dst)
+        except KVBridgeError as exc:
+            logger.debug("no rewrite on save for %s: %s", pending.spec.request_id, exc)
+            self._restore(pending)
+            return
+        pending.eager = True
 
     def on_done(self, msg: Done) -> bool:
         """A reader is done; the request ends with its last reader. False: unknown."""

@@ -47,6 +47,7 @@ from connector.worker_setup import (
     idle_progress_ms,
     nixl_engine,
     progress_us,
+    rewrite_on_save,
     transfer_mode,
 )
 from handshake.affinity import unpinned
@@ -96,6 +97,7 @@ class KVBridgeWorker:
         self._repacker: Repacker | None = None  # see set_repacker
         self._staging_bytes = staging_capacity(config.extra)
         self.transfer_mode = transfer_mode(config.extra)
+        self.rewrite_on_save = rewrite_on_save(config.extra) and rewrites_in_place
         self._router = Router(rank, tp_size, model.num_kv_heads)
         self.model = model
         self.rank = rank
@@ -190,6 +192,7 @@ class KVBridgeWorker:
             rewrites_in_place=self.rewrites_in_place,
             transfer_mode=self.transfer_mode,
             can_repack=self._repacker is not None,
+            rewrites_on_save=self.rewrite_on_save,
         )
         request = MetadataRequest(
             protocol_version=self._description.protocol_version,
@@ -207,7 +210,11 @@ class KVBridgeWorker:
             engine, client, self._description, local_layout, can_repack=self._repacker is not None
         )
         self._sender = Sender(
-            buffers, self.metrics, clock=self._clock, rewrites_in_place=self.rewrites_in_place
+            buffers,
+            self.metrics,
+            clock=self._clock,
+            rewrites_in_place=self.rewrites_in_place,
+            rewrite_on_save=self.rewrite_on_save,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:

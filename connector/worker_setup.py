@@ -54,6 +54,17 @@ def transfer_mode(extra: dict) -> TransferMode:
         raise ConfigError(f"extra.transfer_mode={value!r} is not one of {choices}") from None
 
 
+def rewrite_on_save(extra: dict) -> bool:
+    """``extra["rewrite_on_save"]``: false (default) rewrites a kept request's blocks when
+    its reader asks (``Prepare``/``Push``); true rewrites them into the last reader's format
+    as soon as they are saved, off the handover's critical path (readers that need no
+    rewrite then ask first too)."""
+    value = extra.get("rewrite_on_save", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"extra.rewrite_on_save={value!r} must be true or false")
+    return value
+
+
 def progress_us(extra: dict) -> int:
     """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
     calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines

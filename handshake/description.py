@@ -74,6 +74,7 @@ class PeerLayout:
     rewrites_in_place: bool = True  # the sender may rewrite its blocks after save
     transfer_mode: TransferMode = TransferMode.PULL
     can_repack: bool = False  # rebuilds its packed pages from remote ones after a load
+    rewrites_on_save: bool = False  # readers that need no rewrite must claim first
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -139,6 +140,7 @@ def describe(
     rewrites_in_place: bool = True,
     transfer_mode: TransferMode = TransferMode.PULL,
     can_repack: bool = False,
+    rewrites_on_save: bool = False,
 ) -> WorkerDescription:
     """The description a worker publishes for its buffers."""
     config, fmt = buffers.config, buffers.format
@@ -195,6 +197,7 @@ def describe(
         packed_heads_major=fmt.packed_heads_major,
         transfer_mode=transfer_mode.value,
         can_repack=can_repack,
+        rewrites_on_save=rewrites_on_save,
     )
 
 
@@ -265,6 +268,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         rewrites_in_place=desc.rewrites_in_place,
         transfer_mode=mode,
         can_repack=desc.can_repack,
+        rewrites_on_save=desc.rewrites_on_save,
     )
 
 

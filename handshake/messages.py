@@ -19,8 +19,8 @@ Protocol history:
         MetadataRequest.requester_agent_name / requester_nixl_metadata (defaults: empty);
         WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis);
         WorkerDescription.rewrites_in_place (default true), block_packing (default "");
-        WorkerDescription.transfer_mode (default "pull": an older peer only pulls) and
-        can_repack (default false).
+        WorkerDescription.transfer_mode (default "pull": an older peer only pulls),
+        can_repack (default false) and rewrites_on_save (default false).
 """
 
 from __future__ import annotations
@@ -140,6 +140,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # the engine rebuilds its packed pages from remote ones after a load (a push writer
     # must plan exactly as this reader does)
     can_repack: bool = False
+    # the sender rewrites kept blocks into its last reader's format when they are saved:
+    # a reader that needs no rewrite must claim them (an empty Prepare) before reading
+    rewrites_on_save: bool = False
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -6,7 +6,8 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
     L96a                    tiny-llama, block size 96 (96 and 128: neither divides the other)
     T32                     tiny-llama at tensor-parallel size 2 (one core per rank), block 32,
                             kv_consumer; only with KVBRIDGE_VLLM_TP=1 (see its test)
-    G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail
+    G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail,
+                            push mode: prefill WRITEs into decode's blocks
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
 vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole:
@@ -130,6 +131,7 @@ def _spec(
     tp: int = 1,
     role: str = "both",
     lease_s: float | None = None,
+    mode: str = "pull",
 ) -> ServerSpec:
     return ServerSpec(
         name,
@@ -138,7 +140,11 @@ def _spec(
         tensor_parallel_size=tp,
         connector="kvbridge",
         role=role,
-        kv_extra={**LEASE, **({"lease_s": lease_s} if lease_s else {})},
+        kv_extra={
+            **LEASE,
+            **({"lease_s": lease_s} if lease_s else {}),
+            "extra": {"transfer_mode": mode},
+        },
         failure_policy=policy,
         max_model_len=2048,
         enforce_eager=True,  # no torch.compile warm-up: starts ~3x faster on CPU
@@ -156,8 +162,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L128a", llama, 128, "recompute", lease_s=60),
         _spec("L128b", llama, 128, "recompute"),
         _spec("L96a", llama, 96, "recompute"),
-        _spec("G32a", gemma, 32, "fail"),
-        _spec("G32b", gemma, 32, "fail"),
+        _spec("G32a", gemma, 32, "fail", mode="push"),
+        _spec("G32b", gemma, 32, "fail", mode="push"),
     ]
     if WITH_TP:
         specs.append(_spec("T32", llama, 32, "recompute", tp=2, role="decode"))
@@ -167,9 +173,22 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
-        yield Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
+        cluster = Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
+        _warm_up(cluster, [("G32a", "G32b"), ("G32b", "G32a")])
+        yield cluster
     finally:
         stop_all(list(servers.values()))
+
+
+def _warm_up(cluster: Cluster, pairs: list[tuple[str, str]]) -> None:
+    """One P/D request per pair, outcome ignored: its first handshakes. A freshly started
+    vLLM server sometimes leaves the first handshake attempts unanswered (CI: ~15 s, three
+    attempts of 5 s), which outlasts a 15 s lease under policy 'fail' (an HTTP 500)."""
+    for i, (prefill, decode) in enumerate(pairs):
+        try:
+            cluster.pd(prefill, decode, make_prompts(1, 40, seed=8800 + i)[0])
+        except ServerFailed as exc:
+            print(f"warm-up {prefill} -> {decode} failed (ignored): {str(exc)[:200]}")
 
 
 def _assert_same(reference: Completion, got: Completion) -> None:
@@ -289,12 +308,17 @@ def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
 
 @pytest.mark.parametrize(("prefill", "decode"), [("G32a", "G32b"), ("G32b", "G32a")])
 def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
+    """Push mode: the prefill server WRITEs both groups into decode's blocks."""
     prompts = make_prompts(2, 300, seed=77 + ord(prefill[-1]))
-    before = cluster.metrics(decode)
+    before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
-    after = cluster.metrics(decode)
-    assert _delta(before, after, "loads_loaded") == len(prompts)
-    assert _delta(before, after, "bytes_read") > 0
+    after, p_after = cluster.metrics(decode), cluster.metrics(prefill)
+    moved = _deltas(before, after)
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    pushed = _delta(p_before, p_after, "bytes_written")
+    assert _delta(before, after, "bytes_read") == pushed > 0, (moved, pushed)
+    assert _delta(before, after, "descriptors_posted") == 0, moved  # decode posted nothing
+    assert _delta(p_before, p_after, "pushes_written") == len(prompts)
     for p, g in zip(prompts, got, strict=True):
         _assert_same(cluster.run(prefill, p), g)
 
@@ -302,7 +326,8 @@ def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
 @pytest.mark.parametrize(("prefill", "decode"), [("L32a", "L32b"), ("G32b", "G32a")])
 def test_a_late_decode_claims_the_blocks_first_and_loads(cluster, prefill, decode):
     """Past ``expires_at - CLAIM_MARGIN_S`` decode claims the blocks with a Prepare before
-    it reads them; the prefill server is idle by then, so its worker must answer anyway."""
+    it reads them (the gemma pair pushes: its Push claims them); the prefill server is idle
+    by then, so its worker must answer anyway."""
     prompt = make_prompts(1, 200, seed=4400 + ord(prefill[0]))[0]
     params = cluster.prefill(prefill, prompt)
     expires_at = float(params["expires_at"])
