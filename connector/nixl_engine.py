@@ -12,7 +12,7 @@ spins a full core per agent. By default there is no progress thread; ``poll()`` 
 
 NIXL reports failures as exceptions from ``transfer()`` / ``check_xfer_state()`` (the
 "ERR" state was never seen) and as status strings otherwise; both are mapped in one
-function each (``_translate``, ``_to_state``).
+function each (``connector.nixl_calls``: ``translate``, ``to_state``).
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import nixl._bindings as nixl_bindings
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from connector.errors import (
     DescriptorError,
-    PeerDisconnectedError,
     RegistrationError,
     TransferError,
 )
+from connector.nixl_calls import LOCAL, NIXL_MEM, NIXL_OPS, nixl_call, progress_delay, to_state
+from connector.registrations import Registration, check_no_overlap, registered_kind
 from connector.transport import (
     DescList,
     XferHandle,
@@ -44,23 +44,6 @@ from connector.transport import (
 )
 from layouts.region import MemoryKind
 
-# NIXL's exceptions share no base class besides Exception; collect them once.
-_NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
-    obj
-    for name, obj in vars(nixl_bindings).items()
-    if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
-)
-_HINTS: dict[str, str] = {
-    "nixlNotFoundError": "a descriptor outside registered memory, or an unknown/removed peer",
-    "nixlNotAllowedError": "different metadata under a loaded agent name; give each "
-    "process incarnation a unique agent name",
-    "nixlMismatchError": "corrupt or foreign metadata",
-    "nixlRemoteDisconnectError": "the peer process is gone",
-}
-_NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
-_NIXL_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
-_STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING}
-_LOCAL = "NIXL_INIT_AGENT"
 MAX_NOTIF_BYTES = 64 * 1024  # larger notifications take milliseconds (NIXL_NOTES)
 
 
@@ -104,60 +87,6 @@ class XferTelemetry:
     xfer_us: int
 
 
-@dataclass(frozen=True)
-class _Registration:
-    native: object  # nixlRegDList, needed to deregister
-    tensors: tuple[torch.Tensor, ...]  # kept alive while registered
-    spans: np.ndarray  # Nx3 int64 (addr, len, device_id)
-    memory_kind: MemoryKind
-
-
-def _translate(exc: Exception, what: str, default: type[TransferError]) -> TransferError:
-    """The one place a NIXL exception becomes ours."""
-    name = type(exc).__name__
-    cls = PeerDisconnectedError if name == "nixlRemoteDisconnectError" else default
-    hint = _HINTS.get(name)
-    return cls(f"{what}: NIXL raised {name}: {exc}" + (f" ({hint})" if hint else ""))
-
-
-def _to_state(status: str, what: str) -> XferState:
-    """The one place a NIXL status string becomes an ``XferState``."""
-    state = _STATES.get(status)
-    if state is None:
-        raise TransferError(f"{what}: NIXL reported state {status!r}")
-    return state
-
-
-@contextlib.contextmanager
-def _progress_delay(delay_us: int) -> Iterator[None]:
-    """The wrapper builds the bindings' agent config with ``pthrDelay = 0`` (a spinning
-    progress thread, NIXL_NOTES.md) and offers no setting: set it on the config object
-    on its way into the bindings' constructor, for this one construction."""
-    if delay_us <= 0:
-        yield
-        return
-    bindings = nixl_agent.__init__.__globals__["nixlBind"]  # the module the wrapper calls
-    real = bindings.nixlAgent
-
-    def with_delay(name: str, agent_config: object) -> object:
-        agent_config.pthrDelay = delay_us  # type: ignore[attr-defined]
-        return real(name, agent_config)
-
-    bindings.nixlAgent = with_delay
-    try:
-        yield
-    finally:
-        bindings.nixlAgent = real
-
-
-@contextlib.contextmanager
-def _nixl_call(what: str, default: type[TransferError] = TransferError) -> Iterator[None]:
-    try:
-        yield
-    except _NIXL_ERRORS as exc:
-        raise _translate(exc, what, default) from exc
-
-
 class NixlTransferEngine:
     """``TransferEngine`` over one NIXL agent. See the module docstring for ownership."""
 
@@ -177,8 +106,8 @@ class NixlTransferEngine:
             else None,
         )
         with (
-            _nixl_call(f"agent {self.agent_name!r}: create"),
-            _progress_delay(
+            nixl_call(f"agent {self.agent_name!r}: create"),
+            progress_delay(
                 config.progress_delay_us
                 if config.progress is ProgressMode.PROGRESS_THREAD_DELAY
                 else 0
@@ -191,7 +120,7 @@ class NixlTransferEngine:
                 f"agent {self.agent_name!r}: backends {sorted(missing)} unavailable; "
                 f"plugins present: {sorted(self._agent.plugin_list)}"
             )
-        self._registrations: list[_Registration] = []
+        self._registrations: list[Registration] = []
         self._peers: set[str] = set()
         self._desc_lists: set[DescList] = set()
         self._xfers: set[XferHandle] = set()
@@ -264,28 +193,19 @@ class NixlTransferEngine:
             [(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in tensors],
             dtype=np.int64,
         )
-        everything = np.concatenate([r.spans for r in self._registrations] + [spans])
-        order = np.argsort(everything[:, 0], kind="stable")
-        starts, ends = everything[order, 0], everything[order, 0] + everything[order, 1]
-        clash = np.flatnonzero(starts[1:] < ends[:-1])
-        if len(clash):
-            a, b = everything[order[clash[0]]], everything[order[clash[0] + 1]]
-            raise RegistrationError(
-                f"agent {self.agent_name!r}: region {a.tolist()} overlaps {b.tolist()} "
-                "(addr, len, device_id); register each allocation once"
-            )
-        with _nixl_call(f"agent {self.agent_name!r}: register {len(spans)}", RegistrationError):
-            native = agent.register_memory(spans, _NIXL_MEM[kind])
-        self._registrations.append(_Registration(native, tuple(tensors), spans, kind))
+        check_no_overlap(self._registrations, spans, f"agent {self.agent_name!r}")
+        with nixl_call(f"agent {self.agent_name!r}: register {len(spans)}", RegistrationError):
+            native = agent.register_memory(spans, NIXL_MEM[kind])
+        self._registrations.append(Registration(native, tuple(tensors), spans, kind))
 
     def metadata(self) -> bytes:
         agent = self._enter("metadata")
-        with _nixl_call(f"agent {self.agent_name!r}: metadata"):
+        with nixl_call(f"agent {self.agent_name!r}: metadata"):
             return agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
         agent = self._enter("add_peer")
-        with _nixl_call(f"agent {self.agent_name!r}: add_peer ({len(metadata)} bytes)"):
+        with nixl_call(f"agent {self.agent_name!r}: add_peer ({len(metadata)} bytes)"):
             raw = agent.add_remote_agent(metadata)
         peer = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._peers.add(peer)
@@ -300,7 +220,7 @@ class NixlTransferEngine:
         for descs in [d for d in self._desc_lists if d.peer == peer]:
             self.release_descs(descs)
         self._peers.discard(peer)
-        with _nixl_call(f"agent {self.agent_name!r}: remove_peer {peer!r}"):
+        with nixl_call(f"agent {self.agent_name!r}: remove_peer {peer!r}"):
             agent.remove_remote_agent(peer)
 
     # -- descriptor lists ------------------------------------------------------------------
@@ -309,9 +229,9 @@ class NixlTransferEngine:
         agent = self._enter("prep_local")
         what = f"agent {self.agent_name!r}: prep_local"
         descs = check_desc_array(descs, what)
-        kind = self._registered_kind(descs, what)
-        with _nixl_call(what, DescriptorError):
-            native = agent.prep_xfer_dlist(_LOCAL, descs, _NIXL_MEM[kind])
+        kind = registered_kind(self._registrations, descs, what)
+        with nixl_call(what, DescriptorError):
+            native = agent.prep_xfer_dlist(LOCAL, descs, NIXL_MEM[kind])
         return self._own_desc_list(native, "", descs, kind)
 
     def prep_remote(
@@ -322,36 +242,9 @@ class NixlTransferEngine:
         if peer not in self._peers:
             raise TransferError(f"{what}: unknown peer; known: {self.peers}; add_peer first")
         descs = check_desc_array(descs, what)
-        with _nixl_call(what, DescriptorError):
-            native = agent.prep_xfer_dlist(peer, descs, _NIXL_MEM[memory_kind])
+        with nixl_call(what, DescriptorError):
+            native = agent.prep_xfer_dlist(peer, descs, NIXL_MEM[memory_kind])
         return self._own_desc_list(native, peer, descs, memory_kind)
-
-    def _registered_kind(self, descs: np.ndarray, what: str) -> MemoryKind:
-        """Check every row lies inside one registration; return their common memory kind."""
-        if not self._registrations:
-            raise DescriptorError(f"{what}: nothing registered yet")
-        spans = np.concatenate([r.spans for r in self._registrations])
-        kinds = np.concatenate(
-            [np.full(len(r.spans), i) for i, r in enumerate(self._registrations)]
-        )
-        order = np.argsort(spans[:, 0])
-        spans, kinds = spans[order], kinds[order]
-        pos = np.searchsorted(spans[:, 0], descs[:, 0], side="right") - 1
-        inside = pos >= 0
-        pos = np.maximum(pos, 0)
-        inside &= descs[:, 0] + descs[:, 1] <= spans[pos, 0] + spans[pos, 1]
-        inside &= descs[:, 2] == spans[pos, 2]
-        bad = np.flatnonzero(~inside)
-        if len(bad):
-            raise DescriptorError(
-                f"{what}: row {bad[0]} = {descs[bad[0]].tolist()} (addr, len, device_id) lies "
-                f"outside every registered region ({len(spans)} registered)"
-            )
-        found = {self._registrations[i].memory_kind for i in np.unique(kinds[pos])}
-        if len(found) != 1:
-            kinds_seen = sorted(k.value for k in found)
-            raise DescriptorError(f"{what}: rows span memory kinds {kinds_seen}")
-        return found.pop()
 
     def _own_desc_list(
         self, native: object, peer: str, descs: np.ndarray, kind: MemoryKind
@@ -368,7 +261,7 @@ class NixlTransferEngine:
         self._enter("release_descs")
         native, descs._native = descs._native, None  # forget first: never reused
         self._desc_lists.discard(descs)
-        with _nixl_call(f"agent {self.agent_name!r}: release {descs!r}"):
+        with nixl_call(f"agent {self.agent_name!r}: release {descs!r}"):
             native.release()  # type: ignore[attr-defined]
 
     # -- transfers -------------------------------------------------------------------------
@@ -422,9 +315,9 @@ class NixlTransferEngine:
             )
         if len(notif) > MAX_NOTIF_BYTES:
             raise TransferError(f"{what}: notif of {len(notif)} bytes > {MAX_NOTIF_BYTES}")
-        with _nixl_call(what, DescriptorError):
+        with nixl_call(what, DescriptorError):
             native = agent.make_prepped_xfer(
-                _NIXL_OPS[op], local._native, li, remote._native, ri, notif
+                NIXL_OPS[op], local._native, li, remote._native, ri, notif
             )
         handle = XferHandle(
             native,
@@ -437,9 +330,9 @@ class NixlTransferEngine:
         )
         self._xfers.add(handle)
         try:
-            with _nixl_call(f"{what}: post {handle!r}"):
+            with nixl_call(f"{what}: post {handle!r}"):
                 status = agent.transfer(native)
-            handle._done = _to_state(status, f"{what}: post {handle!r}") is XferState.DONE
+            handle._done = to_state(status, f"{what}: post {handle!r}") is XferState.DONE
         except TransferError:
             # The caller never sees this handle, so it is ours to free; the post's error
             # is the one worth raising, a second one from the release is not.
@@ -456,8 +349,8 @@ class NixlTransferEngine:
         if handle._done:
             return XferState.DONE
         what = f"agent {self.agent_name!r}: poll {handle!r}"
-        with _nixl_call(what):
-            state = _to_state(agent.check_xfer_state(native), what)
+        with nixl_call(what):
+            state = to_state(agent.check_xfer_state(native), what)
         handle._done = state is XferState.DONE
         return state
 
@@ -471,7 +364,7 @@ class NixlTransferEngine:
             return None
         if not handle._done:
             raise TransferError(f"agent {self.agent_name!r}: telemetry of pending {handle!r}")
-        with _nixl_call(f"agent {self.agent_name!r}: telemetry {handle!r}"):
+        with nixl_call(f"agent {self.agent_name!r}: telemetry {handle!r}"):
             t = agent.get_xfer_telemetry(native)
         return XferTelemetry(t.descCount, t.totalBytes, t.postDuration, t.xferDuration)
 
@@ -489,7 +382,7 @@ class NixlTransferEngine:
         self._enter("release")
         native, handle._native = handle._native, None  # forget first: never reposted
         self._xfers.discard(handle)
-        with _nixl_call(f"agent {self.agent_name!r}: release {handle!r}"):
+        with nixl_call(f"agent {self.agent_name!r}: release {handle!r}"):
             native.release()  # type: ignore[attr-defined]
 
     # -- notifications ---------------------------------------------------------------------
@@ -501,12 +394,12 @@ class NixlTransferEngine:
             raise TransferError(f"{what}: unknown peer; known: {self.peers}")
         if len(msg) > MAX_NOTIF_BYTES:
             raise TransferError(f"{what}: {len(msg)} bytes > {MAX_NOTIF_BYTES}")
-        with _nixl_call(what):
+        with nixl_call(what):
             agent.send_notif(peer, msg)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         agent = self._enter("get_notifs")
-        with _nixl_call(f"agent {self.agent_name!r}: get_notifs"):
+        with nixl_call(f"agent {self.agent_name!r}: get_notifs"):
             return agent.get_new_notifs()
 
     # -- shutdown --------------------------------------------------------------------------
@@ -529,7 +422,7 @@ class NixlTransferEngine:
                     errors.append(exc)
         for reg in self._registrations:
             try:
-                with _nixl_call(f"agent {self.agent_name!r}: deregister", RegistrationError):
+                with nixl_call(f"agent {self.agent_name!r}: deregister", RegistrationError):
                     agent.deregister_memory(reg.native)
             except TransferError as exc:
                 errors.append(exc)

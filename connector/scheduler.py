@@ -41,12 +41,12 @@ from collections.abc import Callable, Mapping, Sequence
 from connector.api import ConnectorRequest, SchedulerEvents
 from connector.config import ConfigError, FailurePolicy, KVTransferConfig
 from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, SendState
+from connector.load_range import load_block_ids, load_end
 from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
 from connector.sends import Sends
 from connector.signing import ParamsSigner
 from layouts.groups import KVCacheConfig
-from layouts.specs import KVCacheKind, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ class KVBridgeScheduler:
                 f"carry a single remote_block_size); got {block_sizes} for groups "
                 f"0..{self._num_groups - 1}"
             )
-        self._state_groups = [g for g, s in enumerate(self._specs) if s.kind is KVCacheKind.STATE]
         _refuse_margin(config)
         self._signer = ParamsSigner(config.secret_bytes, wall_clock=wall_clock)
         if not self._signer.enabled:
@@ -152,7 +151,9 @@ class KVBridgeScheduler:
                 f"request {rid!r} is {record.state.name}; get_num_new_matched_tokens is only "
                 f"asked before its blocks are allocated"
             )
-        record.num_load_tokens = self._load_end(request, params, num_computed_tokens)
+        record.num_load_tokens = load_end(
+            self._specs, params, len(request.prompt_token_ids), num_computed_tokens, rid
+        )
         record.num_computed_tokens = num_computed_tokens
         self._loads[rid] = record
         if record.num_load_tokens > num_computed_tokens:
@@ -160,37 +161,6 @@ class KVBridgeScheduler:
             return record.num_load_tokens - num_computed_tokens, True
         record.advance(LoadState.FULL_HIT)
         return 0, False
-
-    def _load_end(
-        self, request: ConnectorRequest, params: KVTransferParams, num_computed_tokens: int
-    ) -> int:
-        """Tokens ``[0, end)`` the load fills: prefill's resume point, any block sizes."""
-        end = params.resume_tokens
-        last = len(request.prompt_token_ids) - 1
-        if end > last:
-            # a prompt shorter than prefill's: attention KV is a prefix of it, a state is not
-            end = 0 if self._state_groups else max(0, last)
-        if not self._windows_covered(params, end, num_computed_tokens):
-            logger.info(
-                "request %s: the sliding window ending at token %d starts before prefill's "
-                "first kept block; computing it locally",
-                request.request_id,
-                end,
-            )
-            return 0
-        return end
-
-    def _windows_covered(self, params: KVTransferParams, end: int, start: int) -> bool:
-        """Whether prefill kept every block a sliding-window group needs to load
-        ``[start, end)`` (it sends such groups from their first in-window block)."""
-        if not params.remote_first_block or end <= start:
-            return True
-        for spec, first in zip(self._specs, params.remote_first_block, strict=True):
-            if isinstance(spec, SlidingWindowSpec):
-                lo = max(start, end - spec.sliding_window)
-                if lo // params.remote_block_size < first:
-                    return False
-        return True
 
     def update_state_after_alloc(
         self,
@@ -225,7 +195,9 @@ class KVBridgeScheduler:
                 f"get_num_new_matched_tokens offered {max(0, promised)} "
                 f"(state {record.state.name})"
             )
-        local_block_ids = self._load_block_ids(rid, block_ids_per_group, record)
+        local_block_ids = load_block_ids(
+            self._specs, rid, block_ids_per_group, record.num_load_tokens
+        )
         record.advance(LoadState.ALLOCATED)
         self._waiting.pop(rid, None)
         self._to_load[rid] = LoadSpec(
@@ -235,27 +207,6 @@ class KVBridgeScheduler:
             start_token=record.num_computed_tokens,
             end_token=record.num_load_tokens,
         )
-
-    def _load_block_ids(
-        self, rid: str, block_ids_per_group: Sequence[Sequence[int]], record: LoadRecord
-    ) -> tuple[tuple[int, ...], ...]:
-        if len(block_ids_per_group) != self._num_groups:
-            raise LifecycleError(
-                f"request {rid!r}: {len(block_ids_per_group)} block lists for "
-                f"{self._num_groups} KV-cache groups"
-            )
-        out = []
-        for g, (spec, ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
-            # the block of the last loaded token too (a partial block; for a state group
-            # the block that holds the state after it, see examples/state_layer.py)
-            need = -(-record.num_load_tokens // spec.block_size)
-            if len(ids) < need:
-                raise LifecycleError(
-                    f"request {rid!r}, group {g}: {len(ids)} blocks allocated, the load of "
-                    f"{record.num_load_tokens} tokens needs {need} of {spec.block_size} tokens"
-                )
-            out.append(tuple(map(int, ids[:need])))
-        return tuple(out)
 
     def request_waiting(self, request: ConnectorRequest) -> None:
         """The request is still queued for blocks this step: keep prefill's lease alive."""
