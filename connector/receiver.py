@@ -33,11 +33,13 @@ from connector.metrics import ConnectorMetrics
 from connector.notifications import (
     Done,
     GroupRewrite,
+    NotificationError,
     Prepare,
     Prepared,
     Push,
     Pushed,
     WireArrangement,
+    encode_notification,
 )
 from connector.params import KVTransferParams
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
@@ -327,11 +329,11 @@ class Receiver:
             timeout_s=max(left, 0.001),
         )
         try:
-            sent = self._send(peer, msg)
-        except KVBridgeError as exc:  # too many blocks for one notification
+            encode_notification(msg)  # too many blocks for one notification: this load only
+        except NotificationError as exc:
             self._finish_failed(load, f"cannot ask {peer.key} to push: {exc}")
             return
-        if not sent:
+        if not self._send(peer, msg):
             self._finish_failed(load, f"prefill {peer.key} unreachable for Push")
             return
         src.state = LoadState.PUSHED

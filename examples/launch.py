@@ -124,6 +124,7 @@ class Cluster:
     prefill_kv: dict = field(default_factory=dict)
     decode_kv: dict = field(default_factory=dict)
     decode_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,7 +146,7 @@ class Cluster:
         self.procs = {
             "prefill": Proc(
                 "prefill",
-                _worker_argv("prefill", p_port, prefill_kv, 32, []),
+                _worker_argv("prefill", p_port, prefill_kv, 32, self.prefill_args),
                 urls["p"],
                 self.logs / "prefill.log",
             ),

@@ -96,7 +96,12 @@ def main(cfg: dict) -> None:
     heads = rank_heads(rank, tp_size, total).count
     buffers = make_buffers(side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads)
     fill_buffers(buffers, cfg["seed"])
-    config = transfer_config("kv_producer", cfg["engine_id"], kv_port=cfg.get("kv_port", 0))
+    config = transfer_config(
+        "kv_producer",
+        cfg["engine_id"],
+        kv_port=cfg.get("kv_port", 0),
+        extra={"transfer_mode": cfg.get("transfer_mode", "pull")},
+    )
     model = replace(MODEL, num_kv_heads=total)
     with KVBridgeWorker(config, model, rank=rank, tp_size=tp_size) as worker:
         worker.register_kv_caches(buffers)

@@ -69,7 +69,7 @@ def _free_port_range(n: int) -> int:
 class Prefill:
     """A prefill engine at TP ``tp_size``: one child process per rank."""
 
-    def __init__(self, tmp: Path, tp_size: int, heads: int) -> None:
+    def __init__(self, tmp: Path, tp_size: int, heads: int, mode: str = "pull") -> None:
         self.engine_id = new_id("P")
         self.tp_size, self.heads = tp_size, heads
         self.port = _free_port_range(tp_size)
@@ -85,6 +85,7 @@ class Prefill:
                 tp_size=tp_size,
                 total_kv_heads=heads,
                 wait_ready=False,
+                transfer_mode=mode,
             )
             for r in range(tp_size)
         ]
@@ -98,13 +99,18 @@ class Prefill:
 
 
 class DecodeRank:
-    def __init__(self, rank: int, tp_size: int, heads: int) -> None:
+    def __init__(self, rank: int, tp_size: int, heads: int, mode: str = "pull") -> None:
         self.rank = rank
         self.buffers: KVCacheBuffers = make_buffers(
             DECODE_FMT, KINDS, NUM_BLOCKS, tp.rank_heads(rank, tp_size, heads).count
         )
         self.worker = KVBridgeWorker(
-            transfer_config("kv_consumer", new_id("D"), handshake_timeout_s=5.0),
+            transfer_config(
+                "kv_consumer",
+                new_id("D"),
+                handshake_timeout_s=5.0,
+                extra={"transfer_mode": mode},
+            ),
             replace(MODEL, num_kv_heads=heads),
             rank=rank,
             tp_size=tp_size,
@@ -148,10 +154,10 @@ def tmp(tmp_path: Path) -> Path:
 def setup(tmp: Path) -> Iterator:
     made: list = []
 
-    def _make(decode_tp: int, prefill_tp: int, heads: int):
-        prefill = Prefill(tmp, prefill_tp, heads)
+    def _make(decode_tp: int, prefill_tp: int, heads: int, mode: str = "pull"):
+        prefill = Prefill(tmp, prefill_tp, heads, mode)
         made.append(prefill)
-        decodes = [DecodeRank(d, decode_tp, heads) for d in range(decode_tp)]
+        decodes = [DecodeRank(d, decode_tp, heads, mode) for d in range(decode_tp)]
         made.extend(decodes)
         return prefill, decodes
 
@@ -278,3 +284,38 @@ def test_decode_ranks_get_their_heads_and_prefill_frees_after_the_last(
     for d, n in zip(decodes, descs, strict=True):
         sources = len(tp.sources(d.rank, decode_tp, prefill_tp, heads))
         assert n == sources * 2 * (6 + 2), (d.rank, n)
+
+
+@pytest.mark.parametrize(
+    ("decode_tp", "prefill_tp", "heads"),
+    [(1, 2, 4), (2, 1, 4), (4, 2, 4), (1, 4, 2)],
+)
+def test_push_mode_writes_each_decode_rank_its_heads(setup, decode_tp, prefill_tp, heads):
+    """Push: every prefill rank a decode rank reads from WRITEs that rank's heads into its
+    blocks (its own handshake with each decode rank, the same head-major plan); decode
+    ranks post nothing; prefill frees after the last decode rank's Done."""
+    prefill, decodes = setup(decode_tp, prefill_tp, heads, "push")
+    rid, remote, first, local = _request(
+        prefill, np.random.default_rng(100 + decode_tp * 10 + prefill_tp)
+    )
+    for child in prefill.ranks:
+        child.send(rid, remote, first)
+    spec = _spec(prefill, rid, remote, first, local)
+    for d in decodes:
+        d.load(spec)
+    _pump(
+        decodes,
+        prefill,
+        lambda: (
+            all(spec.request_id in d.loaded or d.failed for d in decodes)
+            and all(rid in c.sent for c in prefill.ranks)
+        ),
+        "every decode rank pushed to and every prefill rank freed",
+    )
+    for d in decodes:
+        assert not d.failed, d.failed
+        _check_heads(prefill, d, decode_tp, remote, first, local)
+        assert d.worker.metrics.descriptors_posted == 0
+        assert d.worker.metrics.bytes_read > 0
+    for child in prefill.ranks:
+        assert child.digest() == child.replica_digest()  # the rewrite after save was undone

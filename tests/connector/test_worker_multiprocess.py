@@ -65,6 +65,7 @@ class Child:
         tp_size: int = 1,
         total_kv_heads: int = 2,
         wait_ready: bool = True,
+        transfer_mode: str = "pull",
     ):
         from handshake.tp import rank_heads
 
@@ -86,6 +87,7 @@ class Child:
             "cross_layer": fmt.cross_layer,
             "packing": fmt.packing.value,
             "kernel_block_size": fmt.kernel_block_size,
+            "transfer_mode": transfer_mode,
         }
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.log = log
