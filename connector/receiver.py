@@ -179,23 +179,25 @@ class Receiver:
         self._finish_failed(load, "aborted by the engine")
         return True
 
-    def on_prepared(self, msg: Prepared, agent: str = "") -> None:
-        rid = self._by_remote.get(msg.request_id)
+    def _awaiting(
+        self, request_id: str, state: LoadState, agent: str
+    ) -> tuple[Load, Source] | None:
+        """The load and source waiting in ``state`` for ``agent``'s answer about the
+        remote request (None: nobody waits for it, a bad notification)."""
+        rid = self._by_remote.get(request_id)
         load = self._loads.get(rid) if rid else None
-        src = None
         if load is not None:
-            src = next(
-                (
-                    s
-                    for s in load.sources
-                    if s.state is LoadState.PREPARING
-                    and (not agent or self._agent_of(s.key) == agent)
-                ),
-                None,
-            )
-        if load is None or src is None:
-            self._metrics.bad_notifications += 1
+            for src in load.sources:
+                if src.state is state and (not agent or self._agent_of(src.key) == agent):
+                    return load, src
+        self._metrics.bad_notifications += 1
+        return None
+
+    def on_prepared(self, msg: Prepared, agent: str = "") -> None:
+        found = self._awaiting(msg.request_id, LoadState.PREPARING, agent)
+        if found is None:
             return
+        load, src = found
         if not msg.ok:
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
             return
@@ -203,21 +205,10 @@ class Receiver:
 
     def on_pushed(self, msg: Pushed, agent: str = "") -> None:
         """Prefill wrote its part of a load into our blocks (or says why not)."""
-        rid = self._by_remote.get(msg.request_id)
-        load = self._loads.get(rid) if rid else None
-        src = None
-        if load is not None:
-            src = next(
-                (
-                    s
-                    for s in load.sources
-                    if s.state is LoadState.PUSHED and (not agent or self._agent_of(s.key) == agent)
-                ),
-                None,
-            )
-        if load is None or src is None:
-            self._metrics.bad_notifications += 1
+        found = self._awaiting(msg.request_id, LoadState.PUSHED, agent)
+        if found is None:
             return
+        load, src = found
         if not msg.ok:
             self._finish_failed(load, f"prefill {src.key} could not push the blocks: {msg.reason}")
             return
