@@ -1,11 +1,14 @@
-"""Decode side: turn LoadSpecs into NIXL READs, and report loads done or failed.
+"""Decode side: turn LoadSpecs into NIXL READs (or Push requests), report loads done or failed.
 
 A load reads from one prefill rank, or from several under tensor parallelism (each holds
 some of this decode rank's KV heads; ``connector.routing``). Each source moves through::
 
-    WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE)--> done
-         |                        (skipped when the plan needs no sender rewrite)
-         `--- handshake failed / Prepared(ok=False) / TransferError / deadline --> failed
+    pull  WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE)--> done
+               |                   (skipped when the plan needs no sender rewrite)
+    push  WAITING_PEER --(peer ready)--> PUSHED --(Pushed: prefill wrote our blocks)--> done
+               |
+               `--- handshake failed / Prepared or Pushed not ok / TransferError /
+                    deadline --> failed
 
 and the load fails as soon as one source fails. Receiver rewrites (merge after load) run
 when every source's reads completed; then every prefill rank the route names is told

@@ -2,8 +2,9 @@
 
 It owns one transfer engine (NIXL), one handshake listener (so readers can describe this
 worker), a handshake client and peer directory (to read from others), a :class:`Sender`
-(prefill role) and a :class:`Receiver` (decode role). Every NIXL call happens on the
-thread that drives the engine step; handshakes run in the background.
+(prefill role) and a :class:`Receiver` (decode role); in push mode also a :class:`Pusher`
+and a second peer directory of the decode workers it writes to (prefill role). Every NIXL
+call happens under the engine-call lock; handshakes run in the background.
 """
 
 from __future__ import annotations
