@@ -222,10 +222,17 @@ class PeerDirectory:
 
     def local_list(self, group: GroupPlan, stream: PieceStream) -> DescList:
         """This worker's descriptor list for a plan's stream, prepared once and shared."""
-        index, offsets = self._mine(group, stream)
-        key = (group.group_id, index, offsets.tobytes(), stream.length)
+        # the attributes the offsets derive from (no array built per call: a hot path)
+        if self._writer:
+            side = (stream.remote_region, stream.remote_offsets, group.remote_chunks_per_block)
+            chunk_bytes = stream.remote_chunk_bytes
+        else:
+            side = (stream.local_region, stream.local_offsets, group.local_chunks_per_block)
+            chunk_bytes = stream.local_chunk_bytes
+        key = (group.group_id, *side, chunk_bytes, stream.length)
         dl = self._local_lists.get(key)
         if dl is None:
+            index, offsets = self._mine(group, stream)
             region = self._local.regions[index].region
             table = block_descriptors(
                 region, np.arange(region.num_blocks), offsets=offsets, length=stream.length

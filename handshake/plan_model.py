@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -194,7 +195,7 @@ class TransferPlan:
     def sender_rewrites(self) -> dict[int, Rewrite]:
         return {g.group_id: g.sender for g in self.groups if g.sender}
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """A short fingerprint of the whole plan: a push writer must plan as its reader."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
