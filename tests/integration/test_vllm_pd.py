@@ -174,7 +174,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
         cluster = Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
-        _warm_up(cluster, [("G32a", "G32b"), ("G32b", "G32a")])
+        # every decode -> prefill direction the tests use (its first handshake)
+        pairs = {(p, d) for p, d, _ in PAIRS} | {("G32a", "G32b"), ("G32b", "G32a")}
+        _warm_up(cluster, sorted(pairs))
         yield cluster
     finally:
         stop_all(list(servers.values()))
@@ -182,8 +184,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 def _warm_up(cluster: Cluster, pairs: list[tuple[str, str]]) -> None:
     """One P/D request per pair, outcome ignored: its first handshakes. A freshly started
-    vLLM server sometimes leaves the first handshake attempts unanswered (CI: ~15 s, three
-    attempts of 5 s), which outlasts a 15 s lease under policy 'fail' (an HTTP 500)."""
+    vLLM server sometimes leaves the first handshake attempts unanswered (CI: ~15 s for a
+    gemma pair, ~30 s for L128b -> L128a), which outlasts a 15 s lease under policy 'fail'
+    (an HTTP 500) or a 30 s load timeout (a recompute)."""
     for i, (prefill, decode) in enumerate(pairs):
         try:
             cluster.pd(prefill, decode, make_prompts(1, 40, seed=8800 + i)[0])
