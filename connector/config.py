@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from layouts.errors import KVBridgeError
 
 
@@ -56,7 +58,9 @@ class KVTransferConfig:
     engine_id: str
     kv_ip: str = "127.0.0.1"
     kv_port: int = 5600  # side-channel base port; the listener binds kv_port + rank
-    kv_buffer_device: str = "cpu"
+    # where the memory NIXL moves lives: "auto" (the cache's own), "cpu" (a CUDA cache is
+    # staged through a pinned host mirror), "cuda" / "cuda:N" (VRAM, the cache's own)
+    kv_buffer_device: str = "auto"
     failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
     lease_s: float = 30.0
     heartbeat_s: float = 5.0
@@ -73,6 +77,8 @@ class KVTransferConfig:
                 raise ConfigError(f"{name}={value!r} must be of type {expected}")
         if not self.engine_id:
             raise ConfigError("engine_id must be a non-empty string")
+        if self.kv_buffer_device != "auto":
+            parse_buffer_device(self.kv_buffer_device)
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port={self.kv_port} must lie in [0, 65535]")
         for name in ("lease_s", "heartbeat_s", "handshake_timeout_s", "transfer_timeout_s"):
@@ -135,3 +141,17 @@ class KVTransferConfig:
         if not isinstance(raw, dict):
             raise ConfigError("kv-transfer-config must be a JSON object")
         return cls.from_dict(raw)
+
+
+def parse_buffer_device(kv_buffer_device: str) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` as a device (``ConfigError`` otherwise)."""
+    try:
+        wanted = torch.device(kv_buffer_device)
+    except (RuntimeError, ValueError):
+        wanted = None
+    if wanted is None or wanted.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"kv_buffer_device={kv_buffer_device!r} is not one of 'auto', 'cpu', 'cuda' or "
+            f"'cuda:N' (kvbridge moves CPU or CUDA memory)"
+        )
+    return wanted

@@ -29,6 +29,8 @@ class ConnectorMetrics:
     pushes_written: int = 0  # prefill: Push requests whose writes completed
     push_failures: int = 0  # prefill: Push requests answered with ok=False
     bytes_written: int = 0  # prefill: bytes written into decode's blocks
+    staged_to_host_bytes: int = 0  # host staging: cache -> host mirror (sender)
+    staged_to_device_bytes: int = 0  # host staging: host mirror -> cache (receiver)
 
     def prometheus(self, prefix: str = "kvbridge") -> str:
         lines = []

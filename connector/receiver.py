@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from connector.errors import TransferError
+from connector.host_stage import HostStage
 from connector.load_rows import GroupRows, group_rows
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
@@ -123,9 +124,13 @@ class Receiver:
         router: Router | None = None,
         notify: Notify | None = None,
         push: PushEndpoint | None = None,
+        stage: HostStage | None = None,
     ) -> None:
-        """``push``: ask prefill to write (push mode) instead of reading (pull)."""
+        """``push``: ask prefill to write (push mode) instead of reading (pull).
+        ``stage``: reads land in this host mirror of ``buffers`` (host staging) and are
+        copied into ``buffers`` once the load is complete."""
         self._engine = engine
+        self._stage = stage
         self._push = push
         self._repacker = repacker
         self._staged = StagedReads(
@@ -410,6 +415,9 @@ class Receiver:
 
     def _complete(self, load: Load) -> None:
         """Every source's reads are in: rewrite or repack what the plan asks, report."""
+        if self._stage is not None:
+            for group_id, ids in load.touched.items():
+                self._stage.to_device(group_id, ids)
         peer = self._peers.get(load.sources[0].key) if load.sources else None
         plan = peer.plan if peer is not None else None
         if plan is not None:

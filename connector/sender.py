@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from connector.host_stage import HostStage
 from connector.metadata import SendSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import Done, Heartbeat, Prepare, Prepared
@@ -84,8 +85,12 @@ class Sender:
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
         rewrite_on_save: bool = False,
+        stage: HostStage | None = None,
     ) -> None:
+        """``stage``: the host mirror NIXL moves instead of ``buffers`` (host staging);
+        kept blocks are copied there once they are in the format their reader gets."""
         self._buffers = buffers
+        self._stage = stage
         self._rewrite_on_save = rewrite_on_save and rewrites_in_place
         self._rewrites_in_place = rewrites_in_place
         self._metrics = metrics
@@ -114,6 +119,7 @@ class Sender:
         self._pending[spec.request_id] = pending
         if self._learned and self._rewrite_on_save:
             self._rewrite_eagerly(pending)
+        self._stage_out(pending)
         _, prepares = self._early_prepares.pop(spec.request_id, (0.0, []))
         for agent, prepare in prepares:
             reply = self.on_prepare(prepare, agent)
@@ -147,6 +153,7 @@ class Sender:
         wanted = {
             rw.group_id: (rw.src.to_arrangement(), rw.dst.to_arrangement()) for rw in msg.rewrites
         }
+        before = dict(pending.rewritten)
         if pending.eager:
             pending.eager = False  # a reader claims the format from now on
             if pending.rewritten != wanted:
@@ -159,10 +166,22 @@ class Sender:
                 self._rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
             self._restore(pending)
+            if before:  # the device holds native blocks again
+                self._stage_out(pending)
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
         if wanted:
             self._learned = wanted
+        if pending.rewritten != before:
+            self._stage_out(pending)
         return Prepared(request_id=msg.request_id, ok=True)
+
+    def _stage_out(self, pending: _Pending) -> None:
+        """Host staging: the mirror gets the request's blocks as the device holds them."""
+        if self._stage is None:
+            return
+        for group_id, ids in enumerate(pending.spec.block_ids):
+            if ids:
+                self._stage.to_host(group_id, np.asarray(ids, dtype=np.int64))
 
     def _rewrite_eagerly(self, pending: _Pending) -> None:
         """Rewrite a request just added into the last reader's format (a guess: undone

@@ -17,8 +17,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.config import KVTransferConfig
+from connector.config import ConfigError, KVTransferConfig
 from connector.errors import TransferError
+from connector.host_stage import HostStage, stages_through_host
 from connector.idle_progress import IdleProgress
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
@@ -89,11 +90,17 @@ class KVBridgeWorker:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         rewrites_in_place: bool = True,
+        host_staging: bool | None = None,
     ) -> None:
         """``rewrites_in_place=False``: the engine may run its own requests on a block
         while a reader holds it (a prefix cache that hits held blocks), so this worker
-        never rewrites blocks after save; readers read them natively (more descriptors)."""
+        never rewrites blocks after save; readers read them natively (more descriptors).
+        ``host_staging``: None (default) decides from ``kv_buffer_device`` and where the
+        cache lives; True stages through a host mirror even for a cache in host memory
+        (the staging path without a GPU)."""
         self.config = config
+        self._host_staging = host_staging
+        self._stage: HostStage | None = None
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         self._staging_bytes = staging_capacity(config.extra)
@@ -155,14 +162,30 @@ class KVBridgeWorker:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
         self._repacker = repacker
 
+    def _host_stage(self, buffers: KVCacheBuffers) -> HostStage | None:
+        staged = stages_through_host(self.config.kv_buffer_device, buffers.device)
+        if self._host_staging is not None:
+            staged = self._host_staging
+        if not staged:
+            return None
+        if self._repacker is not None:
+            raise ConfigError(
+                f"kv_buffer_device={self.config.kv_buffer_device!r} stages the cache through "
+                f"host memory, which engine-packed pages (a repacker) do not support; move "
+                f"the cache's own memory (kv_buffer_device 'auto')"
+            )
+        return HostStage(buffers, self.metrics)
+
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
         self._buffers = buffers
+        self._stage = self._host_stage(buffers)
+        moved = self._stage.host_buffers if self._stage is not None else buffers
         with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
             engine = self._engine_factory(self.agent_name)
         self._engine = engine
-        engine.register(buffers.tensors)
+        engine.register(moved.tensors)
         identity = WorkerIdentity(
             engine_id=self.config.engine_id,
             agent_name=self.agent_name,
@@ -185,7 +208,7 @@ class KVBridgeWorker:
         self._listener.start()
         self._description = describe(
             identity,
-            buffers,
+            moved,
             nixl_metadata=engine.metadata(),
             compat_hash=digest,
             side_channel_host=self.config.kv_ip,
@@ -216,6 +239,7 @@ class KVBridgeWorker:
             clock=self._clock,
             rewrites_in_place=self.rewrites_in_place,
             rewrite_on_save=self.rewrite_on_save,
+            stage=self._stage,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
@@ -242,6 +266,7 @@ class KVBridgeWorker:
             router=self._router,
             notify=self._queue_to,
             push=push,
+            stage=self._stage,
         )
         if self._idle is not None:
             self._idle.start()

@@ -79,8 +79,14 @@ class KVCacheBuffers:
     """Owns a side's KV-cache memory and hands out views, unit slots and regions."""
 
     def __init__(
-        self, config: KVCacheConfig, fmt: CacheFormat, device: str | torch.device = "cpu"
+        self,
+        config: KVCacheConfig,
+        fmt: CacheFormat,
+        device: str | torch.device = "cpu",
+        *,
+        pin_memory: bool = False,
     ) -> None:
+        """``pin_memory``: page-locked host memory (a staging mirror of a CUDA cache)."""
         self.config = config
         self.format = fmt
         self.device = torch.device(device)
@@ -92,13 +98,20 @@ class KVCacheBuffers:
         self.tensors: list[torch.Tensor] = []
         self._layer_bytes: dict[str, torch.Tensor] = {}
         if fmt.cross_layer:
-            buf = torch.zeros((n, page * config.num_layers), dtype=torch.uint8, device=self.device)
+            buf = torch.zeros(
+                (n, page * config.num_layers),
+                dtype=torch.uint8,
+                device=self.device,
+                pin_memory=pin_memory,
+            )
             self.tensors.append(buf)
             for i, name in enumerate(config.layer_names):
                 self._layer_bytes[name] = buf[:, i * page : (i + 1) * page]
         else:
             for name in config.layer_names:
-                t = torch.zeros((n, page), dtype=torch.uint8, device=self.device)
+                t = torch.zeros(
+                    (n, page), dtype=torch.uint8, device=self.device, pin_memory=pin_memory
+                )
                 self.tensors.append(t)
                 self._layer_bytes[name] = t
 

@@ -62,15 +62,11 @@ def transfer_config(vllm_kv_config: Any) -> KVTransferConfig:
         "kv_role": getattr(role, "value", role),
         "engine_id": vllm_kv_config.engine_id,
         "kv_port": vllm_kv_config.kv_port,
-        "kv_buffer_device": vllm_kv_config.kv_buffer_device or "cpu",
+        # vLLM's default is the platform's device type: the cache's own memory
+        "kv_buffer_device": vllm_kv_config.kv_buffer_device or "auto",
         "failure_policy": getattr(vllm_kv_config, "kv_load_failure_policy", "fail"),
         **extra_config,
     }
-    if raw["kv_buffer_device"] != "cpu":
-        raise ConfigError(
-            f"kv_buffer_device={raw['kv_buffer_device']!r}: kvbridge's vLLM connector has been "
-            f"run on CPU memory only so far; use 'cpu'"
-        )
     return KVTransferConfig.from_dict(raw)
 
 

@@ -76,12 +76,16 @@ def fill_buffers(buffers: KVCacheBuffers, seed: int) -> None:
 
 
 def make_buffers(
-    fmt: SideFormat, kinds: str, num_blocks: int = NUM_BLOCKS, num_kv_heads: int = 2
+    fmt: SideFormat,
+    kinds: str,
+    num_blocks: int = NUM_BLOCKS,
+    num_kv_heads: int = 2,
+    device: str = "cpu",
 ) -> KVCacheBuffers:
     """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state;
     ``num_kv_heads``: the heads this rank holds."""
     config = KVCacheConfig.uniform(make_groups(fmt.block_size, kinds, num_kv_heads), num_blocks)
-    return KVCacheBuffers(config, fmt.cache_format)
+    return KVCacheBuffers(config, fmt.cache_format, device)
 
 
 def transfer_config(role: str, engine_id: str, **overrides) -> KVTransferConfig:
@@ -336,11 +340,27 @@ class Cluster:
         self._cache: OrderedDict[tuple, Node] = OrderedDict()
         self._extra: list[Node] = []
 
-    def node(self, role: str, fmt: SideFormat, kinds: str, mode: str = "pull") -> Node:
-        """A cached worker for (role, format, groups, transfer mode), built on first use."""
-        key = (role, fmt, kinds, mode)
-        config = {"extra": {"transfer_mode": mode}} if mode != "pull" else {}
-        node = self._cache.pop(key, None) or self._build(role, fmt, kinds, config)
+    def node(
+        self,
+        role: str,
+        fmt: SideFormat,
+        kinds: str,
+        mode: str = "pull",
+        *,
+        device: str = "cpu",
+        buffer_device: str = "auto",
+        host_staging: bool | None = None,
+    ) -> Node:
+        """A cached worker for (role, format, groups, transfer mode, where the cache lives,
+        what NIXL moves), built on first use. ``host_staging=True`` stages even a cache in
+        host memory through a host mirror (the staging path without a GPU)."""
+        key = (role, fmt, kinds, mode, device, buffer_device, host_staging)
+        config: dict = {"kv_buffer_device": buffer_device}
+        if mode != "pull":
+            config["extra"] = {"transfer_mode": mode}
+        node = self._cache.pop(key, None) or self._build(
+            role, fmt, kinds, config, device=device, host_staging=host_staging
+        )
         self._cache[key] = node
         while len(self._cache) > self._keep:
             _, old = self._cache.popitem(last=False)
@@ -353,10 +373,21 @@ class Cluster:
         self._extra.append(node)
         return node
 
-    def _build(self, role: str, fmt: SideFormat, kinds: str, config: dict) -> Node:
+    def _build(
+        self,
+        role: str,
+        fmt: SideFormat,
+        kinds: str,
+        config: dict,
+        *,
+        device: str = "cpu",
+        host_staging: bool | None = None,
+    ) -> Node:
         engine_id = new_id("P" if role == "kv_producer" else "D")
-        worker = KVBridgeWorker(transfer_config(role, engine_id, **config), MODEL)
-        buffers = make_buffers(fmt, kinds)
+        worker = KVBridgeWorker(
+            transfer_config(role, engine_id, **config), MODEL, host_staging=host_staging
+        )
+        buffers = make_buffers(fmt, kinds, device=device)
         try:
             worker.register_kv_caches(buffers)
         except BaseException:

@@ -85,10 +85,13 @@ def make_side(
     num_blocks: int = 64,
     rewrites_in_place: bool = True,
     repacker: Repacker | None = None,
+    device: str = "cpu",
+    host_staging: bool | None = None,
     **extra_config: object,
 ) -> Side:
+    """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``."""
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
-    buffers = KVCacheBuffers(kv, fmt)
+    buffers = KVCacheBuffers(kv, fmt, device)
     for t in buffers.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
     config = KVTransferConfig.from_dict(
@@ -101,7 +104,12 @@ def make_side(
         }
     )
     worker = KVBridgeWorker(
-        config, MODEL, clock=clock, wall_clock=clock, rewrites_in_place=rewrites_in_place
+        config,
+        MODEL,
+        clock=clock,
+        wall_clock=clock,
+        rewrites_in_place=rewrites_in_place,
+        host_staging=host_staging,
     )
     if repacker is not None:
         worker.set_repacker(repacker)

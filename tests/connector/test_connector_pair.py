@@ -37,11 +37,29 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+# where both sides' caches live and what NIXL moves: (device, kv_buffer_device, forced staging)
+PLACEMENTS = [
+    pytest.param(("cpu", "auto", None), id="cpu"),
+    pytest.param(("cpu", "auto", True), id="cpu-host-staged"),
+    pytest.param(("cuda", "auto", None), id="cuda", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "cpu", None), id="cuda-host-staged", marks=pytest.mark.gpu),
+]
+
+
 def _pair(
-    clock: FakeClock, kinds: str = "F", **decode_extra: object
+    clock: FakeClock,
+    kinds: str = "F",
+    placement: tuple[str, str, bool | None] = ("cpu", "auto", None),
+    **decode_extra: object,
 ) -> Iterator[tuple[Side, Side]]:
-    prefill = make_side("kv_producer", "prefill", 64, PREFILL_FMT, kinds, clock, lease_s=30.0)
-    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, kinds, clock, **decode_extra)
+    device, buffer_device, staging = placement
+    placed: dict = {"device": device, "host_staging": staging, "kv_buffer_device": buffer_device}
+    prefill = make_side(
+        "kv_producer", "prefill", 64, PREFILL_FMT, kinds, clock, lease_s=30.0, **placed
+    )
+    decode = make_side(
+        "kv_consumer", "decode", 16, DECODE_FMT, kinds, clock, **placed, **decode_extra
+    )
     try:
         yield prefill, decode
     finally:
@@ -52,6 +70,11 @@ def _pair(
 @pytest.fixture
 def pair(clock: FakeClock) -> Iterator[tuple[Side, Side]]:
     yield from _pair(clock)
+
+
+@pytest.fixture(params=PLACEMENTS)
+def placed_pair(clock: FakeClock, request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
+    yield from _pair(clock, placement=request.param)
 
 
 def _finish_decode(decode: Side, req: Request) -> None:
@@ -75,8 +98,8 @@ def _expect_equal(prefill: Side, decode: Side, p: Request, d: Request, group: in
     assert torch.equal(got[:, :, tokens], want[:, :, tokens])
 
 
-def test_happy_path_loads_frees_and_restores(pair):
-    prefill, decode = pair
+def test_happy_path_loads_frees_and_restores(placed_pair):
+    prefill, decode = placed_pair
     p = Request("p1", token_ids(200), None)
     p.kv_transfer_params = _remote_decode()
     params = prefill_finish(prefill, p)
@@ -278,8 +301,9 @@ def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
     _assert_pools_full(prefill, decode)
 
 
-def test_hybrid_groups_full_window_state(clock):
-    for prefill, decode in _pair(clock, kinds="FSM"):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_hybrid_groups_full_window_state(clock, placement):
+    for prefill, decode in _pair(clock, kinds="FSM", placement=placement):
         p = Request("p1", token_ids(300), _remote_decode())
         params = prefill_finish(prefill, p)
         # no resume block from this engine: decode resumes at the last state boundary

@@ -115,10 +115,61 @@ def untouched_blocks(decode: Node, req: Request) -> dict[int, torch.Tensor]:
 def test_load_matrix(cluster: Cluster, case: Case, mode: str) -> None:
     """Pull: decode READs. Push: prefill WRITEs into decode's blocks (decode posts
     nothing); the same bytes land either way."""
-    prefill = cluster.node("kv_producer", case.prefill, case.kinds, mode)
-    decode = cluster.node("kv_consumer", case.decode, case.kinds, mode)
+    _load_case(cluster, case, mode, Placement())
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("case", _cases()[::4], ids=str)
+def test_host_staged_loads(cluster: Cluster, case: Case, mode: str) -> None:
+    """Both sides move a host mirror of their cache (``kv_buffer_device: "cpu"`` with a
+    CUDA cache; forced here for caches in host memory): the same bytes land, and the
+    bytes copied to and from the mirrors are counted."""
+    _load_case(cluster, case, mode, Placement(host_staging=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("case", _cases(), ids=str)
+def test_load_matrix_cuda(cluster: Cluster, case: Case, mode: str) -> None:
+    """The matrix with CUDA caches, NIXL moving VRAM."""
+    _load_case(cluster, case, mode, Placement(device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("case", _cases()[::2], ids=str)
+def test_load_matrix_cuda_host_staged(cluster: Cluster, case: Case, mode: str) -> None:
+    """CUDA caches staged through pinned host mirrors (``kv_buffer_device: "cpu"``)."""
+    _load_case(cluster, case, mode, Placement(device="cuda", buffer_device="cpu"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where both sides' caches live and what NIXL moves."""
+
+    device: str = "cpu"
+    buffer_device: str = "auto"
+    host_staging: bool | None = None
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.host_staging) or (self.device != "cpu" and self.buffer_device == "cpu")
+
+
+def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> None:
+    placed = {
+        "device": where.device,
+        "buffer_device": where.buffer_device,
+        "host_staging": where.host_staging,
+    }
+    prefill = cluster.node("kv_producer", case.prefill, case.kinds, mode, **placed)
+    decode = cluster.node("kv_consumer", case.decode, case.kinds, mode, **placed)
     posted = decode.worker.metrics.descriptors_posted, prefill.worker.metrics.descriptors_posted
     written = prefill.worker.metrics.bytes_written
+    staged = (
+        prefill.worker.metrics.staged_to_host_bytes,
+        decode.worker.metrics.staged_to_device_bytes,
+    )
     seed = zlib.crc32(str(case).encode())
     prefill.fill(seed)
     decode.fill(seed + 1)
@@ -144,6 +195,22 @@ def test_load_matrix(cluster: Cluster, case: Case, mode: str) -> None:
     assert idle.worker.metrics.descriptors_posted == before_i, f"{mode}: the other side posted"
     pushed = prefill.worker.metrics.bytes_written - written
     assert (pushed > 0) == (mode == "push"), pushed
+    to_host = prefill.worker.metrics.staged_to_host_bytes - staged[0]
+    to_device = decode.worker.metrics.staged_to_device_bytes - staged[1]
+    if where.staged:
+        # every kept block goes out whole; every touched block comes in whole
+        assert to_host >= _block_bytes(prefill, req.remote_ids), to_host
+        assert to_device > 0 and to_device <= _block_bytes(decode, req.local_ids), to_device
+    else:
+        assert to_host == to_device == 0, (to_host, to_device)
+
+
+def _block_bytes(node: Node, ids_per_group: list[np.ndarray]) -> int:
+    """Bytes of the given blocks, every group, every layer."""
+    return sum(
+        len(np.unique(ids)) * node.buffers.group_block_bytes(g)
+        for g, ids in enumerate(ids_per_group)
+    )
 
 
 def _expected_descriptors(node: Node, req: Request, block_size: int) -> int:

@@ -60,9 +60,15 @@ def test_bad_transfer_config_is_a_config_error(extra, message):
         translate.transfer_config(_vcfg(kv_connector_extra_config=extra))
 
 
-def test_vram_buffer_device_is_refused_for_now():
-    with pytest.raises(ConfigError, match="kv_buffer_device='cuda'"):
-        translate.transfer_config(_vcfg(kv_buffer_device="cuda"))
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_buffer_device_passes_through(device):
+    """Checked against the cache's device when the caches are registered."""
+    assert translate.transfer_config(_vcfg(kv_buffer_device=device)).kv_buffer_device == device
+
+
+def test_bad_buffer_device_is_a_config_error():
+    with pytest.raises(ConfigError, match="kv_buffer_device='xpu' is not one of"):
+        translate.transfer_config(_vcfg(kv_buffer_device="xpu"))
 
 
 def _full(bs: int = 32) -> VFull:

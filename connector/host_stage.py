@@ -1,0 +1,113 @@
+"""Host staging: a KV cache in GPU memory moved through a pinned host mirror.
+
+Where direct VRAM access is slow or absent for the transport, ``kv_buffer_device: "cpu"``
+with a CUDA cache registers a host copy of the cache with NIXL instead of the cache
+itself. The mirror has the cache's shape (same groups, format and block ids), so plans,
+descriptors and leases are unchanged; only the bytes take one more hop::
+
+    prefill:  forward -> device blocks --(rewrite on device)--> to_host --> mirror
+                                                                           | NIXL READ/WRITE
+    decode:   mirror --> to_device --> device blocks --(merge on device)--> forward
+
+The sender copies a request's blocks out when they are kept (after any rewrite on save)
+and again after a rewrite a reader asks for; the receiver copies them in once every read
+(or push) of the load is in, before its own rewrites. Copies of consecutive block ids are
+one copy per run; scattered ids go through one gather per slot and batch, bounded by
+``COPY_BUDGET_BYTES``. A copy ends with the device's stream synchronised: NIXL must see
+the bytes, and the mirror's block may be written again once its load is reported.
+
+:func:`stages_through_host` reads ``kv_buffer_device`` against where the cache lives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from connector.config import ConfigError, parse_buffer_device
+from connector.metrics import ConnectorMetrics
+from layouts.allocation import KVCacheBuffers
+
+COPY_BUDGET_BYTES = 64 << 20  # bytes of scattered rows gathered per copy call
+MAX_RUN_COPIES = 32  # more runs than this: gather the rows instead of copying each run
+
+
+def stages_through_host(kv_buffer_device: str, cache_device: torch.device) -> bool:
+    """True when the cache must be staged through host memory.
+
+    ``"auto"`` moves the cache where it lives. ``"cpu"`` with a CUDA cache stages through a
+    pinned host mirror; ``"cuda"``/``"cuda:N"`` with a CUDA cache moves VRAM directly (the
+    index, if given, must be the cache's). A CUDA buffer for a cache in host memory is a
+    configuration error."""
+    if kv_buffer_device == "auto":
+        return False
+    wanted = parse_buffer_device(kv_buffer_device)
+    if wanted.type == "cpu":
+        return cache_device.type != "cpu"
+    if cache_device.type != "cuda":
+        raise ConfigError(
+            f"kv_buffer_device={kv_buffer_device!r} but the KV cache lives in {cache_device} "
+            f"memory; use 'cpu' or 'auto'"
+        )
+    if wanted.index is not None and wanted.index != (cache_device.index or 0):
+        raise ConfigError(
+            f"kv_buffer_device={kv_buffer_device!r} but the KV cache lives on {cache_device}; "
+            f"NIXL registers the cache's own memory (use 'cuda', 'auto' or 'cpu')"
+        )
+    return False
+
+
+class HostStage:
+    """The pinned host mirror of ``device_buffers``, and the copies between the two."""
+
+    def __init__(self, device_buffers: KVCacheBuffers, metrics: ConnectorMetrics) -> None:
+        self.device_buffers = device_buffers
+        pin = device_buffers.device.type == "cuda"
+        self.host_buffers = KVCacheBuffers(
+            device_buffers.config, device_buffers.format, "cpu", pin_memory=pin
+        )
+        self._metrics = metrics
+
+    def to_host(self, group_id: int, block_ids: np.ndarray) -> int:
+        """Copy blocks of one group from the cache to the mirror; the bytes copied."""
+        moved = _copy_blocks(self.device_buffers, self.host_buffers, group_id, block_ids)
+        self._metrics.staged_to_host_bytes += moved
+        return moved
+
+    def to_device(self, group_id: int, block_ids: np.ndarray) -> int:
+        """Copy blocks of one group from the mirror into the cache; the bytes copied."""
+        moved = _copy_blocks(self.host_buffers, self.device_buffers, group_id, block_ids)
+        self._metrics.staged_to_device_bytes += moved
+        return moved
+
+
+def _copy_blocks(
+    src: KVCacheBuffers, dst: KVCacheBuffers, group_id: int, block_ids: np.ndarray
+) -> int:
+    ids = np.unique(src.check_block_ids(block_ids))
+    if ids.size == 0:
+        return 0
+    starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+    ends = np.append(starts[1:], ids.size)
+    moved = 0
+    for s, d in zip(src.unit_slots(group_id), dst.unit_slots(group_id), strict=True):
+        assert s.units.shape == d.units.shape, (s.region.name, d.region.name)
+        if starts.size <= MAX_RUN_COPIES:
+            for a, b in zip(ids[starts].tolist(), (ids[ends - 1] + 1).tolist(), strict=True):
+                d.units[a:b].copy_(s.units[a:b], non_blocking=True)
+        else:
+            _gather_copy(s.units, d.units, ids)
+        moved += int(ids.size) * s.units.shape[1]
+    for device in (src.device, dst.device):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return moved
+
+
+def _gather_copy(src: torch.Tensor, dst: torch.Tensor, ids: np.ndarray) -> None:
+    """Scattered rows: gather on the source device, one copy across, scatter on the other."""
+    batch = max(1, COPY_BUDGET_BYTES // max(1, src.shape[1]))
+    for start in range(0, ids.size, batch):
+        part = ids[start : start + batch]
+        rows = src.index_select(0, torch.as_tensor(part, device=src.device))
+        dst.index_copy_(0, torch.as_tensor(part, device=dst.device), rows.to(dst.device))

@@ -1,0 +1,163 @@
+"""Host staging: what ``kv_buffer_device`` means for a cache, and the mirror's copies.
+
+The copies run here between two host buffers (the path a CUDA cache takes, minus the
+device); the GPU tier runs them against CUDA caches (``test_worker_matrix``,
+``test_connector_pair``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from connector import host_stage
+from connector.config import ConfigError, KVTransferConfig
+from connector.host_stage import HostStage, stages_through_host
+from connector.metrics import ConnectorMetrics
+from connector.worker import KVBridgeWorker
+from layouts.allocation import KVCacheBuffers
+from layouts.layout import KVLayout, KVPacking
+from tests.connector.conftest import MODEL, SideFormat, fill_buffers, make_buffers
+
+CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+
+
+@pytest.mark.parametrize(
+    ("value", "cache", "staged"),
+    [
+        ("auto", CPU, False),
+        ("auto", CUDA0, False),
+        ("cpu", CPU, False),
+        ("cpu", CUDA0, True),  # a CUDA cache moved through host memory
+        ("cuda", CUDA0, False),
+        ("cuda:0", CUDA0, False),
+        ("cuda:1", CUDA1, False),
+    ],
+)
+def test_what_kv_buffer_device_means(value, cache, staged):
+    assert stages_through_host(value, cache) is staged
+
+
+@pytest.mark.parametrize(
+    ("value", "cache", "message"),
+    [
+        ("cuda", CPU, "the KV cache lives in cpu memory"),
+        ("cuda:1", CUDA0, "the KV cache lives on cuda:0"),
+        ("xpu", CPU, "is not one of 'auto', 'cpu', 'cuda'"),
+    ],
+)
+def test_a_buffer_device_that_cannot_hold_the_cache_is_refused(value, cache, message):
+    with pytest.raises(ConfigError, match=message):
+        stages_through_host(value, cache)
+
+
+@pytest.mark.parametrize("value", ["gpu", "", "cuda:x", "npu:0"])
+def test_the_config_refuses_a_malformed_buffer_device(value):
+    with pytest.raises(ConfigError, match="kv_buffer_device="):
+        KVTransferConfig.from_dict(
+            {"kv_role": "kv_producer", "engine_id": "p", "kv_buffer_device": value}
+        )
+
+
+FORMATS = [
+    SideFormat(16, KVLayout.NHD, cross_layer=True),
+    SideFormat(16, KVLayout.HND, packing=KVPacking.KV_SPLIT),
+    SideFormat(32, KVLayout.NHD, packing=KVPacking.BLOCKS_FIRST, kernel_block_size=8),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize(
+    "ids",
+    [
+        pytest.param(np.array([3, 4, 5, 9, 10]), id="runs"),
+        pytest.param(np.arange(0, 64, 2), id="scattered"),  # past MAX_RUN_COPIES runs
+    ],
+)
+def test_copies_move_exactly_the_blocks_asked_for(fmt, ids, monkeypatch):
+    monkeypatch.setattr(host_stage, "COPY_BUDGET_BYTES", 1)  # one row per gather
+    buffers = make_buffers(fmt, "FSM")
+    fill_buffers(buffers, seed=1)
+    metrics = ConnectorMetrics()
+    stage = HostStage(buffers, metrics)
+    fill_buffers(stage.host_buffers, seed=2)
+    cache_before = [t.clone() for t in buffers.tensors]
+    mirror_before = [t.clone() for t in stage.host_buffers.tensors]
+
+    moved = sum(stage.to_host(g.group_id, ids) for g in buffers.config.groups)
+
+    per_block = sum(buffers.group_block_bytes(g.group_id) for g in buffers.config.groups)
+    assert moved == metrics.staged_to_host_bytes == ids.size * per_block
+    _assert_rows(stage.host_buffers, buffers, ids, equal=True)
+    _assert_rows_kept(stage.host_buffers, mirror_before, ids)
+    for t, before in zip(buffers.tensors, cache_before, strict=True):
+        assert torch.equal(t, before), "copying out changed the cache"
+
+    fill_buffers(stage.host_buffers, seed=3)
+    back = sum(stage.to_device(g.group_id, ids[::2]) for g in buffers.config.groups)
+    assert back == metrics.staged_to_device_bytes == ids[::2].size * per_block
+    _assert_rows(buffers, stage.host_buffers, ids[::2], equal=True)
+    _assert_rows_kept(buffers, cache_before, ids[::2])
+
+
+def _rows(buffers: KVCacheBuffers, ids: np.ndarray) -> list[torch.Tensor]:
+    picked = torch.as_tensor(ids)
+    return [
+        slot.units.index_select(0, picked)
+        for g in buffers.config.groups
+        for slot in buffers.unit_slots(g.group_id)
+    ]
+
+
+def _assert_rows(a: KVCacheBuffers, b: KVCacheBuffers, ids: np.ndarray, *, equal: bool) -> None:
+    for x, y in zip(_rows(a, ids), _rows(b, ids), strict=True):
+        assert torch.equal(x, y) is equal
+
+
+def _assert_rows_kept(buffers: KVCacheBuffers, before: list[torch.Tensor], ids: np.ndarray):
+    """Every block outside ``ids`` holds what it held (compared through the slots)."""
+    others = np.setdiff1d(np.arange(buffers.config.num_blocks), ids)
+    shadow = KVCacheBuffers.adopt(
+        buffers.config,
+        buffers.format,
+        before,
+        {n: _same_view(buffers, before, n) for n in buffers.config.layer_names},
+        device=buffers.device,
+    )
+    for x, y in zip(_rows(buffers, others), _rows(shadow, others), strict=True):
+        assert torch.equal(x, y), "a block outside the copy changed"
+
+
+def _same_view(buffers: KVCacheBuffers, tensors: list[torch.Tensor], name: str) -> torch.Tensor:
+    """``name``'s rows over ``tensors`` (clones of ``buffers.tensors``, same layout)."""
+    view = buffers.layer_bytes(name)
+    for mine, theirs in zip(buffers.tensors, tensors, strict=True):
+        base = mine.data_ptr()
+        if base <= view.data_ptr() < base + mine.numel():
+            offset = view.data_ptr() - base
+            return theirs.view(-1).as_strided(view.shape, view.stride(), offset)
+    raise AssertionError(f"layer {name} lies in no tensor")
+
+
+def test_a_cuda_buffer_for_a_host_cache_is_refused_at_registration():
+    config = KVTransferConfig.from_dict(
+        {"kv_role": "kv_consumer", "engine_id": "d", "kv_port": 0, "kv_buffer_device": "cuda"}
+    )
+    worker = KVBridgeWorker(config, MODEL)
+    try:
+        with pytest.raises(ConfigError, match="kv_buffer_device='cuda' but the KV cache lives"):
+            worker.register_kv_caches(make_buffers(SideFormat(16), "F"))
+    finally:
+        worker.shutdown()
+
+
+def test_a_staged_worker_registers_and_describes_its_mirror():
+    """NIXL sees the mirror (other addresses, host memory); the cache is left alone."""
+    config = KVTransferConfig.from_dict({"kv_role": "kv_producer", "engine_id": "p", "kv_port": 0})
+    buffers = make_buffers(SideFormat(16, cross_layer=True), "F")
+    with KVBridgeWorker(config, MODEL, host_staging=True) as worker:
+        worker.register_kv_caches(buffers)
+        described = {r.base_addr for r in worker.description.regions}
+        cache = {r.base_addr for r in buffers.regions()}
+        assert described and not described & cache
+        assert {r.memory_kind for r in worker.description.regions} == {"DRAM"}
