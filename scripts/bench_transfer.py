@@ -13,6 +13,10 @@ connection)::
     torch:      dst.copy_(src) of the same bytes in this process (the memory's speed)
 
 ``--device cuda`` puts both sides' caches in GPU memory (NIXL VRAM registrations).
+``--host-staging compare`` adds the x-NHD rows again with both sides staged through host
+mirrors (``kv_buffer_device: "cpu"``; forced for caches already in host memory), and
+``on`` stages every row. ``keep ms`` is the time prefill took to keep the request (its
+rewrite on save and its copy to the mirror), before the timed load starts.
 
 It also reports descriptors per request, the time NIXL took to prepare the descriptor
 lists (once per peer) and the per-request index computation (``GroupPlan.indices``).
@@ -125,12 +129,15 @@ def kv_digest(buffers: KVCacheBuffers, block_ids: list[int]) -> str:
     return hashlib.sha256(host.numpy().tobytes()).hexdigest()
 
 
-def _config(role: str, engine_id: str, mode: str, on_save: bool = False) -> KVTransferConfig:
+def _config(
+    role: str, engine_id: str, mode: str, on_save: bool = False, staged: bool = False
+) -> KVTransferConfig:
     return KVTransferConfig.from_dict(
         {
             "kv_role": role,
             "engine_id": engine_id,
             "kv_port": 0,
+            "kv_buffer_device": "cpu" if staged else "auto",
             "transfer_timeout_s": TIMEOUT_S,
             "extra": {"transfer_mode": mode, "rewrite_on_save": on_save},
         }
@@ -141,7 +148,13 @@ def _config(role: str, engine_id: str, mode: str, on_save: bool = False) -> KVTr
 
 
 def serve(
-    shape: Shape, fmt_code: str, engine_id: str, mode: str, device: str, on_save: bool
+    shape: Shape,
+    fmt_code: str,
+    engine_id: str,
+    mode: str,
+    device: str,
+    on_save: bool,
+    staged: bool,
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
 
@@ -151,8 +164,8 @@ def serve(
 
     buffers = shape.buffers(parse_format(fmt_code), device)
     fill(buffers, seed=1)
-    config = _config("kv_producer", engine_id, mode, on_save)
-    with KVBridgeWorker(config, shape.model()) as worker:
+    config = _config("kv_producer", engine_id, mode, on_save, staged)
+    with KVBridgeWorker(config, shape.model(), host_staging=staged or None) as worker:
         worker.register_kv_caches(buffers)
         say(event="ready", port=worker.side_channel_port, agent=worker.agent_name)
         while True:
@@ -173,9 +186,11 @@ def serve(
                     first_block=(0,),
                     lease_s=600.0,
                 )
+                t0 = time.perf_counter()
                 worker.bind_connector_metadata(ConnectorMetadata(reqs_to_send=(spec,)))
                 worker.start_load_kv()
-                say(event="kept", request_id=spec.request_id)
+                keep_ms = (time.perf_counter() - t0) * 1e3
+                say(event="kept", request_id=spec.request_id, keep_ms=keep_ms)
             elif cmd["cmd"] == "digest":
                 say(event="digest", sha256=kv_digest(buffers, cmd["block_ids"]))
             else:
@@ -184,7 +199,13 @@ def serve(
 
 class Child:
     def __init__(
-        self, shape: Shape, fmt_code: str, mode: str, device: str, on_save: bool = False
+        self,
+        shape: Shape,
+        fmt_code: str,
+        mode: str,
+        device: str,
+        on_save: bool = False,
+        staged: bool = False,
     ) -> None:
         self.engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
@@ -197,6 +218,7 @@ class Child:
             f"--mode={mode}",
             f"--device={device}",
             *(["--rewrite-on-save"] if on_save else []),
+            *(["--staged"] if staged else []),
             *shape_args(shape),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -300,6 +322,7 @@ class Row:
     prep_ms: float | str = ""
     pick_ms: float | str = ""
     read_ms: float | str = ""
+    keep_ms: float | str = ""
 
 
 def measure_connector(
@@ -313,8 +336,9 @@ def measure_connector(
     iterations: int,
     indices_s,
     on_save: bool = False,
+    staged: bool = False,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
-    child = Child(shape, pfmt, mode, device, on_save)
+    child = Child(shape, pfmt, mode, device, on_save, staged)
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
@@ -322,9 +346,10 @@ def measure_connector(
         return engines[-1]
 
     decode = KVBridgeWorker(
-        _config("kv_consumer", f"bench-D-{uuid.uuid4().hex[:6]}", mode),
+        _config("kv_consumer", f"bench-D-{uuid.uuid4().hex[:6]}", mode, staged=staged),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
+        host_staging=staged or None,
     )
     buffers = shape.buffers(parse_format(dfmt), device)
     decode.register_kv_caches(buffers)
@@ -337,11 +362,12 @@ def measure_connector(
         rids = lids = list(range(n))
 
     child_posted = [0]
+    keep_ms: list[float] = []
 
     def one_load() -> float:
         rid = f"r-{uuid.uuid4().hex[:8]}"
         child.command(cmd="send", request_id=rid, block_ids=rids)
-        child.wait("kept")
+        keep_ms.append(child.wait("kept")["keep_ms"])
         params = KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=child.engine_id,
@@ -392,7 +418,10 @@ def measure_connector(
         raise SystemExit(f"{pfmt} -> {dfmt}: loaded bytes differ from prefill's")
     order = "shuffled" if shuffled else "contiguous"
     name = f"connector {mode} {pfmt} -> {dfmt}, {order}" + (", on save" if on_save else "")
-    return Row(name, descs, seconds, prep_ms, pick_ms, read_ms), child, decode, buffers
+    name += ", host-staged" if staged else ""
+    keep = statistics.median(keep_ms[1:])  # after the warm-up
+    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep)
+    return row, child, decode, buffers
 
 
 def measure_raw(
@@ -474,7 +503,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both caches live")
     ap.add_argument("--modes", default="pull,push", help="transfer modes to run (comma list)")
     ap.add_argument("--mode", default="pull", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--host-staging",
+        choices=["off", "on", "compare"],
+        default="off",
+        help="stage both sides through host mirrors: off, on (every row), compare (x-NHD rows "
+        "both ways)",
+    )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
     ap.add_argument("--engine-id", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -486,7 +523,15 @@ def main() -> None:
         tokens=args.tokens,
     )
     if args.serve:
-        serve(shape, args.serve, args.engine_id, args.mode, args.device, args.rewrite_on_save)
+        serve(
+            shape,
+            args.serve,
+            args.engine_id,
+            args.mode,
+            args.device,
+            args.rewrite_on_save,
+            args.staged,
+        )
         return
     indices_s = time_indices()
     mib = shape.request_bytes / 2**20
@@ -511,9 +556,12 @@ def main() -> None:
         ("x-NHD", "x-HND", True, True),
     ]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    runs = [(mode, *f) for mode in modes for f in formats]
+    staging = args.host_staging == "on"
+    runs = [(mode, *f, staging) for mode in modes for f in formats]
+    if args.host_staging == "compare":
+        runs += [(mode, *f, True) for mode in modes for f in formats[:2]]
     raw_rows: list[Row] = []
-    for i, (mode, pfmt, dfmt, shuffled, on_save) in enumerate(runs):
+    for i, (mode, pfmt, dfmt, shuffled, on_save, staged) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
             shape,
             pfmt,
@@ -524,6 +572,7 @@ def main() -> None:
             iterations=args.iterations,
             indices_s=indices_s,
             on_save=on_save,
+            staged=staged,
         )
         try:
             rows.append(row)
@@ -537,8 +586,8 @@ def main() -> None:
     raw_read_s, raw_write_s = raw_rows[0].seconds, raw_rows[1].seconds
     print()
     header = (
-        f"{'what':<46} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
-        f"{'prep ms':>8} {'pick ms':>8} {'read ms':>8}"
+        f"{'what':<60} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
+        f"{'prep ms':>8} {'pick ms':>8} {'read ms':>8} {'keep ms':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -547,10 +596,11 @@ def main() -> None:
         prep = f"{r.prep_ms:.2f}" if isinstance(r.prep_ms, float) else r.prep_ms
         pick = f"{r.pick_ms:.3f}" if isinstance(r.pick_ms, float) else r.pick_ms
         read = f"{r.read_ms:.2f}" if isinstance(r.read_ms, float) else r.read_ms
+        keep = f"{r.keep_ms:.2f}" if isinstance(r.keep_ms, float) else r.keep_ms
         raw_s = raw_write_s if " push " in r.name or "WRITE" in r.name else raw_read_s
         print(
-            f"{r.name:<46} {r.descs!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
-            f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8}"
+            f"{r.name:<60} {r.descs!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
+            f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8} {keep:>8}"
         )
     print(
         "\nprep ms: NIXL prep of the local + remote descriptor lists (once per peer); "
