@@ -8,9 +8,10 @@
 
 ``run`` sends prompts through the proxy in two waves (the second extends prompts of the
 first, so both workers see local prefix hits and decode loads only the rest), runs the
-same prompts through :mod:`examples.reference`, and exits 0 only when every generated
-token matches and every per-step logit agrees within ``--atol``. It prints a summary
-read from decode's ``/metrics`` and a final machine-readable ``SUMMARY`` line.
+same prompts through :mod:`examples.reference` on ``--device`` (the workers' own), and
+exits 0 only when every generated token matches and every per-step logit agrees within
+``--atol``. It prints a summary read from decode's ``/metrics`` and a final
+machine-readable ``SUMMARY`` line.
 """
 
 from __future__ import annotations
@@ -182,13 +183,19 @@ def wait_ready(urls: list[str], pids: list[int], timeout_s: float) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from examples.device import DeviceError, parse_device
     from examples.reference import load_model, reference_generate
     from examples.tokenizer import ByteTokenizer
 
     torch.set_num_threads(1)
+    try:
+        device = parse_device(args.device)
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prompts = make_prompts(args.num_prompts)
     tok = ByteTokenizer()
-    model = load_model(args.model)
+    model = load_model(args.model, device)
 
     def one(i: int) -> tuple[str, dict | Exception]:
         # Mix the request shapes: text or token ids, plain or streamed.
@@ -321,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--concurrency", type=int, default=4)
     check.add_argument("--timeout", type=float, default=120.0)
     check.add_argument("--show-answers", action="store_true")
+    check.add_argument(
+        "--device", default="cpu", help="where the reference runs: cpu, cuda or cuda:N"
+    )
     args = parser.parse_args(argv)
     if args.cmd == "wait":
         return wait_ready(args.url, args.pid, args.timeout)

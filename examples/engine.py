@@ -15,157 +15,44 @@ Blocks come from one :class:`BlockPool` shared by every KV-cache group. A reques
 per group, blocks for its whole budget (prompt + max_tokens) from admission on, so it
 never runs out of blocks mid-flight; a prefill for a remote decode of a model with a state
 group also holds a *resume block*: the state after its prompt's last-but-one token, where
-the decode resumes. Full blocks whose KV is valid are named by their prefix hash.
+the decode resumes. Full blocks whose KV is valid are named by their prefix hash
+(:class:`PrefixCache`); requests and what they report live in ``examples/request.py``.
 
 Producer (prefill) role: the connector may rewrite a held request's blocks in place for
 its reader ("permute after save"), so a block never serves two live requests there; a
 prefix hit only takes cached blocks nobody holds.
+
+The forward runs on the runner's device; a sampled token and a returned logits row are
+copied to the host right after the step (``RequestOutput`` holds numpy rows).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
 from connector.api import WorkerConnector
-from connector.params import KVTransferParams
 from connector.scheduler import KVBridgeScheduler
-from examples.block_pool import BlockPool, block_hashes
+from examples.block_pool import BlockPool
 from examples.model import SeqInput
+from examples.prefix_cache import PrefixCache
+from examples.request import (
+    EngineError,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
 from examples.runner import ModelRunner
-from examples.tokenizer import EOS_ID
 from layouts.errors import KVBridgeError
-from layouts.prefix_hit import GroupHitQuery, longest_prefix_hit
 from layouts.specs import KVCacheKind
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(KVBridgeError, ValueError):
-    """A request the engine cannot serve (names the field and the limit)."""
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # sampled the end-of-sequence token
-    LENGTH = "length"  # reached max_tokens
-    ABORT = "abort"  # the client went away or the server dropped it
-    ERROR = "error"  # unusable params or a failed load (``RequestOutput.error`` says why)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """Greedy decoding only; what to stop on and what to report."""
-
-    max_tokens: int = 16
-    eos_id: int | None = EOS_ID
-    return_logits: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise EngineError(f"max_tokens={self.max_tokens} must be at least 1")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    """What one step produced for one request (tokens since the previous output)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_logits: tuple[np.ndarray, ...]  # one [vocab] row per new token, if asked for
-    finished: bool
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    invalid_request: bool = False  # the error is the client's (bad params)
-    kv_transfer_params: KVTransferParams | None = None  # prefill: for the remote decode
-    num_cached_tokens: int = 0  # prompt tokens served by the local prefix cache
-    num_loaded_tokens: int = 0  # prompt tokens loaded through the connector
-
-
-class Request:
-    """One completion request; implements :class:`connector.api.ConnectorRequest`."""
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
-        self.sampling = sampling or SamplingParams()
-        self.kv_transfer_params = kv_transfer_params
-        self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.block_ids: list[list[int]] | None = None  # per group, logical block order
-        self.resume_block: int | None = None  # prefill: state where its decode resumes
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_cached_tokens = 0  # local prefix hit
-        self.num_external_tokens = 0  # promised by the connector
-        self.num_loaded_tokens = 0
-        self.num_registered_blocks = 0  # leading blocks named in the prefix cache
-        self.matched = False  # get_num_new_matched_tokens was asked
-        self.finish_reason: FinishReason | None = None
-        self.error: str | None = None
-        self.invalid_request = False
-        self.out_params: KVTransferParams | None = None
-        self._new_tokens: list[int] = []
-        self._new_logits: list[np.ndarray] = []
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return [*self.prompt_token_ids, *self.output_token_ids]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def max_num_tokens(self) -> int:
-        """Tokens whose KV may ever be cached (the last sampled token never is)."""
-        return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
-
-    def append_output(self, token: int, logits: np.ndarray | None) -> None:
-        self.output_token_ids.append(token)
-        self._new_tokens.append(token)
-        if logits is not None:
-            self._new_logits.append(logits)
-
-    def take_output(self) -> RequestOutput:
-        out = RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=tuple(self._new_tokens),
-            new_logits=tuple(self._new_logits),
-            finished=self.status is RequestStatus.FINISHED,
-            finish_reason=self.finish_reason,
-            error=self.error,
-            invalid_request=self.invalid_request,
-            kv_transfer_params=self.out_params,
-            num_cached_tokens=self.num_cached_tokens,
-            num_loaded_tokens=self.num_loaded_tokens,
-        )
-        self._new_tokens, self._new_logits = [], []
-        return out
-
-    def __repr__(self) -> str:
-        return (
-            f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}"
-            f", out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,10 +80,16 @@ class Engine:
         self.config = config or EngineConfig()
         self.scheduler = scheduler
         self.worker = worker
-        self.exclusive_blocks = exclusive_blocks
         self.pool = BlockPool(runner.kv_config.num_blocks)
         self.block_size = runner.block_size
         self.group_specs = tuple(g.spec for g in runner.kv_config.groups)
+        self.prefix_cache = PrefixCache(
+            self.pool,
+            self.group_specs,
+            self.block_size,
+            enabled=self.config.enable_prefix_caching,
+            exclusive_blocks=exclusive_blocks,
+        )
         self.waiting: deque[Request] = deque()
         self.loading: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -307,7 +200,7 @@ class Engine:
             self._end(req, FinishReason.ERROR, error=str(exc), invalid=True)
 
     def _try_allocate(self, req: Request) -> bool:
-        hit_tokens, hits = self._prefix_hit(req)
+        hit_tokens, hits = self.prefix_cache.hit(req)
         num_external, is_async = 0, False
         if self.scheduler is not None:
             num_external, is_async = self.scheduler.get_num_new_matched_tokens(req, hit_tokens)
@@ -348,34 +241,6 @@ class Engine:
             and params.do_remote_decode
         )
 
-    def _prefix_hit(self, req: Request) -> tuple[int, list[list[int | None]]]:
-        """Tokens served by the local cache and, per group, the cached block of each of
-        the hit's blocks (None: no valid block there; a fresh one is allocated)."""
-        num_groups = len(self.group_specs)
-        if not self.config.enable_prefix_caching:
-            return 0, [[] for _ in range(num_groups)]
-        hashes = block_hashes(req.prompt_token_ids, self.block_size)
-        cached_ids = [self.pool.cached_block_ids(g, hashes) for g in range(num_groups)]
-        if self.exclusive_blocks:
-            cached_ids = [
-                [b if b is not None and self.pool.refcount(b) == 0 else None for b in ids]
-                for ids in cached_ids
-            ]
-        queries = [
-            GroupHitQuery(
-                kind=spec.kind,
-                block_size=spec.block_size,
-                cached=np.array([b is not None for b in ids], dtype=bool),
-                sliding_window=getattr(spec, "sliding_window", None)
-                if spec.kind is KVCacheKind.SLIDING_WINDOW
-                else None,
-            )
-            for spec, ids in zip(self.group_specs, cached_ids, strict=True)
-        ]
-        hit = longest_prefix_hit(queries, len(req.prompt_token_ids) - 1).num_tokens
-        n = hit // self.block_size
-        return hit, [ids[:n] for ids in cached_ids]
-
     def _schedule(self) -> list[tuple[Request, SeqInput]]:
         budget = self.config.max_num_batched_tokens
         batch = []
@@ -398,52 +263,21 @@ class Engine:
             batch.append((req, seq))
         return batch
 
-    def _advance(self, req: Request, num_tokens: int, logits) -> None:
+    def _advance(self, req: Request, num_tokens: int, logits: torch.Tensor) -> None:
         req.num_computed_tokens += num_tokens
-        self._register_computed(req)
+        self.prefix_cache.register_computed(req)
         if req.num_computed_tokens < req.num_tokens:
             return  # a chunk of the prompt; no token to sample yet
-        row = logits[-1]
-        token = int(row.argmax())
-        req.append_output(token, row.float().numpy() if req.sampling.return_logits else None)
+        row = logits[-1]  # on the runner's device: the token and the row are copied out
+        token = int(row.argmax().cpu())
+        host_row = row.float().cpu().numpy() if req.sampling.return_logits else None
+        req.append_output(token, host_row)
         if token == req.sampling.eos_id:
             self._finishing.append((req, FinishReason.STOP))
         elif len(req.output_token_ids) >= req.sampling.max_tokens:
             self._finishing.append((req, FinishReason.LENGTH))
         else:
             self._emit(req)
-
-    # -- prefix-cache registration --------------------------------------------------------
-
-    def _register_computed(self, req: Request) -> None:
-        """Name every block the forward filled (valid in all groups) by its hash."""
-        full = req.num_computed_tokens // self.block_size
-        if not self.config.enable_prefix_caching or full <= req.num_registered_blocks:
-            return
-        hashes = block_hashes(req.all_token_ids[: full * self.block_size], self.block_size)
-        first = req.num_registered_blocks
-        for g, ids in enumerate(req.block_ids):
-            self.pool.cache(g, hashes[first:full], ids[first:full])
-        req.num_registered_blocks = full
-
-    def _register_loaded(self, req: Request) -> None:
-        """Name the blocks a load filled: all of them for full attention, those inside the
-        window for sliding window, the last boundary for the state group."""
-        if not self.config.enable_prefix_caching:
-            return
-        bs = self.block_size
-        first, stop = req.num_cached_tokens // bs, req.num_computed_tokens // bs
-        hashes = block_hashes(req.prompt_token_ids[: stop * bs], bs)
-        for g, spec in enumerate(self.group_specs):
-            lo = first
-            if spec.kind is KVCacheKind.SLIDING_WINDOW:
-                lo = max(first, math.ceil((stop * bs - spec.sliding_window) / bs))
-            elif spec.kind is KVCacheKind.STATE:
-                # only a boundary state names a block; a load ending mid-block left the
-                # state in the entry of that (unnamed, partial) block
-                lo = max(first, stop - 1) if req.num_computed_tokens % bs == 0 else stop
-            self.pool.cache(g, hashes[lo:stop], req.block_ids[g][lo:stop])
-        req.num_registered_blocks = stop
 
     # -- connector events -----------------------------------------------------------------
 
@@ -458,7 +292,7 @@ class Engine:
                 continue
             req.num_computed_tokens = req.num_cached_tokens + req.num_external_tokens
             req.num_loaded_tokens = req.num_external_tokens
-            self._register_loaded(req)
+            self.prefix_cache.register_loaded(req)
             if self.on_loaded is not None:
                 self.on_loaded(req)
             req.status = RequestStatus.RUNNING

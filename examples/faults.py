@@ -14,7 +14,8 @@ import threading
 from collections.abc import Callable
 
 from connector.notifications import Done
-from examples.engine import Engine, Request
+from examples.engine import Engine
+from examples.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from examples.check import complete, http_get, parse_metrics
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-hybrid-state"
@@ -94,31 +98,37 @@ class Proc:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
 
-def worker_args(role: str, kv: dict, block_size: int, *extra: str) -> list[str]:
-    """``examples.server`` arguments of a tiny-model worker with a KV connector."""
+def worker_args(
+    role: str,
+    kv: dict,
+    block_size: int,
+    *extra: str,
+    model: str = MODEL,
+    device: str | torch.device = "cpu",
+) -> list[str]:
+    """``examples.server`` arguments of a tiny-model worker with a KV connector; ``device``
+    is passed on as ``--device`` (the server checks it)."""
     return [
         "--role",
         role,
         "--model",
-        MODEL,
+        model,
         "--block-size",
         str(block_size),
         "--num-blocks",
         "128",
+        "--device",
+        str(device),
         "--kv-transfer-config",
         json.dumps(kv),
         *extra,
     ]
 
 
-def _worker_argv(role: str, port: int, kv: dict, block_size: int, extra: list[str]) -> list[str]:
-    server = [sys.executable, "-m", "examples.server", "--port", str(port)]
-    return server + worker_args(role, kv, block_size, *extra)
-
-
 @dataclass
 class Cluster:
-    """Prefill (block 32, ``prefill_kv``), decode (block 16, ``decode_kv``) and a proxy."""
+    """Prefill (block ``prefill_block_size``, ``prefill_kv``), decode (block
+    ``decode_block_size``, ``decode_kv``) of ``model`` on ``device``, and a proxy."""
 
     logs: Path
     prefill_kv: dict = field(default_factory=dict)
@@ -126,6 +136,10 @@ class Cluster:
     decode_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
+    model: str = MODEL
+    device: str | torch.device = "cpu"
+    prefill_block_size: int = 32
+    decode_block_size: int = 16
 
     def __post_init__(self) -> None:
         p_port, d_port, x_port = free_port(), free_port(), free_port()
@@ -146,13 +160,17 @@ class Cluster:
         self.procs = {
             "prefill": Proc(
                 "prefill",
-                _worker_argv("prefill", p_port, prefill_kv, 32, self.prefill_args),
+                self._worker_argv(
+                    "prefill", p_port, prefill_kv, self.prefill_block_size, self.prefill_args
+                ),
                 urls["p"],
                 self.logs / "prefill.log",
             ),
             "decode": Proc(
                 "decode",
-                _worker_argv("decode", d_port, decode_kv, 16, self.decode_args),
+                self._worker_argv(
+                    "decode", d_port, decode_kv, self.decode_block_size, self.decode_args
+                ),
                 urls["d"],
                 self.logs / "decode.log",
             ),
@@ -175,6 +193,13 @@ class Cluster:
                 self.logs / "proxy.log",
             ),
         }
+
+    def _worker_argv(
+        self, role: str, port: int, kv: dict, block_size: int, extra: list[str]
+    ) -> list[str]:
+        server = [sys.executable, "-m", "examples.server", "--port", str(port)]
+        args = worker_args(role, kv, block_size, model=self.model, device=self.device)
+        return server + args + extra
 
     def __getitem__(self, name: str) -> Proc:
         return self.procs[name]

@@ -301,7 +301,10 @@ class TinyModel:
 
     def _run(self, token_ids: Sequence[int] | torch.Tensor, mixer) -> torch.Tensor:
         """Logits [T, vocab]; ``mixer(layer_id, normed_x)`` supplies attention/state output."""
-        tokens = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)
+        if isinstance(token_ids, torch.Tensor):  # np.asarray cannot read a CUDA tensor
+            tokens = token_ids.to(self.device, torch.int64)
+        else:
+            tokens = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)
         x = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             x = x + mixer(i, _rms_norm(x, layer.mixer_norm))
@@ -385,7 +388,7 @@ class TinyModel:
         """Greedy continuation (new tokens only), stopping after ``eos_id`` if given."""
         ids, out = list(prompt_ids), []
         for _ in range(max_tokens):
-            token = int(self.reference_logits(ids)[-1].argmax())
+            token = int(self.reference_logits(ids)[-1].argmax().cpu())
             ids.append(token)
             out.append(token)
             if token == eos_id:

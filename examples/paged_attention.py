@@ -134,7 +134,10 @@ def _locate(
     cache: AttentionCache, block_table: BlockTableLike, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(manager block, sub-block, slot) index tensors of token ``positions``."""
-    table = torch.as_tensor(np.asarray(block_table, dtype=np.int64), device=positions.device)
+    if isinstance(block_table, torch.Tensor):  # np.asarray cannot read a CUDA tensor
+        table = block_table.to(positions.device, torch.int64)
+    else:
+        table = torch.as_tensor(np.asarray(block_table, dtype=np.int64), device=positions.device)
     kb = cache.kernel_block_size
     entry = positions // kb
     if positions.numel() and int(entry.max()) >= table.numel():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from examples.device import CPU, add_device_argument, parse_device
 from examples.model import ModelCaches, ModelConfig, SeqInput, TinyModel
 from examples.paged_attention import AttentionCache
 from examples.state_layer import StateCache
@@ -39,8 +40,10 @@ class RunnerConfig:
     cross_layer: bool = False
     packing: KVPacking = KVPacking.BLOCKS_FIRST
     num_blocks: int = 512
+    device: torch.device = CPU  # a str is parsed (examples/device.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", parse_device(self.device, option="RunnerConfig.device"))
         kernel_ratio(self.block_size, self.kernel_block_size or self.block_size)
         if self.num_blocks <= 0:
             raise LayoutError(f"num_blocks={self.num_blocks} must be positive")
@@ -63,6 +66,7 @@ class RunnerConfig:
         parser.add_argument("--cross-layers", action="store_true")
         parser.add_argument("--kv-packing", default="blocks_first")
         parser.add_argument("--num-blocks", type=int, default=512)
+        add_device_argument(parser, "; holds the weights and the KV cache")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunnerConfig:
@@ -74,20 +78,22 @@ class RunnerConfig:
             cross_layer=args.cross_layers,
             packing=KVPacking.parse(args.kv_packing),
             num_blocks=args.num_blocks,
+            device=parse_device(args.device),
         )
 
 
 class ModelRunner:
     """Weights, cache buffers and per-layer cache views of one worker."""
 
-    def __init__(self, config: RunnerConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         self.config = config
-        self.model = TinyModel.from_name(config.model, device)
+        self.device = config.device
+        self.model = TinyModel.from_name(config.model, config.device)
         mc: ModelConfig = self.model.config
         self.model_config = mc
         groups = mc.kv_cache_groups(config.block_size)
         self.kv_config = KVCacheConfig.uniform(groups, config.num_blocks)
-        self.buffers = KVCacheBuffers(self.kv_config, config.cache_format, device)
+        self.buffers = KVCacheBuffers(self.kv_config, config.cache_format, config.device)
         self.kernel_block_size = config.kernel_block_size or config.block_size
         self.caches = ModelCaches(layers=tuple(self._layer_cache(n) for n in mc.layer_names))
         self.caches.check(mc)
@@ -130,7 +136,8 @@ class ModelRunner:
         return tuple(tables)
 
     def execute(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
-        """Logits ``[T_i, vocab]`` of each sequence's new tokens; writes the caches."""
+        """Logits ``[T_i, vocab]`` of each sequence's new tokens, on :attr:`device`;
+        writes the caches."""
         if not batch:
             return []
         return self.model.forward(batch, self.caches)

@@ -19,6 +19,7 @@ beyond moving the bytes (the proxy's second request, decode scheduling, notifica
 polling). One warm-up request per configuration first (handshake, NIXL connection).
 
 Run:  .venv/bin/python scripts/bench_e2e.py [--lengths 128,512,2048] [--concurrency 1,4,16]
+      [--device cuda]    (every server's weights and KV cache; default cpu)
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
+from examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
 from examples.launch import Cluster, Proc, free_port  # noqa: E402
 
 TIMEOUT_S = 120.0
@@ -74,15 +78,17 @@ class Target:
         self._close()
 
 
-def start_pair(mode: str, model: str, num_blocks: int, logs: Path) -> Target:
+def start_pair(mode: str, model: str, num_blocks: int, device: torch.device, logs: Path) -> Target:
     extra = {"extra": {"transfer_mode": mode}}
-    args = ["--model", model, "--num-blocks", str(num_blocks), "--max-num-seqs", "64"]
+    args = ["--num-blocks", str(num_blocks), "--max-num-seqs", "64"]
     cluster = Cluster(
         logs / mode,
         prefill_kv={"engine_id": f"prefill-{mode}", "lease_s": 120, **extra},
         decode_kv={"engine_id": f"decode-{mode}", "handshake_timeout_s": 5.0, **extra},
         decode_args=args,
         prefill_args=args,
+        model=model,
+        device=device,
     )
     (logs / mode).mkdir(parents=True, exist_ok=True)
     try:
@@ -95,7 +101,7 @@ def start_pair(mode: str, model: str, num_blocks: int, logs: Path) -> Target:
     )
 
 
-def start_single(model: str, num_blocks: int, logs: Path) -> Target:
+def start_single(model: str, num_blocks: int, device: torch.device, logs: Path) -> Target:
     port = free_port()
     argv = [
         sys.executable,
@@ -113,6 +119,8 @@ def start_single(model: str, num_blocks: int, logs: Path) -> Target:
         str(num_blocks),
         "--max-num-seqs",
         "64",
+        "--device",
+        str(device),
     ]
     logs.mkdir(parents=True, exist_ok=True)
     proc = Proc("single", argv, f"http://127.0.0.1:{port}", logs / "single.log")
@@ -158,7 +166,7 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
     return point
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lengths", default="128,512,2048", help="prompt tokens (comma list)")
     ap.add_argument("--concurrency", default="1,4,16", help="clients at once (comma list)")
@@ -166,22 +174,29 @@ def main() -> None:
     ap.add_argument("--modes", default="pull,push", help="P/D transfer modes (comma list)")
     ap.add_argument("--model", default="tiny-dense")
     ap.add_argument("--num-blocks", type=int, default=4096)
-    args = ap.parse_args()
+    add_device_argument(ap, "; every server's weights and KV cache")
+    args = ap.parse_args(argv)
+    try:  # before any server starts
+        device = parse_device(args.device)
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     lengths = [int(x) for x in args.lengths.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     logs = Path(tempfile.mkdtemp(prefix="kvbridge-bench-e2e-"))
     print(
-        f"model {args.model}, prefill block 32 -> decode block 16, {args.requests} requests "
+        f"model {args.model} on {device}, prefill block 32 -> decode block 16, "
+        f"{args.requests} requests "
         f"per point, max_tokens=1; logs in {logs}",
         flush=True,
     )
     results: dict[tuple[str, int, int], Point] = {}
     for name in ["single", *modes]:
         target = (
-            start_single(args.model, args.num_blocks, logs)
+            start_single(args.model, args.num_blocks, device, logs)
             if name == "single"
-            else start_pair(name, args.model, args.num_blocks, logs)
+            else start_pair(name, args.model, args.num_blocks, device, logs)
         )
         try:
             one(target.url, [7] * 64)  # warm-up: handshake, NIXL connection, kernels
@@ -223,7 +238,8 @@ def main() -> None:
         "notifications, polling). desc/req: both workers' descriptors (pull: decode's "
         "READs, push: prefill's WRITEs)."
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,12 +3,13 @@
 # worker and the proxy (tiny-hybrid; prefill pages 64-token NHD cross-layer blocks, decode
 # 16-token HND blocks with 8-token kernel blocks), send a few prompts through the proxy,
 # print the answers next to the single-process reference check and the transfer summary,
-# then tear everything down.
+# then tear everything down. DEVICE=cuda (or cuda:N) runs the workers and the reference on
+# a GPU (default cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 
-export MODEL="${MODEL:-tiny-hybrid}"
+export MODEL="${MODEL:-tiny-hybrid}" DEVICE="${DEVICE:-cpu}"
 export PREFILL_BLOCK_SIZE="${PREFILL_BLOCK_SIZE:-64}" PREFILL_KV_LAYOUT="${PREFILL_KV_LAYOUT:-NHD}"
 export PREFILL_CROSS_LAYERS="${PREFILL_CROSS_LAYERS:-1}"
 export DECODE_BLOCK_SIZE="${DECODE_BLOCK_SIZE:-16}" DECODE_KERNEL_BLOCK_SIZE="${DECODE_KERNEL_BLOCK_SIZE:-8}"

@@ -5,6 +5,8 @@
 #
 # Environment (defaults in brackets):
 #   MODEL [tiny-hybrid]           tiny-dense | tiny-hybrid | tiny-hybrid-state
+#   DEVICE [cpu]                  cpu | cuda | cuda:N: where prefill, decode and the
+#                                 reference hold weights and KV cache (--device)
 #   PREFILL_BLOCK_SIZE [16]       DECODE_BLOCK_SIZE [16]
 #   PREFILL_KERNEL_BLOCK_SIZE     DECODE_KERNEL_BLOCK_SIZE   [= the block size]
 #   PREFILL_KV_LAYOUT [NHD]       DECODE_KV_LAYOUT [NHD]
@@ -22,6 +24,7 @@ cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-.venv/bin/python}"
 MODEL="${MODEL:-tiny-hybrid}"
+DEVICE="${DEVICE:-cpu}"
 PREFILL_BLOCK_SIZE="${PREFILL_BLOCK_SIZE:-16}"
 DECODE_BLOCK_SIZE="${DECODE_BLOCK_SIZE:-16}"
 PREFILL_KERNEL_BLOCK_SIZE="${PREFILL_KERNEL_BLOCK_SIZE:-$PREFILL_BLOCK_SIZE}"
@@ -88,13 +91,13 @@ case "$FAULT_INJECT" in
     *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
 esac
 
-"$PY" -m examples.server --role prefill --model "$MODEL" --port "$P_PORT" \
+"$PY" -m examples.server --role prefill --model "$MODEL" --port "$P_PORT" --device "$DEVICE" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
     --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
     --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV, $EXTRA}" \
     >"$LOG_DIR/prefill.log" 2>&1 &
 PIDS+=($!)
-"$PY" -m examples.server --role decode --model "$MODEL" --port "$D_PORT" \
+"$PY" -m examples.server --role decode --model "$MODEL" --port "$D_PORT" --device "$DEVICE" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
     --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV, $EXTRA}" \
@@ -105,7 +108,7 @@ PIDS+=($!)
     >"$LOG_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
-echo "model $MODEL: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
+echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
     "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
     "mode=$TRANSFER_MODE" \
@@ -125,4 +128,5 @@ SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
 step "$PY" -m examples.check run --proxy "http://127.0.0.1:$X_PORT" \
     --decode "http://127.0.0.1:$D_PORT" --prefill "http://127.0.0.1:$P_PORT" --model "$MODEL" \
-    --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" "${SHOW[@]}"
+    --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \
+    "${SHOW[@]}"

@@ -10,17 +10,10 @@ from connector.config import KVTransferConfig
 from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
 from connector.params import KVTransferParams
 from connector.scheduler import KVBridgeScheduler
-from examples.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    FinishReason,
-    Request,
-    RequestOutput,
-    SamplingParams,
-)
+from examples.engine import Engine, EngineConfig
 from examples.model import MODEL_NAMES
 from examples.reference import load_model, reference_generate
+from examples.request import EngineError, FinishReason, Request, RequestOutput, SamplingParams
 from examples.runner import ModelRunner, RunnerConfig
 from examples.tokenizer import ByteTokenizer
 from layouts.layout import KVLayout, KVPacking

@@ -14,9 +14,11 @@ import pytest
 
 from examples import proxy as proxy_mod
 from examples.check import compare, complete, http_get, make_prompts, parse_metrics
+from examples.engine_loop import EngineLoop
 from examples.reference import load_model, reference_generate
-from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
+from examples.server import WorkerHTTPServer
 from examples.tokenizer import ByteTokenizer
+from examples.worker_setup import build, make_parser
 
 MODEL = "tiny-hybrid-state"
 
@@ -29,7 +31,7 @@ def _serve(server) -> threading.Thread:
 
 @pytest.fixture(scope="module")
 def worker_url():
-    argv = f"--model {MODEL} --block-size 16 --kernel-block-size 8 --num-blocks 64"
+    argv = f"--model {MODEL} --block-size 16 --kernel-block-size 8 --num-blocks 64 --device cpu"
     args = make_parser().parse_args([*argv.split(), "--kv-layout", "HND", "--cross-layers"])
     loop, info = build(args)
     assert isinstance(loop, EngineLoop)
@@ -106,6 +108,17 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(
     assert reason in body["error"]
     ok_status, ok = post(worker_url, {"prompt": "still there?", "max_tokens": 2})
     assert ok_status == 200 and len(ok["token_ids"]) == 2
+
+
+def test_health_reports_the_device(worker_url):
+    status, raw = http_get(worker_url + "/health")
+    assert status == 200
+    assert json.loads(raw) == {
+        "status": "ok",
+        "model": MODEL,
+        "role": "both",
+        "device": "cpu",
+    }
 
 
 def test_wrong_paths_and_sizes(worker_url):

@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from examples.check import blocks_in_use
+from examples.engine_loop import EngineLoop
 from examples.launch import MODEL, free_port, worker_args
-from examples.server import EngineLoop, WorkerHTTPServer, build, make_parser
+from examples.server import WorkerHTTPServer
+from examples.worker_setup import build, make_parser
 
 SECRET = "reliability-test-secret-0123456789"
 __all__ = ["MODEL", "SECRET", "Worker", "free_port", "post", "worker_pair"]

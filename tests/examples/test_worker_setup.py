@@ -1,0 +1,81 @@
+"""A worker's command line: the connector's ``kv_buffer_device`` follows ``--device``
+unless the kv-transfer-config sets it, and ``/health`` reports the device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from connector.config import ConfigError
+from examples.launch import Cluster, worker_args
+from examples.worker_setup import build, make_parser, transfer_config
+
+CUDA0 = torch.device("cuda", 0)  # only compared, never allocated on
+
+
+def _args(*argv: str):
+    return make_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(("device", "want"), [(torch.device("cpu"), "cpu"), (CUDA0, "cuda")])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_buffer_device_follows_the_device_when_not_given(role, device, want):
+    config = transfer_config(_args("--role", role), device)
+    assert config is not None and config.kv_buffer_device == want
+    given = json.dumps({"kv_role": config.kv_role.value, "engine_id": "x", "lease_s": 9})
+    config = transfer_config(_args("--role", role, "--kv-transfer-config", given), device)
+    assert config is not None and config.kv_buffer_device == want and config.lease_s == 9
+
+
+@pytest.mark.parametrize("given", ["cpu", "cuda"])
+def test_a_kv_buffer_device_the_user_gives_is_left_alone(given, tmp_path):
+    raw = json.dumps({"kv_role": "kv_consumer", "engine_id": "d", "kv_buffer_device": given})
+    config = transfer_config(_args("--role", "decode", "--kv-transfer-config", raw), CUDA0)
+    assert config is not None and config.kv_buffer_device == given
+    path = tmp_path / "kv.json"  # the same from a file
+    path.write_text(raw)
+    config = transfer_config(_args("--role", "decode", "--kv-transfer-config", str(path)), CUDA0)
+    assert config is not None and config.kv_buffer_device == given
+
+
+def test_a_config_file_without_the_key_follows_the_device(tmp_path):
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"kv_role": "kv_producer", "engine_id": "p"}))
+    config = transfer_config(_args("--role", "prefill", "--kv-transfer-config", str(path)), CUDA0)
+    assert config is not None and config.kv_buffer_device == "cuda"
+
+
+def test_role_both_without_a_config_has_no_connector_and_a_wrong_role_fails():
+    assert transfer_config(_args(), CUDA0) is None
+    raw = json.dumps({"kv_role": "kv_producer", "engine_id": "p"})
+    with pytest.raises(ConfigError, match="--role decode needs kv_role 'kv_consumer'"):
+        transfer_config(_args("--role", "decode", "--kv-transfer-config", raw), CUDA0)
+
+
+def test_health_info_reports_the_device():
+    loop, info = build(_args("--device", "cpu"))  # not started: no thread, no engine yet
+    assert info == {"model": "tiny-hybrid", "role": "both", "device": "cpu"}
+    assert loop is not None
+
+
+def test_launch_passes_the_device_to_both_workers(tmp_path):
+    argv = worker_args("decode", {"kv_role": "kv_consumer"}, 16, "--max-num-seqs", "4")
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[-2:] == ["--max-num-seqs", "4"]
+    cluster = Cluster(
+        tmp_path,
+        model="tiny-hybrid",
+        device="cuda:0",
+        prefill_block_size=64,
+        decode_block_size=48,
+        prefill_args=["--cross-layers"],
+    )
+    for name, block_size in (("prefill", "64"), ("decode", "48")):
+        args = make_parser().parse_args(cluster[name].argv[3:])  # after python -m examples.server
+        assert (args.device, args.model, args.block_size) == (
+            "cuda:0",
+            "tiny-hybrid",
+            int(block_size),
+        )
+        assert args.cross_layers is (name == "prefill")
