@@ -7,22 +7,19 @@ Every rewrite is one move from a source :class:`BlockArrangement` to a destinati
     split:    1 x n x NHD  ->  r x m x HND            (sender, after save: r receiver blocks)
     merge:    r x m x NHD  ->  1 x n x HND            (receiver, after load)
 
-Scratch memory is bounded by ONE block of the group (all its layers). A rewrite moves
-contiguous runs (``run_permutation``): rows are copied to scratch a batch of whole units
-at a time (never more than the limit), then every run is scattered from scratch straight
-to its destination inside its own row::
+A rewrite moves contiguous runs (``run_permutation``) through a bounded scratch; how is
+``staging.py``'s business. Every rewrite takes two keywords:
 
-    rows --index_select--> scratch --index_copy_ (run by run)--> same rows
+- ``scratch_budget_bytes``: the most scratch it may allocate, in whole units, at least one
+  unit (default: one block of the group on a CPU, 64 MiB on a GPU);
+- ``strategy``: a :class:`RewriteStrategy` (default: chosen from the device of the
+  buffers by ``RewriteStrategy.for_device``: SMALL_SCRATCH on a CPU, BATCHED elsewhere).
 
-So the buffer is read once and written once, like a plain copy. Large units (>= 256 KiB)
-are put back by one gather per row instead, which writes the row sequentially. Rows and
-runs move as the widest element type their sizes and alignment allow: torch's
-gather/scatter kernels cost per element, not per byte.
+:class:`TransformStats` reports the scratch actually used and the strategy.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,15 +30,20 @@ from layouts.arrangement import BlockArrangement, UnitGeometry, run_permutation,
 from layouts.errors import BlockIdError, LayoutError
 from layouts.layout import KVLayout
 from layouts.specs import AttentionSpec
+from layouts.staging import RewriteStrategy, allocate_scratch, rewrite_rows
 
 
 @dataclass(frozen=True, kw_only=True)
 class TransformStats:
-    """What a rewrite did: blocks touched, bytes moved, and the largest scratch used."""
+    """What a rewrite did: blocks touched, bytes moved, the scratch used and how."""
 
     num_blocks: int
     bytes_moved: int
     scratch_bytes: int
+    strategy: RewriteStrategy | None = None  # None: nothing to rewrite
+
+
+_NOTHING = TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
 
 
 def rewrite_units(
@@ -51,22 +53,27 @@ def rewrite_units(
     src: BlockArrangement,
     dst: BlockArrangement,
     *,
-    scratch_limit_bytes: int | None = None,
+    scratch_budget_bytes: int | None = None,
+    strategy: RewriteStrategy | None = None,
 ) -> TransformStats:
     """Rewrite rows ``block_ids`` of ``units`` from ``src`` to ``dst`` in place.
 
-    ``scratch_limit_bytes`` caps the scratch (default: one unit); at least one unit is
-    always needed. Block ids must be unique (a block rewritten twice would be scrambled).
+    Scratch: whole units within ``scratch_budget_bytes`` (default: one unit on a CPU,
+    64 MiB on a GPU), at least one. Block ids must be unique (a block rewritten twice would
+    be scrambled).
     """
     ids = _check_rewrite_ids(block_ids, units.shape[0])
     if ids.size == 0 or same_bytes(geometry, src, dst):
-        return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
-    scratch = _scratch(units, geometry, ids.size, scratch_limit_bytes)
-    _rewrite_rows(units, geometry, torch.as_tensor(ids, device=units.device), src, dst, scratch)
-    return TransformStats(
-        num_blocks=int(ids.size),
-        bytes_moved=int(ids.size) * geometry.unit_bytes,
-        scratch_bytes=scratch.numel(),
+        return _NOTHING
+    return _rewrite(
+        [units],
+        geometry,
+        ids,
+        src,
+        dst,
+        block_bytes=geometry.unit_bytes,
+        budget_bytes=scratch_budget_bytes,
+        strategy=strategy,
     )
 
 
@@ -76,8 +83,13 @@ def rewrite_group(
     block_ids: np.ndarray,
     src: BlockArrangement,
     dst: BlockArrangement,
+    *,
+    scratch_budget_bytes: int | None = None,
+    strategy: RewriteStrategy | None = None,
 ) -> TransformStats:
-    """Rewrite a group's blocks in every region that holds them; scratch <= one block."""
+    """Rewrite a group's blocks in every region that holds them, with one scratch shared
+    by the regions: whole units within ``scratch_budget_bytes`` (default: one block of the
+    group on a CPU, 64 MiB on a GPU), at least one."""
     slots = buffers.unit_slots(group_id)
     spec = buffers.config.groups[group_id].spec
     if not isinstance(spec, AttentionSpec):
@@ -89,17 +101,45 @@ def rewrite_group(
     geometry = slots[0].geometry
     assert geometry is not None and all(s.geometry == geometry for s in slots)
     if ids.size == 0 or same_bytes(geometry, src, dst):
-        return TransformStats(num_blocks=0, bytes_moved=0, scratch_bytes=0)
-    # one scratch for every region of the group: a group block spans all of its slots
-    limit = buffers.group_block_bytes(group_id)
-    scratch = _scratch(slots[0].units, geometry, ids.size, limit)
-    ids_t = torch.as_tensor(ids, device=scratch.device)
-    for slot in slots:
-        _rewrite_rows(slot.units, geometry, ids_t, src, dst, scratch)
+        return _NOTHING
+    return _rewrite(
+        [slot.units for slot in slots],
+        geometry,
+        ids,
+        src,
+        dst,
+        block_bytes=buffers.group_block_bytes(group_id),
+        budget_bytes=scratch_budget_bytes,
+        strategy=strategy,
+    )
+
+
+def _rewrite(
+    unit_tensors: list[torch.Tensor],
+    geometry: UnitGeometry,
+    ids: np.ndarray,
+    src: BlockArrangement,
+    dst: BlockArrangement,
+    *,
+    block_bytes: int,
+    budget_bytes: int | None,
+    strategy: RewriteStrategy | None,
+) -> TransformStats:
+    """Rewrite rows ``ids`` of every tensor of ``unit_tensors`` (same geometry), sharing one
+    scratch; ``block_bytes`` is what the CPU default budget calls one block."""
+    device = unit_tensors[0].device
+    if strategy is None:
+        strategy = RewriteStrategy.for_device(device)
+    if budget_bytes is None:
+        budget_bytes = strategy.default_budget_bytes(block_bytes)
+    run, runs = run_permutation(geometry, src, dst)
+    scratch = allocate_scratch(unit_tensors[0], geometry.unit_bytes, ids.size, budget_bytes)
+    rewrite_rows(unit_tensors, ids, run * geometry.itemsize, runs, scratch, strategy)
     return TransformStats(
         num_blocks=int(ids.size),
-        bytes_moved=int(ids.size) * geometry.unit_bytes * len(slots),
+        bytes_moved=int(ids.size) * geometry.unit_bytes * len(unit_tensors),
         scratch_bytes=scratch.numel(),
+        strategy=strategy,
     )
 
 
@@ -118,98 +158,27 @@ def _check_rewrite_ids(block_ids: np.ndarray, num_rows: int) -> np.ndarray:
     return ids
 
 
-def _scratch(
-    units: torch.Tensor, geometry: UnitGeometry, num_ids: int, limit: int | None
-) -> torch.Tensor:
-    """Whole units of scratch: as many as ``limit`` allows (at least one), no more than ids."""
-    unit_bytes = geometry.unit_bytes
-    batch = max(1, min(num_ids, (limit or unit_bytes) // unit_bytes))
-    return torch.empty((batch, unit_bytes), dtype=torch.uint8, device=units.device)
-
-
-def _rewrite_rows(
-    units: torch.Tensor,
-    geometry: UnitGeometry,
-    ids: torch.Tensor,
-    src: BlockArrangement,
-    dst: BlockArrangement,
-    scratch: torch.Tensor,
-) -> None:
-    """Copy rows to scratch a batch at a time, then put every run of each row in place.
-
-    Large units are rebuilt row by row with a gather (sequential writes into the row);
-    small units with one run scatter per batch, since a torch call per row would cost
-    more than the row's bytes. Measured in ``scripts/bench_layouts.py``."""
-    run, runs = run_permutation(geometry, src, dst)
-    if geometry.unit_bytes >= _ROW_GATHER_MIN_BYTES:
-        _gather_row_by_row(units, ids, runs, run * geometry.itemsize, scratch)
-    else:
-        _scatter_batches(units, ids, runs, run * geometry.itemsize, scratch)
-
-
-_ROW_GATHER_MIN_BYTES = 256 << 10
-
-
-def _gather_row_by_row(
-    units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_bytes: int, scratch: torch.Tensor
-) -> None:
-    batch, unit_bytes = scratch.shape
-    dtype = _widest_dtype(run_bytes, unit_bytes, units.stride(0), units.storage_offset())
-    run_elems = run_bytes // dtype.itemsize
-    src_of = np.empty_like(runs)  # destination run k takes source run src_of[k]
-    src_of[runs] = np.arange(runs.size, dtype=runs.dtype)
-    src_of_t = torch.as_tensor(src_of, device=units.device)
-    elems = units.view(dtype)
-    row_ids = ids.tolist()  # one torch call per (large) row: the loop costs nothing
-    for start in range(0, len(row_ids), batch):
-        rows = row_ids[start : start + batch]
-        part = scratch[: len(rows)].view(dtype)
-        torch.index_select(elems, 0, ids[start : start + batch], out=part)
-        for j, row in enumerate(rows):
-            out = elems[row].view(-1, run_elems)
-            torch.index_select(part[j].view(-1, run_elems), 0, src_of_t, out=out)
-
-
-def _scatter_batches(
-    units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_bytes: int, scratch: torch.Tensor
-) -> None:
-    batch, unit_bytes = scratch.shape
-    row_stride = units.stride(0)
-    # runs must tile the rows' address space: cut them at the row stride if needed
-    piece = math.gcd(run_bytes, row_stride)
-    per_run = run_bytes // piece
-    dst_piece = (runs[:, None] * per_run + np.arange(per_run)).reshape(-1)
-    dtype = _widest_dtype(piece, unit_bytes, row_stride, units.storage_offset())
-    elems = units.view(dtype)
-    piece_elems = piece // dtype.itemsize
-    num_pieces = ((units.shape[0] - 1) * row_stride + unit_bytes) // piece
-    # every piece of every row, as one (num_pieces, piece) table over the same memory
-    pieces = elems.as_strided((num_pieces, piece_elems), (piece_elems, 1))
-    dst_piece_t = torch.as_tensor(dst_piece, device=units.device)
-    for start in range(0, ids.numel(), batch):
-        rows = ids[start : start + batch]
-        part = scratch[: rows.numel()].view(dtype)
-        torch.index_select(elems, 0, rows, out=part)
-        where = torch.add(dst_piece_t[None, :], rows[:, None], alpha=row_stride // piece)
-        pieces.index_copy_(0, where.view(-1), part.view(-1, piece_elems))
-
-
-def _widest_dtype(*sizes: int) -> torch.dtype:
-    """The widest plain element type whose size divides every size (and offset) given;
-    complex128 is used as a 16-byte bit container, never for arithmetic."""
-    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
-        if all(size % dtype.itemsize == 0 for size in sizes):
-            return dtype
-    raise AssertionError("unreachable: uint8 divides everything")
-
-
 def permute_layout(
-    buffers: KVCacheBuffers, group_id: int, block_ids: np.ndarray, to_layout: KVLayout
+    buffers: KVCacheBuffers,
+    group_id: int,
+    block_ids: np.ndarray,
+    to_layout: KVLayout,
+    *,
+    scratch_budget_bytes: int | None = None,
+    strategy: RewriteStrategy | None = None,
 ) -> TransformStats:
     """NHD <-> HND in place, keeping the kernel sub-block structure."""
     native = _native(buffers, group_id)
     dst = BlockArrangement(layout=to_layout, sub_blocks_per_chunk=native.sub_blocks_per_chunk)
-    return rewrite_group(buffers, group_id, block_ids, native, dst)
+    return rewrite_group(
+        buffers,
+        group_id,
+        block_ids,
+        native,
+        dst,
+        scratch_budget_bytes=scratch_budget_bytes,
+        strategy=strategy,
+    )
 
 
 def split_blocks(
@@ -220,6 +189,8 @@ def split_blocks(
     sub_block_size: int,
     kernel_block_size: int | None = None,
     to_layout: KVLayout | None = None,
+    scratch_budget_bytes: int | None = None,
+    strategy: RewriteStrategy | None = None,
 ) -> TransformStats:
     """Sender after save: rewrite each block as ``block_size / sub_block_size`` contiguous
     sub-blocks, each laid out like a receiver block of ``sub_block_size`` tokens (kernel
@@ -231,7 +202,15 @@ def split_blocks(
         kernel_block_size or sub_block_size,
         to_layout or native.layout,
     )
-    return rewrite_group(buffers, group_id, block_ids, native, dst)
+    return rewrite_group(
+        buffers,
+        group_id,
+        block_ids,
+        native,
+        dst,
+        scratch_budget_bytes=scratch_budget_bytes,
+        strategy=strategy,
+    )
 
 
 def merge_blocks(
@@ -242,6 +221,8 @@ def merge_blocks(
     sub_block_size: int,
     kernel_block_size: int | None = None,
     from_layout: KVLayout | None = None,
+    scratch_budget_bytes: int | None = None,
+    strategy: RewriteStrategy | None = None,
 ) -> TransformStats:
     """Receiver after load: each block holds ``block_size / sub_block_size`` sender blocks
     back to back (kernel sub-blocks ``kernel_block_size``, layout ``from_layout``); rewrite
@@ -253,7 +234,15 @@ def merge_blocks(
         kernel_block_size or sub_block_size,
         from_layout or native.layout,
     )
-    return rewrite_group(buffers, group_id, block_ids, src, native)
+    return rewrite_group(
+        buffers,
+        group_id,
+        block_ids,
+        src,
+        native,
+        scratch_budget_bytes=scratch_budget_bytes,
+        strategy=strategy,
+    )
 
 
 def chunked_arrangement(

@@ -1,9 +1,12 @@
 """In-place rewrites (permute, split, merge) checked byte by byte against the naive
 reference: data lands where the destination arrangement says, round trips are the
-identity, bytes of other blocks and groups are never written, scratch stays <= one block."""
+identity, bytes of other blocks and groups are never written, scratch stays within the
+budget. Every put-back path runs here on CPU tensors, the GPU's batched one included."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
@@ -13,13 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors, fill_random
 
-from layouts import transforms
+from layouts import staging
 from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.arrangement import BlockArrangement, UnitGeometry, token_major
 from layouts.errors import BlockIdError, LayoutError
 from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
 from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from layouts.staging import RewriteStrategy
 from layouts.transforms import (
     chunked_arrangement,
     merge_blocks,
@@ -32,6 +36,9 @@ from layouts.transforms import (
 OTHER = {KVLayout.NHD: KVLayout.HND, KVLayout.HND: KVLayout.NHD}
 
 
+PATHS = ("gather", "scatter", "batched")
+
+
 @st.composite
 def split_cases(draw):
     """An attention case plus a receiver block size, its kernel size and its layout."""
@@ -39,14 +46,25 @@ def split_cases(draw):
     case["sub"] = draw(st.sampled_from(divisors(case["block_size"])))
     case["sub_kernel"] = draw(st.sampled_from(divisors(case["sub"])))
     case["to_layout"] = draw(st.sampled_from([KVLayout.NHD, KVLayout.HND]))
-    case["row_gather"] = draw(st.booleans())
     return case
 
 
-def _kernel_path(row_gather: bool):
-    """Force one of the two put-back strategies (row gather for big units, batch scatter
-    for small ones) whatever the unit size, so that the tests cover both."""
-    return mock.patch.object(transforms, "_ROW_GATHER_MIN_BYTES", 0 if row_gather else 1 << 62)
+budgets = st.one_of(st.none(), st.integers(0, 4096))
+
+
+@contextmanager
+def _forced(path: str, budget: int | None = None) -> Iterator[dict]:
+    """Force one put-back path whatever the unit size and device: the small-scratch
+    strategy's row gather (big units) or batch scatter (small units), or the batched
+    strategy GPUs use; yields the keywords to pass to a rewrite."""
+    strategy = RewriteStrategy.BATCHED if path == "batched" else RewriteStrategy.SMALL_SCRATCH
+    threshold = 0 if path == "gather" else 1 << 62
+    with mock.patch.object(staging, "_ROW_GATHER_MIN_BYTES", threshold):
+        yield {"strategy": strategy, "scratch_budget_bytes": budget}
+
+
+def _other(path: str) -> str:
+    return PATHS[(PATHS.index(path) + 1) % len(PATHS)]
 
 
 def _native(case: dict) -> Arr:
@@ -70,17 +88,34 @@ def _assert_only_blocks_changed(buffers, before: list[np.ndarray], group_id, ids
         np.testing.assert_array_equal(image[~mask], old[~mask], err_msg="stray write")
 
 
-def _assert_stats(stats, buffers, case, same: bool):
+def _assert_stats(stats, buffers, case, same: bool, forced: dict, group_id: int = 0):
     n = len(case["block_ids"])
-    block = buffers.group_block_bytes(0)
+    block = buffers.group_block_bytes(group_id)
     assert stats.num_blocks == (0 if same else n)
     assert stats.bytes_moved == (0 if same else n * block)
-    assert 0 <= stats.scratch_bytes <= block
+    if same:
+        assert stats.scratch_bytes == 0 and stats.strategy is None
+        return
+    assert stats.strategy is forced["strategy"]
+    _assert_scratch(stats, buffers, group_id, n, forced["scratch_budget_bytes"])
+
+
+def _assert_scratch(stats, buffers, group_id: int, n: int, budget: int | None):
+    """Whole units, at least one, at most the budget when the budget holds one unit; by
+    default one group block on the small-scratch path and 64 MiB on the batched one."""
+    unit = buffers.unit_slots(group_id)[0].geometry.unit_bytes
+    if budget is None:
+        budget = stats.strategy.default_budget_bytes(buffers.group_block_bytes(group_id))
+    assert stats.scratch_bytes == unit * max(1, min(n, budget // unit))
+    if budget >= unit:
+        assert stats.scratch_bytes <= budget
+    else:
+        assert stats.scratch_bytes == unit
 
 
 @settings(max_examples=120, deadline=None)
-@given(case=attention_cases(), row_gather=st.booleans())
-def test_permute_moves_every_element_and_round_trips(case, row_gather):
+@given(case=attention_cases(), path=st.sampled_from(PATHS), budget=budgets)
+def test_permute_moves_every_element_and_round_trips(case, path, budget):
     buffers = build_side(case, seed=1)
     ids = np.array(case["block_ids"])
     before = NaiveLayout.byte_images(buffers)
@@ -88,29 +123,29 @@ def test_permute_moves_every_element_and_round_trips(case, row_gather):
     to = OTHER[case["layout"]]
     dst = Arr(1, case["kernel"], to.value)
 
-    with _kernel_path(row_gather):
-        stats = permute_layout(buffers, 0, ids, to)
+    with _forced(path, budget) as forced:
+        stats = permute_layout(buffers, 0, ids, to, **forced)
 
-    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), dst))
+    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), dst), forced)
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, dst), want)
     _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
     native = buffers.format.native_arrangement(case["block_size"])
     back = BlockArrangement(layout=to, sub_blocks_per_chunk=native.sub_blocks_per_chunk)
-    with _kernel_path(not row_gather):
-        rewrite_group(buffers, 0, ids, back, native)
+    with _forced(_other(path), budget) as forced:
+        rewrite_group(buffers, 0, ids, back, native, **forced)
     for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
         np.testing.assert_array_equal(image, old)
 
 
 @settings(max_examples=150, deadline=None)
-@given(case=split_cases())
-def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case):
+@given(case=split_cases(), path=st.sampled_from(PATHS), budget=budgets)
+def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case, path, budget):
     buffers = build_side(case, seed=2)
     ids = np.array(case["block_ids"])
     before = NaiveLayout.byte_images(buffers)
     want = NaiveLayout.read(buffers, 0, ids, _native(case))
 
-    with _kernel_path(case["row_gather"]):
+    with _forced(path, budget) as forced:
         stats = split_blocks(
             buffers,
             0,
@@ -118,12 +153,14 @@ def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case):
             sub_block_size=case["sub"],
             kernel_block_size=case["sub_kernel"],
             to_layout=case["to_layout"],
+            **forced,
         )
 
-    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
+    same = _same_bytes(buffers, _native(case), _chunked(case))
+    _assert_stats(stats, buffers, case, same, forced)
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _chunked(case)), want)
     _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
-    with _kernel_path(not case["row_gather"]):
+    with _forced(_other(path), budget) as forced:
         merge_blocks(
             buffers,
             0,
@@ -131,21 +168,22 @@ def test_split_lands_as_receiver_blocks_and_merge_undoes_it(case):
             sub_block_size=case["sub"],
             kernel_block_size=case["sub_kernel"],
             from_layout=case["to_layout"],
+            **forced,
         )
     for image, old in zip(NaiveLayout.byte_images(buffers), before, strict=True):
         np.testing.assert_array_equal(image, old)
 
 
 @settings(max_examples=120, deadline=None)
-@given(case=split_cases())
-def test_merge_assembles_sender_chunks_into_the_native_format(case):
+@given(case=split_cases(), path=st.sampled_from(PATHS), budget=budgets)
+def test_merge_assembles_sender_chunks_into_the_native_format(case, path, budget):
     buffers = build_side(case, seed=3)
     ids = np.array(case["block_ids"])
     before = NaiveLayout.byte_images(buffers)
     # what a receiver got: c sender blocks back to back inside each of its blocks
     want = NaiveLayout.read(buffers, 0, ids, _chunked(case))
 
-    with _kernel_path(case["row_gather"]):
+    with _forced(path, budget) as forced:
         stats = merge_blocks(
             buffers,
             0,
@@ -153,9 +191,11 @@ def test_merge_assembles_sender_chunks_into_the_native_format(case):
             sub_block_size=case["sub"],
             kernel_block_size=case["sub_kernel"],
             from_layout=case["to_layout"],
+            **forced,
         )
 
-    _assert_stats(stats, buffers, case, _same_bytes(buffers, _native(case), _chunked(case)))
+    same = _same_bytes(buffers, _native(case), _chunked(case))
+    _assert_stats(stats, buffers, case, same, forced)
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, _native(case)), want)
     _assert_only_blocks_changed(buffers, before, 0, ids, _native(case))
 
@@ -182,18 +222,20 @@ def _hybrid(cross: bool, packing: KVPacking = KVPacking.BLOCKS_FIRST) -> KVCache
 
 @pytest.mark.parametrize("cross", [True, False])
 @pytest.mark.parametrize("packing", list(KVPacking))
-def test_hybrid_split_of_one_group_leaves_other_groups_alone(cross, packing):
+@pytest.mark.parametrize("path", PATHS)
+def test_hybrid_split_of_one_group_leaves_other_groups_alone(cross, packing, path):
     buffers = _hybrid(cross, packing)
     ids = np.array([7, 2, 4, 0, 8])
     before = NaiveLayout.byte_images(buffers)
     want = NaiveLayout.read(buffers, 1, ids, Arr(1, 4, "NHD"))
 
-    stats = split_blocks(
-        buffers, 1, ids, sub_block_size=8, kernel_block_size=2, to_layout=KVLayout.HND
-    )
+    with _forced(path) as forced:
+        stats = split_blocks(
+            buffers, 1, ids, sub_block_size=8, kernel_block_size=2, to_layout=KVLayout.HND, **forced
+        )
 
     assert stats.num_blocks == 5
-    assert stats.scratch_bytes <= buffers.group_block_bytes(1) == 2 * 256
+    _assert_scratch(stats, buffers, 1, 5, None)
     np.testing.assert_array_equal(NaiveLayout.read(buffers, 1, ids, Arr(2, 2, "HND")), want)
     _assert_only_blocks_changed(buffers, before, 1, ids, Arr(1, 4, "NHD"))
 
@@ -201,44 +243,81 @@ def test_hybrid_split_of_one_group_leaves_other_groups_alone(cross, packing):
 @pytest.mark.parametrize("cross", [True, False])
 @pytest.mark.parametrize("packing", list(KVPacking))
 @pytest.mark.parametrize("num_ids", [1, 2, 5, 9])
-def test_scratch_never_exceeds_one_block_of_the_group(cross, packing, num_ids):
+def test_scratch_never_exceeds_one_block_of_the_group_on_a_cpu(cross, packing, num_ids):
     buffers = _hybrid(cross, packing)
     ids = np.arange(num_ids)[::-1].copy()
     for gid in (0, 1):
         stats = permute_layout(buffers, gid, ids, KVLayout.HND)
         assert stats.num_blocks == num_ids
+        assert stats.strategy is RewriteStrategy.SMALL_SCRATCH
         assert 0 < stats.scratch_bytes <= buffers.group_block_bytes(gid)
         stats = split_blocks(buffers, gid, ids, sub_block_size=4, to_layout=KVLayout.HND)
         assert stats.num_blocks == num_ids
         assert 0 < stats.scratch_bytes <= buffers.group_block_bytes(gid)
 
 
-@pytest.mark.parametrize("column", [0, 2, 16])  # where the units sit inside wider rows
+@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize("packing", list(KVPacking))
+@pytest.mark.parametrize("units_of_budget", [0, 0.5, 1, 2, 3.5, 100])
+def test_batched_scratch_stays_within_a_budget_smaller_than_the_rewrite(
+    cross, packing, units_of_budget
+):
+    """Nine blocks through a budget of a fraction of a unit up to many units: the scratch
+    is the budget rounded down to whole units (one when the budget holds less), never
+    more than the nine blocks, and the bytes land as the reference says."""
+    buffers = _hybrid(cross, packing)
+    ids = np.array([3, 8, 0, 5, 1, 7, 2, 6, 4])
+    unit = buffers.unit_slots(0)[0].geometry.unit_bytes
+    budget = int(units_of_budget * unit)
+    want = NaiveLayout.read(buffers, 0, ids, Arr(1, 4, "NHD"))
+
+    stats = split_blocks(
+        buffers,
+        0,
+        ids,
+        sub_block_size=4,
+        kernel_block_size=2,
+        to_layout=KVLayout.HND,
+        scratch_budget_bytes=budget,
+        strategy=RewriteStrategy.BATCHED,
+    )
+
+    assert stats.scratch_bytes == unit * min(9, max(1, int(units_of_budget)))
+    assert stats.scratch_bytes <= max(budget, unit)
+    np.testing.assert_array_equal(NaiveLayout.read(buffers, 0, ids, Arr(2, 2, "HND")), want)
+
+
+@pytest.mark.parametrize(
+    ("itemsize", "column", "pad"),  # where the units sit inside wider rows, and how wide
+    [(2, 0, 48), (2, 2, 46), (2, 16, 48), (1, 1, 47), (1, 3, 6)],
+)
 @pytest.mark.parametrize("num_ids", [1, 3, 6])
-@pytest.mark.parametrize("heads", [2, 1])  # 1 head: 12-byte runs, cut at a 2-byte stride
-@pytest.mark.parametrize("row_gather", [False, True])
-def test_rewrite_units_respects_any_scratch_limit(column, num_ids, heads, row_gather):
-    """Whatever the limit, scratch is whole units, at least one, at most max(limit, unit);
-    the result is the same, and rows and columns outside the rewrite are not written."""
+@pytest.mark.parametrize("heads", [2, 1])  # 1 head, 2-byte items: 12-byte runs, 2-byte stride
+@pytest.mark.parametrize("path", PATHS)
+def test_rewrite_units_respects_any_scratch_budget(itemsize, column, pad, num_ids, heads, path):
+    """Whatever the budget, scratch is whole units, at least one, at most max(budget, unit);
+    the result is the same, and rows and columns outside the rewrite are not written.
+    Odd row strides and offsets (1-byte items) included."""
     geo = UnitGeometry(
-        num_layers=2, num_kv_parts=2, block_size=4, num_heads=heads, head_size=3, itemsize=2
+        num_layers=2, num_kv_parts=2, block_size=4, num_heads=heads, head_size=3, itemsize=itemsize
     )
     unit = geo.unit_bytes
     src = BlockArrangement(layout=KVLayout.NHD)
     dst = BlockArrangement(layout=KVLayout.HND, num_chunks=2)
-    width = unit + (48 if heads == 2 else 46)
+    width = unit + pad
     gen = torch.Generator().manual_seed(num_ids)
     wide = torch.randint(0, 256, (7, width), dtype=torch.uint8, generator=gen)
     ids = np.random.default_rng(column).permutation(7)[:num_ids]
     want = token_major(wide[:, column : column + unit], geo, src)
-    for limit in (None, 1, unit, 2 * unit - 1, 2 * unit, 3 * unit + 5, 5 * unit, 10**9):
+    for budget in (None, 0, 1, unit, 2 * unit - 1, 2 * unit, 3 * unit + 5, 5 * unit, 10**9):
         buf = wide.clone()
         units = buf[:, column : column + unit]
-        with _kernel_path(row_gather):
-            stats = rewrite_units(units, geo, ids, src, dst, scratch_limit_bytes=limit)
+        with _forced(path, budget) as forced:
+            stats = rewrite_units(units, geo, ids, src, dst, **forced)
         assert stats.num_blocks == num_ids and stats.bytes_moved == num_ids * unit
-        assert stats.scratch_bytes % unit == 0
-        assert unit <= stats.scratch_bytes <= max(unit, limit or unit)
+        allowed = stats.strategy.default_budget_bytes(unit) if budget is None else budget
+        assert stats.scratch_bytes == unit * max(1, min(num_ids, allowed // unit))
+        assert unit <= stats.scratch_bytes <= max(unit, allowed)
         got = token_major(units, geo, dst)
         assert torch.equal(got[ids], want[ids])
         others = np.setdiff1d(np.arange(7), ids)
