@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from connector.host_stage import HostStage
 from connector.metadata import SendSpec
@@ -316,6 +317,8 @@ class Sender:
         if fresh:
             stats = rewrite_group(self._buffers, group_id, np.asarray(fresh), src, dst)
             self._metrics.sender_rewrites += stats.num_blocks
+            if self._buffers.device.type == "cuda":  # NIXL reads what the kernels wrote
+                torch.cuda.synchronize(self._buffers.device)
         for b in ids.tolist():
             state = self._blocks.setdefault(
                 (group_id, b), _BlockRewrite(src=src, dst=dst, readers=0)
