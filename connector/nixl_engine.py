@@ -211,6 +211,13 @@ class NixlTransferEngine:
         self._peers.add(peer)
         return peer
 
+    def connect(self, peer: str) -> None:
+        agent = self._enter("connect")
+        if peer not in self._peers:
+            raise TransferError(f"agent {self.agent_name!r}: connect to unknown peer {peer!r}")
+        with nixl_call(f"agent {self.agent_name!r}: make_connection {peer!r}"):
+            agent.make_connection(peer)
+
     def remove_peer(self, peer: str) -> None:
         agent = self._enter("remove_peer")
         if peer not in self._peers:

@@ -9,6 +9,10 @@ agents are not thread-safe::
     poll()  <-- step thread: add_peer, negotiate, prep remote lists
                 --> Peer READY / INCOMPATIBLE / FAILED
 
+:meth:`PeerDirectory.warm` does the same before any request names the peer (from
+``extra.warm_peers``: listener addresses known at startup), and also sets up the NIXL
+connection, so the first request to that peer pays none of it.
+
 An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bridged):
 its agent is kept for notifications only, so loads against it fail at once *and* tell it
 to free the request's blocks (``Done(ok=False)``) instead of leaving them to the lease.
@@ -89,6 +93,7 @@ class PeerDirectory:
         self._local = local_layout
         self._peers: dict[PeerKey, Peer] = {}
         self._results: queue.Queue[tuple[PeerKey, WorkerDescription | Exception]] = queue.Queue()
+        self._warmed: queue.Queue[tuple[str, int, WorkerDescription | Exception]] = queue.Queue()
         # Handshake threads (and the client's ZMQ I/O thread, started from them) may run on
         # every core, whatever the engine pinned its step thread to.
         self._pool = ThreadPoolExecutor(
@@ -115,6 +120,41 @@ class PeerDirectory:
         self._pool.submit(self._fetch, key, host, port)
         return peer
 
+    def warm(self, host: str, port: int) -> None:
+        """Handshake with the listener at host:port in the background; :meth:`poll` then
+        adds the peer it describes, READY with its lists and NIXL connection, unless a
+        request already named it. A failure is logged: requests handshake as usual."""
+        self._pool.submit(self._fetch_warm, host, port)
+
+    def _fetch_warm(self, host: str, port: int) -> None:
+        try:
+            self._warmed.put((host, port, self._client.fetch(host, port)))
+        except Exception as exc:
+            self._warmed.put((host, port, exc))
+
+    def _poll_warmed(self) -> list[Peer]:
+        added = []
+        while True:
+            try:
+                host, port, result = self._warmed.get_nowait()
+            except queue.Empty:
+                return added
+            if isinstance(result, Exception):
+                logger.warning("warming peer %s:%s failed: %s", host, port, result)
+                continue
+            key = (result.engine_id, result.rank)
+            if key in self._peers:
+                continue  # a request got there first
+            peer = Peer(key=key, host=host, port=port)
+            self._peers[key] = peer
+            self._connect(peer, result)
+            if peer.state is PeerState.READY:
+                try:
+                    self._engine.connect(peer.agent)
+                except KVBridgeError as exc:  # the first transfer connects instead
+                    logger.warning("NIXL connection to %s not set up early: %s", key, exc)
+            added.append(peer)
+
     def _fetch(self, key: PeerKey, host: str, port: int) -> None:
         try:
             self._client.forget(*key)
@@ -125,7 +165,7 @@ class PeerDirectory:
 
     def poll(self) -> list[Peer]:
         """Finish handshakes that came back; returns peers whose state changed."""
-        changed = []
+        changed = self._poll_warmed()
         while True:
             try:
                 key, result = self._results.get_nowait()

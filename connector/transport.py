@@ -166,6 +166,11 @@ class TransferEngine(Protocol):
         (disconnects). A no-op for an unknown peer."""
         ...
 
+    def connect(self, peer: str) -> None:
+        """Set up the transport's connection to a known peer now, so that the first
+        transfer does not pay for it (optional: transfers connect on first use)."""
+        ...
+
     def prep_local(self, descs: np.ndarray) -> DescList:
         """Prepare an Nx3 int64 array ``(addr, len, device_id)`` of local descriptors.
         Raises ``DescriptorError`` for a malformed array or a row outside registered memory."""

@@ -51,6 +51,7 @@ from connector.worker_setup import (
     progress_us,
     rewrite_on_save,
     transfer_mode,
+    warm_peers,
 )
 from handshake.affinity import unpinned
 from handshake.client import ClientConfig, HandshakeClient
@@ -106,6 +107,12 @@ class KVBridgeWorker:
         self._staging_bytes = staging_capacity(config.extra)
         self.transfer_mode = transfer_mode(config.extra)
         self.rewrite_on_save = rewrite_on_save(config.extra) and rewrites_in_place
+        self._warm_peers = warm_peers(config.extra)
+        if self._warm_peers and not (config.is_consumer or self.transfer_mode is TransferMode.PUSH):
+            raise ConfigError(
+                "extra.warm_peers on a prefill in pull mode: it neither reads nor writes, its "
+                "readers connect to it (list the prefills on the decode side instead)"
+            )
         self._router = Router(rank, tp_size, model.num_kv_heads)
         self.model = model
         self.rank = rank
@@ -268,6 +275,11 @@ class KVBridgeWorker:
             push=push,
             stage=self._stage,
         )
+        for host, peer_port in self._warm_peers:
+            if self.config.is_consumer:
+                self._peers.warm(host, peer_port)
+            elif self._targets is not None:
+                self._targets.warm(host, peer_port)
         if self._idle is not None:
             self._idle.start()
 
@@ -361,8 +373,9 @@ class KVBridgeWorker:
         self._flush_outbox()
         self._send_replies()
         assert self._peers is not None
-        self.metrics.handshakes = self._peers.handshakes
-        self.metrics.handshake_failures = self._peers.failures
+        directories = [d for d in (self._peers, self._targets) if d is not None]
+        self.metrics.handshakes = sum(d.handshakes for d in directories)
+        self.metrics.handshake_failures = sum(d.failures for d in directories)
 
     def _send_replies(self) -> None:
         assert self._sender is not None

@@ -65,6 +65,25 @@ def rewrite_on_save(extra: dict) -> bool:
     return value
 
 
+def warm_peers(extra: dict) -> list[tuple[str, int]]:
+    """``extra["warm_peers"]``: side-channel listeners (``"host:port"``, one per remote rank)
+    to handshake and connect with at startup, so the first request to them pays neither:
+    a decode lists its prefills; a pushing prefill lists its decodes."""
+    value = extra.get("warm_peers", [])
+    if not isinstance(value, list):
+        raise ConfigError(f"extra.warm_peers={value!r} must be a list of 'host:port' strings")
+    out = []
+    for item in value:
+        host, sep, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"extra.warm_peers entry {item!r} is not 'host:port' (a side-channel listener, "
+                f"port 1-65535)"
+            )
+        out.append((host, int(port)))
+    return out
+
+
 def progress_us(extra: dict) -> int:
     """``extra["nixl_progress_us"]``: 0 (default) leaves NIXL's progress to the worker's
     calls; > 0 runs NIXL's progress thread with that sleep between rounds, for engines
