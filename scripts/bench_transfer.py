@@ -130,8 +130,16 @@ def kv_digest(buffers: KVCacheBuffers, block_ids: list[int]) -> str:
 
 
 def _config(
-    role: str, engine_id: str, mode: str, on_save: bool = False, staged: bool = False
+    role: str,
+    engine_id: str,
+    mode: str,
+    on_save: bool = False,
+    staged: bool = False,
+    warm: tuple[str, ...] = (),
 ) -> KVTransferConfig:
+    extra: dict[str, object] = {"transfer_mode": mode, "rewrite_on_save": on_save}
+    if warm:
+        extra["warm_peers"] = list(warm)
     return KVTransferConfig.from_dict(
         {
             "kv_role": role,
@@ -139,7 +147,7 @@ def _config(
             "kv_port": 0,
             "kv_buffer_device": "cpu" if staged else "auto",
             "transfer_timeout_s": TIMEOUT_S,
-            "extra": {"transfer_mode": mode, "rewrite_on_save": on_save},
+            "extra": extra,
         }
     )
 
@@ -338,6 +346,7 @@ def measure_connector(
     indices_s,
     on_save: bool = False,
     staged: bool = False,
+    warm: bool = False,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
     child = Child(shape, pfmt, mode, device, on_save, staged)
     engines: list[TimedEngine] = []
@@ -347,7 +356,13 @@ def measure_connector(
         return engines[-1]
 
     decode = KVBridgeWorker(
-        _config("kv_consumer", f"bench-D-{uuid.uuid4().hex[:6]}", mode, staged=staged),
+        _config(
+            "kv_consumer",
+            f"bench-D-{uuid.uuid4().hex[:6]}",
+            mode,
+            staged=staged,
+            warm=(f"127.0.0.1:{child.port}",) if warm else (),
+        ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
         host_staging=staged or None,
@@ -404,6 +419,12 @@ def measure_connector(
         child_posted[0] = child.wait("sent")["descriptors_posted"]
         return took
 
+    if warm:  # extra.warm_peers: the handshake and connection happen before any request
+        deadline = time.monotonic() + TIMEOUT_S
+        while decode.metrics.handshakes < 1:
+            decode.get_finished()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"warm handshake with the child not done within {TIMEOUT_S} s")
     first_s = one_load()  # warm-up: handshake, descriptor lists, UCX connection
     engine = engines[0]
     prep_ms = (engine.seconds["prep_local"] + engine.seconds["prep_remote"]) * 1e3
@@ -420,6 +441,7 @@ def measure_connector(
     order = "shuffled" if shuffled else "contiguous"
     name = f"connector {mode} {pfmt} -> {dfmt}, {order}" + (", on save" if on_save else "")
     name += ", host-staged" if staged else ""
+    name += ", warm peer" if warm else ""
     keep = statistics.median(keep_ms[1:])  # after the warm-up
     row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3)
     return row, child, decode, buffers
@@ -511,6 +533,11 @@ def main() -> None:
         help="stage both sides through host mirrors: off, on (every row), compare (x-NHD rows "
         "both ways)",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="add the x-NHD rows again with extra.warm_peers (compare their 1st ms)",
+    )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
@@ -558,11 +585,13 @@ def main() -> None:
     ]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staging = args.host_staging == "on"
-    runs = [(mode, *f, staging) for mode in modes for f in formats]
+    runs = [(mode, *f, staging, False) for mode in modes for f in formats]
     if args.host_staging == "compare":
-        runs += [(mode, *f, True) for mode in modes for f in formats[:2]]
+        runs += [(mode, *f, True, False) for mode in modes for f in formats[:2]]
+    if args.warm:
+        runs += [(mode, *formats[0], staging, True) for mode in modes]
     raw_rows: list[Row] = []
-    for i, (mode, pfmt, dfmt, shuffled, on_save, staged) in enumerate(runs):
+    for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
             shape,
             pfmt,
@@ -574,6 +603,7 @@ def main() -> None:
             indices_s=indices_s,
             on_save=on_save,
             staged=staged,
+            warm=warm,
         )
         try:
             rows.append(row)
