@@ -74,8 +74,7 @@ FORMATS = [
         pytest.param(np.arange(0, 64, 2), id="scattered"),  # past MAX_RUN_COPIES runs
     ],
 )
-def test_copies_move_exactly_the_blocks_asked_for(fmt, ids, monkeypatch):
-    monkeypatch.setattr(host_stage, "COPY_BUDGET_BYTES", 1)  # one row per gather
+def test_copies_move_exactly_the_blocks_asked_for(fmt, ids):
     buffers = make_buffers(fmt, "FSM")
     fill_buffers(buffers, seed=1)
     metrics = ConnectorMetrics()
@@ -98,6 +97,41 @@ def test_copies_move_exactly_the_blocks_asked_for(fmt, ids, monkeypatch):
     assert back == metrics.staged_to_device_bytes == ids[::2].size * per_block
     _assert_rows(buffers, stage.host_buffers, ids[::2], equal=True)
     _assert_rows_kept(buffers, cache_before, ids[::2])
+
+
+@pytest.mark.parametrize("budget_rows", [1, 3, 1000])
+@pytest.mark.parametrize("direction", ["to_host", "to_device"])
+def test_gpu_side_gather_and_scatter_move_exactly_the_rows(direction, budget_rows, monkeypatch):
+    """The GPU <-> host path for many small runs, run here between two host tensors:
+    strided rows (a cross-layer group's slice of wider rows), batches of any size."""
+    monkeypatch.setattr(host_stage, "COPY_BUDGET_BYTES", budget_rows * 48)
+    gen = torch.Generator().manual_seed(budget_rows)
+    wide_src = torch.randint(0, 256, (40, 80), dtype=torch.uint8, generator=gen)
+    wide_dst = torch.randint(0, 256, (40, 80), dtype=torch.uint8, generator=gen)
+    src, dst = wide_src[:, 16:64], wide_dst[:, 16:64]  # 48-byte rows, 80 bytes apart
+    before = wide_dst.clone()
+    ids = np.array([0, 2, 3, 7, 11, 12, 13, 39])
+    copy = host_stage._gather_to_host if direction == "to_host" else host_stage._scatter_to_device
+    copy(src, dst, ids)
+    assert torch.equal(dst[ids], src[ids])
+    others = np.setdiff1d(np.arange(40), ids)
+    assert torch.equal(wide_dst[others], before[others])
+    assert torch.equal(wide_dst[:, :16], before[:, :16]) and torch.equal(
+        wide_dst[:, 64:], before[:, 64:]
+    )
+
+
+@pytest.mark.parametrize(
+    ("devices", "runs", "nbytes", "gathers"),
+    [
+        ((CPU, CPU), 1000, 1000 * 1024, False),  # host to host: memcpy per run
+        ((CUDA0, CPU), 32, 32 * 1024, False),  # few runs: one copy each
+        ((CUDA0, CPU), 33, 33 * 1024, True),  # many small runs: gather on the GPU
+        ((CPU, CUDA0), 100, 100 << 20, False),  # many large runs: one copy each
+    ],
+)
+def test_when_the_copies_gather(devices, runs, nbytes, gathers):
+    assert host_stage._gathers(*devices, runs, nbytes) is gathers
 
 
 def _rows(buffers: KVCacheBuffers, ids: np.ndarray) -> list[torch.Tensor]:
