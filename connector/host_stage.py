@@ -60,6 +60,30 @@ def stages_through_host(kv_buffer_device: str, cache_device: torch.device) -> bo
     return False
 
 
+def host_stage_for(
+    kv_buffer_device: str,
+    buffers: KVCacheBuffers,
+    metrics: ConnectorMetrics,
+    *,
+    forced: bool | None = None,
+    repacks: bool = False,
+) -> HostStage | None:
+    """The worker's host stage, or None when NIXL moves the cache itself. ``forced``
+    overrides the choice (True: stage even a cache in host memory)."""
+    staged = stages_through_host(kv_buffer_device, buffers.device)
+    if forced is not None:
+        staged = forced
+    if not staged:
+        return None
+    if repacks:
+        raise ConfigError(
+            f"kv_buffer_device={kv_buffer_device!r} stages the cache through host memory, "
+            f"which engine-packed pages (a repacker) do not support; move the cache's own "
+            f"memory (kv_buffer_device 'auto')"
+        )
+    return HostStage(buffers, metrics)
+
+
 class HostStage:
     """The pinned host mirror of ``device_buffers``, and the copies between the two."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from connector.config import ConfigError, KVTransferConfig
 from connector.errors import TransferError
-from connector.host_stage import HostStage, stages_through_host
+from connector.host_stage import HostStage, host_stage_for
 from connector.idle_progress import IdleProgress
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
@@ -169,25 +169,17 @@ class KVBridgeWorker:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
         self._repacker = repacker
 
-    def _host_stage(self, buffers: KVCacheBuffers) -> HostStage | None:
-        staged = stages_through_host(self.config.kv_buffer_device, buffers.device)
-        if self._host_staging is not None:
-            staged = self._host_staging
-        if not staged:
-            return None
-        if self._repacker is not None:
-            raise ConfigError(
-                f"kv_buffer_device={self.config.kv_buffer_device!r} stages the cache through "
-                f"host memory, which engine-packed pages (a repacker) do not support; move "
-                f"the cache's own memory (kv_buffer_device 'auto')"
-            )
-        return HostStage(buffers, self.metrics)
-
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
         self._buffers = buffers
-        self._stage = self._host_stage(buffers)
+        self._stage = host_stage_for(
+            self.config.kv_buffer_device,
+            buffers,
+            self.metrics,
+            forced=self._host_staging,
+            repacks=self._repacker is not None,
+        )
         moved = self._stage.host_buffers if self._stage is not None else buffers
         with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
             engine = self._engine_factory(self.agent_name)

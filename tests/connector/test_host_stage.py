@@ -195,3 +195,10 @@ def test_a_staged_worker_registers_and_describes_its_mirror():
         cache = {r.base_addr for r in buffers.regions()}
         assert described and not described & cache
         assert {r.memory_kind for r in worker.description.regions} == {"DRAM"}
+
+
+def test_engine_packed_pages_cannot_be_staged():
+    buffers = make_buffers(SideFormat(16), "F")
+    with pytest.raises(ConfigError, match="engine-packed pages"):
+        host_stage.host_stage_for("cpu", buffers, ConnectorMetrics(), forced=True, repacks=True)
+    assert host_stage.host_stage_for("auto", buffers, ConnectorMetrics(), repacks=True) is None
