@@ -28,7 +28,7 @@ import torch
 
 from connector.config import ConfigError, parse_buffer_device
 from connector.metrics import ConnectorMetrics
-from layouts.allocation import KVCacheBuffers
+from layouts.allocation import KVCacheBuffers, UnitSlot
 
 COPY_BUDGET_BYTES = 64 << 20  # bytes of scattered rows gathered per copy across
 MAX_RUN_COPIES = 32  # GPU <-> host: up to this many runs, one copy per run
@@ -94,23 +94,40 @@ class HostStage:
             device_buffers.config, device_buffers.format, "cpu", pin_memory=pin
         )
         self._metrics = metrics
+        # per group: (cache slot, mirror slot) pairs, built once (same config and format)
+        self._slots = {
+            g.group_id: list(
+                zip(
+                    device_buffers.unit_slots(g.group_id),
+                    self.host_buffers.unit_slots(g.group_id),
+                    strict=True,
+                )
+            )
+            for g in device_buffers.config.groups
+        }
 
     def to_host(self, group_id: int, block_ids: np.ndarray) -> int:
         """Copy blocks of one group from the cache to the mirror; the bytes copied."""
-        moved = _copy_blocks(self.device_buffers, self.host_buffers, group_id, block_ids)
+        pairs = self._slots[group_id]
+        moved = _copy_blocks(self.device_buffers, self.host_buffers, pairs, block_ids)
         self._metrics.staged_to_host_bytes += moved
         return moved
 
     def to_device(self, group_id: int, block_ids: np.ndarray) -> int:
         """Copy blocks of one group from the mirror into the cache; the bytes copied."""
-        moved = _copy_blocks(self.host_buffers, self.device_buffers, group_id, block_ids)
+        pairs = [(h, d) for d, h in self._slots[group_id]]
+        moved = _copy_blocks(self.host_buffers, self.device_buffers, pairs, block_ids)
         self._metrics.staged_to_device_bytes += moved
         return moved
 
 
 def _copy_blocks(
-    src: KVCacheBuffers, dst: KVCacheBuffers, group_id: int, block_ids: np.ndarray
+    src: KVCacheBuffers,
+    dst: KVCacheBuffers,
+    slots: list[tuple[UnitSlot, UnitSlot]],
+    block_ids: np.ndarray,
 ) -> int:
+    """Copy ``block_ids``' rows of every (source, destination) slot pair."""
     ids = np.unique(src.check_block_ids(block_ids))
     if ids.size == 0:
         return 0
@@ -118,8 +135,7 @@ def _copy_blocks(
     ends = np.append(starts[1:], ids.size)
     runs = list(zip(ids[starts].tolist(), (ids[ends - 1] + 1).tolist(), strict=True))
     moved = 0
-    for s, d in zip(src.unit_slots(group_id), dst.unit_slots(group_id), strict=True):
-        assert s.units.shape == d.units.shape, (s.region.name, d.region.name)
+    for s, d in slots:
         row_bytes = s.units.shape[1]
         if not _gathers(src.device, dst.device, len(runs), ids.size * row_bytes):
             for a, b in runs:
