@@ -1,6 +1,7 @@
 """How kvbridge calls NIXL's Python API: exceptions and status strings mapped to ours in
-one place each, NIXL's names for memory kinds and operations, and the progress-thread
-delay the wrapper does not expose (NIXL_NOTES.md: its zero delay spins a core per agent).
+one place each, NIXL's names for memory kinds and operations, the progress-thread delay
+the wrapper does not expose (NIXL_NOTES.md: its zero delay spins a core per agent), the
+agent built from our config, and a transfer request by index or by runs.
 Only ``connector.nixl_engine`` uses this module."""
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import contextlib
 from collections.abc import Iterator
 
 import nixl._bindings as nixl_bindings
-from nixl._api import nixl_agent
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from connector.errors import PeerDisconnectedError, TransferError
-from connector.transport import XferOp, XferState
+from connector.nixl_config import NixlEngineConfig, ProgressMode
+from connector.transport import DescList, XferOp, XferState
+from connector.xfer_rows import XferRows
 from layouts.region import MemoryKind
 
 # NIXL's exceptions share no base class besides Exception; collect them once.
@@ -78,3 +81,53 @@ def nixl_call(what: str, default: type[TransferError] = TransferError) -> Iterat
         yield
     except _NIXL_ERRORS as exc:
         raise translate(exc, what, default) from exc
+
+
+def new_agent(config: NixlEngineConfig) -> nixl_agent:
+    """The NIXL agent ``config`` describes; ``TransferError`` when a backend is missing."""
+    name = config.agent_name
+    threaded = config.progress is not ProgressMode.PROGRESS_THREAD_OFF
+    nixl_config = nixl_agent_config(
+        enable_prog_thread=threaded,
+        capture_telemetry=config.capture_telemetry,
+        backends=list(config.backends),
+        # NIXL's own progress thread (or another of ours) runs beside the owner's calls:
+        # lock the API
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded or config.shared else None,
+    )
+    delay_us = (
+        config.progress_delay_us if config.progress is ProgressMode.PROGRESS_THREAD_DELAY else 0
+    )
+    with nixl_call(f"agent {name!r}: create"), progress_delay(delay_us):
+        agent = nixl_agent(name, nixl_config)
+    missing = set(config.backends) - set(agent.backends)
+    if missing:
+        raise TransferError(
+            f"agent {name!r}: backends {sorted(missing)} unavailable; "
+            f"plugins present: {sorted(agent.plugin_list)}"
+        )
+    return agent
+
+
+def make_xfer(
+    agent: nixl_agent,
+    op: XferOp,
+    local: DescList,
+    remote: DescList,
+    rows: XferRows,
+    notif: bytes,
+) -> object:
+    """NIXL's request for one transfer: by index through the prepared lists, or one
+    descriptor per run through lists built here (``rows.runs``). Raises NIXL's errors."""
+    if rows.runs is None:
+        return agent.make_prepped_xfer(
+            NIXL_OPS[op], local._native, rows.local_idx, remote._native, rows.remote_idx, notif
+        )
+    local_runs, remote_runs = rows.runs
+    return agent.initialize_xfer(
+        NIXL_OPS[op],
+        agent.get_xfer_descs(local_runs, NIXL_MEM[local.memory_kind]),
+        agent.get_xfer_descs(remote_runs, NIXL_MEM[remote.memory_kind]),
+        remote.peer,
+        notif,
+    )

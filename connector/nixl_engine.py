@@ -13,78 +13,49 @@ spins a full core per agent. By default there is no progress thread; ``poll()`` 
 NIXL reports failures as exceptions from ``transfer()`` / ``check_xfer_state()`` (the
 "ERR" state was never seen) and as status strings otherwise; both are mapped in one
 function each (``connector.nixl_calls``: ``translate``, ``to_state``).
+
+Posting: by index through the prepared lists (``make_prepped_xfer``), or, for rows that
+run adjacent on both sides, one descriptor per run through lists built for that transfer
+(``initialize_xfer``); ``NixlEngineConfig.merge`` picks (``connector.xfer_rows``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+from nixl._api import nixl_agent
 
 from connector.errors import (
     DescriptorError,
     RegistrationError,
     TransferError,
 )
-from connector.nixl_calls import LOCAL, NIXL_MEM, NIXL_OPS, nixl_call, progress_delay, to_state
-from connector.registrations import Registration, check_no_overlap, registered_kind
+from connector.nixl_calls import LOCAL, NIXL_MEM, make_xfer, new_agent, nixl_call, to_state
+from connector.nixl_config import (
+    MAX_NOTIF_BYTES,
+    MergeRuns,
+    NixlEngineConfig,
+    ProgressMode,
+    XferTelemetry,
+)
+from connector.registrations import Registration, check_no_overlap, registered_rows
 from connector.transport import (
     DescList,
     XferHandle,
     XferOp,
     XferState,
     check_desc_array,
-    check_indices,
 )
+from connector.xfer_rows import xfer_rows
 from layouts.region import MemoryKind
+from layouts.runs import next_adjacent
 
-MAX_NOTIF_BYTES = 64 * 1024  # larger notifications take milliseconds (NIXL_NOTES)
-
-
-class ProgressMode(enum.Enum):
-    PROGRESS_THREAD_OFF = "off"  # the owner drives progress via poll()/get_notifs()
-    PROGRESS_THREAD_SPIN = "spin"  # the wrapper's thread: zero delay, one busy core per agent
-    # NIXL's progress thread sleeping ``progress_delay_us`` between rounds: transfers and
-    # connection set-up move while the owner is idle (an engine with nothing scheduled)
-    PROGRESS_THREAD_DELAY = "delay"
-
-
-@dataclass(frozen=True, kw_only=True)
-class NixlEngineConfig:
-    """``agent_name`` must be unique per process incarnation, e.g.
-    ``f"{engine_id}-{rank}-{uuid4().hex[:8]}"``: NIXL refuses new metadata under a name
-    it still holds."""
-
-    agent_name: str
-    backends: tuple[str, ...] = ("UCX",)
-    progress: ProgressMode = ProgressMode.PROGRESS_THREAD_OFF
-    progress_delay_us: int = 1000  # PROGRESS_THREAD_DELAY only
-    capture_telemetry: bool = False
-    # True: several threads call in turn (the worker's lock serialises them); the agent
-    # locks its API (STRICT) and any thread may call. False: only the creating thread.
-    shared: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.agent_name:
-            raise TransferError("NixlEngineConfig.agent_name is empty; pass a unique name")
-        if not self.backends:
-            raise TransferError(f"NixlEngineConfig({self.agent_name!r}).backends is empty")
-
-
-@dataclass(frozen=True)
-class XferTelemetry:
-    """NIXL's per-transfer telemetry; ``num_descs`` counts descriptors after merging."""
-
-    num_descs: int
-    num_bytes: int
-    post_us: int
-    xfer_us: int
+# the config lives in connector.nixl_config; importing it from here keeps working
+__all__ = ["MergeRuns", "NixlEngineConfig", "NixlTransferEngine", "ProgressMode", "XferTelemetry"]
 
 
 class NixlTransferEngine:
@@ -94,37 +65,13 @@ class NixlTransferEngine:
         self.config = config
         self.agent_name = config.agent_name
         self._owner_thread = threading.get_ident()
-        threaded = config.progress is not ProgressMode.PROGRESS_THREAD_OFF
-        nixl_config = nixl_agent_config(
-            enable_prog_thread=threaded,
-            capture_telemetry=config.capture_telemetry,
-            backends=list(config.backends),
-            # NIXL's own progress thread (or another of ours) runs beside the owner's
-            # calls: lock the API
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            if threaded or config.shared
-            else None,
-        )
-        with (
-            nixl_call(f"agent {self.agent_name!r}: create"),
-            progress_delay(
-                config.progress_delay_us
-                if config.progress is ProgressMode.PROGRESS_THREAD_DELAY
-                else 0
-            ),
-        ):
-            self._agent: nixl_agent | None = nixl_agent(self.agent_name, nixl_config)
-        missing = set(config.backends) - set(self._agent.backends)
-        if missing:
-            raise TransferError(
-                f"agent {self.agent_name!r}: backends {sorted(missing)} unavailable; "
-                f"plugins present: {sorted(self._agent.plugin_list)}"
-            )
+        self._agent: nixl_agent | None = new_agent(config)
         self._registrations: list[Registration] = []
         self._peers: set[str] = set()
         self._desc_lists: set[DescList] = set()
         self._xfers: set[XferHandle] = set()
         self._num_descriptors_posted = 0
+        self._num_rows_posted = 0
         self._bytes_posted = 0
 
     # -- ownership ---------------------------------------------------------------------
@@ -165,6 +112,10 @@ class NixlTransferEngine:
     @property
     def num_descriptors_posted(self) -> int:
         return self._num_descriptors_posted
+
+    @property
+    def num_rows_posted(self) -> int:
+        return self._num_rows_posted
 
     @property
     def bytes_posted(self) -> int:
@@ -236,10 +187,10 @@ class NixlTransferEngine:
         agent = self._enter("prep_local")
         what = f"agent {self.agent_name!r}: prep_local"
         descs = check_desc_array(descs, what)
-        kind = registered_kind(self._registrations, descs, what)
+        kind, spans = registered_rows(self._registrations, descs, what)
         with nixl_call(what, DescriptorError):
             native = agent.prep_xfer_dlist(LOCAL, descs, NIXL_MEM[kind])
-        return self._own_desc_list(native, "", descs, kind)
+        return self._own_desc_list(native, "", descs, kind, next_adjacent(descs, spans))
 
     def prep_remote(
         self, peer: str, descs: np.ndarray, *, memory_kind: MemoryKind = MemoryKind.DRAM
@@ -251,14 +202,23 @@ class NixlTransferEngine:
         descs = check_desc_array(descs, what)
         with nixl_call(what, DescriptorError):
             native = agent.prep_xfer_dlist(peer, descs, NIXL_MEM[memory_kind])
-        return self._own_desc_list(native, peer, descs, memory_kind)
+        # the peer's registrations are not known here: a list's touching rows are taken
+        # to be one allocation (the TransferEngine.prep_remote contract)
+        return self._own_desc_list(native, peer, descs, memory_kind, next_adjacent(descs))
 
     def _own_desc_list(
-        self, native: object, peer: str, descs: np.ndarray, kind: MemoryKind
+        self,
+        native: object,
+        peer: str,
+        descs: np.ndarray,
+        kind: MemoryKind,
+        adjacent: np.ndarray,
     ) -> DescList:
-        lens = descs[:, 1].copy()
-        lens.flags.writeable = False
-        desc_list = DescList(native, self, peer=peer, lens=lens, memory_kind=kind)
+        table = descs.copy()
+        table.flags.writeable = False
+        desc_list = DescList(
+            native, self, peer=peer, table=table, adjacent=adjacent, memory_kind=kind
+        )
         self._desc_lists.add(desc_list)
         return desc_list
 
@@ -308,31 +268,19 @@ class NixlTransferEngine:
             raise DescriptorError(f"{what}: {local!r} is not a live local list of this engine")
         if remote.released or remote._owner is not self or not remote.peer:
             raise DescriptorError(f"{what}: {remote!r} is not a live remote list of this engine")
-        li = check_indices(local_idx, local.num_descs, f"{what}: local_idx")
-        ri = check_indices(remote_idx, remote.num_descs, f"{what}: remote_idx")
-        if len(li) != len(ri):
-            raise DescriptorError(f"{what}: {len(li)} local indices but {len(ri)} remote ones")
-        local_lens, remote_lens = local.lens[li], remote.lens[ri]
-        bad = np.flatnonzero(local_lens != remote_lens)
-        if len(bad):
-            k = bad[0]
-            raise DescriptorError(
-                f"{what}: position {k}: local desc {li[k]} has {local_lens[k]} bytes, "
-                f"remote desc {ri[k]} has {remote_lens[k]}"
-            )
+        rows = xfer_rows(local, local_idx, remote, remote_idx, self.config.merge, what)
         if len(notif) > MAX_NOTIF_BYTES:
             raise TransferError(f"{what}: notif of {len(notif)} bytes > {MAX_NOTIF_BYTES}")
         with nixl_call(what, DescriptorError):
-            native = agent.make_prepped_xfer(
-                NIXL_OPS[op], local._native, li, remote._native, ri, notif
-            )
+            native = make_xfer(agent, op, local, remote, rows, notif)
         handle = XferHandle(
             native,
             self,
             op=op,
             peer=remote.peer,
-            num_descs=len(li),
-            num_bytes=int(local_lens.sum()),
+            num_descs=rows.num_descs,
+            num_rows=rows.num_rows,
+            num_bytes=rows.num_bytes,
             notif=notif,
         )
         self._xfers.add(handle)
@@ -347,6 +295,7 @@ class NixlTransferEngine:
                 self.release(handle)
             raise
         self._num_descriptors_posted += handle.num_descs
+        self._num_rows_posted += handle.num_rows
         self._bytes_posted += handle.num_bytes
         return handle
 

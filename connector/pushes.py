@@ -206,8 +206,9 @@ class Pusher:
                     stream = g.streams[i]
                     mine = self._targets.local_list(g, stream)
                     theirs = peer.remote_lists[(g.group_id, i)]
-                    push.handles.append(self._engine.write(mine, writer_rows, theirs, reader_rows))
-                    push.num_descs += int(reader_rows.size)
+                    handle = self._engine.write(mine, writer_rows, theirs, reader_rows)
+                    push.handles.append(handle)
+                    push.num_descs += handle.num_descs  # a merged run counts once
                     push.num_bytes += int(reader_rows.size) * stream.length
         except TransferError as exc:
             self._fail(push, f"write to decode {push.key} failed: {exc}")

@@ -34,8 +34,12 @@ def check_no_overlap(registrations: list[Registration], spans: np.ndarray, what:
         )
 
 
-def registered_kind(registrations: list[Registration], descs: np.ndarray, what: str) -> MemoryKind:
-    """Check every row lies inside one registration; return their common memory kind."""
+def registered_rows(
+    registrations: list[Registration], descs: np.ndarray, what: str
+) -> tuple[MemoryKind, np.ndarray]:
+    """Check every row lies inside one registration; return their common memory kind and,
+    per row, which registered span holds it (rows that merely touch across two spans are
+    two allocations: never one descriptor)."""
     if not registrations:
         raise DescriptorError(f"{what}: nothing registered yet")
     spans = np.concatenate([r.spans for r in registrations])
@@ -57,4 +61,4 @@ def registered_kind(registrations: list[Registration], descs: np.ndarray, what: 
     if len(found) != 1:
         kinds_seen = sorted(k.value for k in found)
         raise DescriptorError(f"{what}: rows span memory kinds {kinds_seen}")
-    return found.pop()
+    return found.pop(), pos

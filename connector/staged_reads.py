@@ -103,9 +103,10 @@ class StagedReads:
         for i, stream in enumerate(g.streams):
             local = pool.local_list(offset + stream.local_offsets[0], stream.length)
             remote = peer.remote_lists[(g.group_id, i)]
-            batch.handles.append(self._engine.read(local, slots, remote, rrows))
+            handle = self._engine.read(local, slots, remote, rrows)
+            batch.handles.append(handle)
             num_bytes += int(slots.size) * stream.length
-            self._metrics.descriptors_posted += int(slots.size)
+            self._metrics.descriptors_posted += handle.num_descs
             offset += stream.local_chunk_bytes
         return batch, num_bytes
 

@@ -7,6 +7,11 @@ index (Nx3 numpy arrays in, int32 index arrays per request)::
     remote DescList  [r0 r1 r2 ... rM-1]   (prep_remote, once per peer)
     read(local, [7, 2, 9], remote, [0, 1, 5])  ->  d7<-r0, d2<-r1, d9<-r5
 
+Rows that run adjacent on both sides (``layouts.runs``: ``read(local, [3, 4, 5], remote,
+[8, 9, 10])`` where d3..d5 and r8..r10 each touch end to start) may be posted as one
+descriptor per run; ``XferHandle.num_descs`` says how many descriptors were posted and
+``num_rows`` how many rows were asked for.
+
 Failures are raised (``connector.errors``), never returned as states. Handles are owned
 by the engine that made them: ``release()`` on a handle is the same as asking its engine,
 and a released handle forgets its native resource so it can never reach NIXL again.
@@ -41,7 +46,7 @@ class XferOp(enum.Enum):
 class DescList:
     """A prepared descriptor list: local (``peer == ""``) or on one remote peer."""
 
-    __slots__ = ("_native", "_owner", "lens", "memory_kind", "peer")
+    __slots__ = ("_native", "_owner", "adjacent", "lens", "memory_kind", "peer", "table")
 
     def __init__(
         self,
@@ -49,13 +54,17 @@ class DescList:
         owner: TransferEngine,
         *,
         peer: str,
-        lens: np.ndarray,
+        table: np.ndarray,
+        adjacent: np.ndarray,
         memory_kind: MemoryKind,
     ) -> None:
         self._native: object | None = native
         self._owner = owner
         self.peer = peer
-        self.lens = lens  # int64 byte length of each descriptor, read-only
+        self.table = table  # Nx3 int64 (addr, len, device_id) as prepared, read-only
+        self.lens = table[:, 1]  # int64 byte length of each descriptor, read-only
+        # adjacent[r]: row r + 1 starts where row r ends, in one allocation (layouts.runs)
+        self.adjacent = adjacent
         self.memory_kind = memory_kind
 
     @property
@@ -82,7 +91,17 @@ class DescList:
 class XferHandle:
     """One posted transfer. Poll it through its engine; release it exactly once (idempotent)."""
 
-    __slots__ = ("_done", "_native", "_owner", "notif", "num_bytes", "num_descs", "op", "peer")
+    __slots__ = (
+        "_done",
+        "_native",
+        "_owner",
+        "notif",
+        "num_bytes",
+        "num_descs",
+        "num_rows",
+        "op",
+        "peer",
+    )
 
     def __init__(
         self,
@@ -94,13 +113,15 @@ class XferHandle:
         num_descs: int,
         num_bytes: int,
         notif: bytes,
+        num_rows: int | None = None,
     ) -> None:
         self._native: object | None = native
         self._owner = owner
         self._done = False
         self.op = op
         self.peer = peer
-        self.num_descs = num_descs
+        self.num_descs = num_descs  # descriptors posted (a merged run counts once)
+        self.num_rows = num_descs if num_rows is None else num_rows  # rows asked for
         self.num_bytes = num_bytes
         self.notif = notif
 
@@ -115,9 +136,10 @@ class XferHandle:
 
     def __repr__(self) -> str:
         state = "released" if self.released else ("done" if self._done else "posted")
+        rows = f" of {self.num_rows} rows" if self.num_rows != self.num_descs else ""
         return (
-            f"XferHandle({self.op.name} peer={self.peer!r}, num_descs={self.num_descs}, "
-            f"num_bytes={self.num_bytes}, {state})"
+            f"XferHandle({self.op.name} peer={self.peer!r}, num_descs={self.num_descs}"
+            f"{rows}, num_bytes={self.num_bytes}, {state})"
         )
 
 
@@ -133,7 +155,14 @@ class TransferEngine(Protocol):
 
     @property
     def num_descriptors_posted(self) -> int:
-        """Descriptors handed to successful posts since creation (before any merging)."""
+        """Descriptors handed to NIXL by successful posts since creation: a run of
+        adjacent rows posted as one descriptor counts once (NIXL may coalesce further)."""
+        ...
+
+    @property
+    def num_rows_posted(self) -> int:
+        """Rows (prepared descriptors picked by index) of successful posts since creation;
+        ``num_descriptors_posted`` when no run was merged."""
         ...
 
     @property
@@ -180,7 +209,9 @@ class TransferEngine(Protocol):
         self, peer: str, descs: np.ndarray, *, memory_kind: MemoryKind = MemoryKind.DRAM
     ) -> DescList:
         """Prepare ``peer``'s descriptors (from its handshake). Raises ``TransferError`` for
-        an unknown peer and ``DescriptorError`` for rows outside the peer's registrations."""
+        an unknown peer and ``DescriptorError`` for rows outside the peer's registrations.
+        Consecutive rows that touch end to start are taken to lie in one registration of
+        the peer (a region's block table does), so a run of them may move as one descriptor."""
         ...
 
     def read(
@@ -192,9 +223,11 @@ class TransferEngine(Protocol):
         notif: bytes = b"",
     ) -> XferHandle:
         """Post a READ ``remote[remote_idx[k]] -> local[local_idx[k]]``; ``notif`` reaches
-        the peer when the data has landed. Raises ``DescriptorError`` (before posting) for
-        unequal or empty index arrays, indices out of bounds, paired descriptors of
-        different lengths, or released lists; ``PeerDisconnectedError`` if the peer is gone.
+        the peer when the data has landed. Positions whose rows run adjacent on both sides
+        may be posted as one descriptor (``handle.num_descs`` counts what was posted).
+        Raises ``DescriptorError`` (before posting) for unequal or empty index arrays,
+        indices out of bounds, paired descriptors of different lengths, or released
+        lists; ``PeerDisconnectedError`` if the peer is gone.
         """
         ...
 

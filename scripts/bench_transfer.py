@@ -13,6 +13,11 @@ connection)::
     torch:      dst.copy_(src) of the same bytes in this process (the memory's speed)
 
 ``--device cuda`` puts both sides' caches in GPU memory (NIXL VRAM registrations).
+``--merge on`` posts runs of adjacent blocks as one descriptor each on both sides
+(``MergeRuns.ON``; ``off``, the default, posts every block by index and leaves the
+coalescing to NIXL); ``compare`` adds per-layer rows with contiguous blocks both ways, so
+``descs`` shows the descriptors posted before and after merging and ``rows`` the blocks
+x streams asked for.
 ``--host-staging compare`` adds the x-NHD rows again with both sides staged through host
 mirrors (``kv_buffer_device: "cpu"``; forced for caches already in host memory), and
 ``on`` stages every row. ``keep ms`` is the time prefill took to keep the request (its
@@ -52,7 +57,7 @@ import torch  # noqa: E402
 
 from connector.config import KVTransferConfig  # noqa: E402
 from connector.metadata import ConnectorMetadata, LoadSpec, SendSpec  # noqa: E402
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine  # noqa: E402
+from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine  # noqa: E402
 from connector.params import KVTransferParams  # noqa: E402
 from connector.transport import wait_done  # noqa: E402
 from connector.worker import KVBridgeWorker, ModelInfo  # noqa: E402
@@ -163,8 +168,14 @@ def serve(
     device: str,
     on_save: bool,
     staged: bool,
+    merge: MergeRuns,
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
+    engines: list[NixlTransferEngine] = []
+
+    def factory(name: str) -> NixlTransferEngine:
+        engines.append(NixlTransferEngine(NixlEngineConfig(agent_name=name, merge=merge)))
+        return engines[-1]
 
     def say(**event: object) -> None:
         sys.stdout.write("@@ " + json.dumps(event) + "\n")
@@ -173,13 +184,16 @@ def serve(
     buffers = shape.buffers(parse_format(fmt_code), device)
     fill(buffers, seed=1)
     config = _config("kv_producer", engine_id, mode, on_save, staged)
-    with KVBridgeWorker(config, shape.model(), host_staging=staged or None) as worker:
+    with KVBridgeWorker(
+        config, shape.model(), host_staging=staged or None, engine_factory=factory
+    ) as worker:
         worker.register_kv_caches(buffers)
         say(event="ready", port=worker.side_channel_port, agent=worker.agent_name)
         while True:
             for rid in worker.get_finished().finished_sending:
                 posted = worker.metrics.descriptors_posted
-                say(event="sent", request_id=rid, descriptors_posted=posted)
+                rows = engines[0].num_rows_posted
+                say(event="sent", request_id=rid, descriptors_posted=posted, rows_posted=rows)
             # 1 ms of waiting on stdin keeps this loop from spinning a core
             if not select.select([sys.stdin], [], [], 0.001)[0]:
                 continue
@@ -214,6 +228,7 @@ class Child:
         device: str,
         on_save: bool = False,
         staged: bool = False,
+        merge: MergeRuns = MergeRuns.OFF,
     ) -> None:
         self.engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
@@ -227,6 +242,7 @@ class Child:
             f"--device={device}",
             *(["--rewrite-on-save"] if on_save else []),
             *(["--staged"] if staged else []),
+            f"--merge={merge.value}",
             *shape_args(shape),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -332,6 +348,7 @@ class Row:
     read_ms: float | str = ""
     keep_ms: float | str = ""
     first_ms: float | str = ""
+    rows: int | str = ""  # rows (blocks x streams) asked for, before merging
 
 
 def measure_connector(
@@ -347,12 +364,15 @@ def measure_connector(
     on_save: bool = False,
     staged: bool = False,
     warm: bool = False,
+    merge: MergeRuns = MergeRuns.OFF,
+    merge_named: bool = False,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
-    child = Child(shape, pfmt, mode, device, on_save, staged)
+    child = Child(shape, pfmt, mode, device, on_save, staged, merge)
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
-        engines.append(TimedEngine(NixlTransferEngine(NixlEngineConfig(agent_name=name))))
+        config = NixlEngineConfig(agent_name=name, merge=merge)
+        engines.append(TimedEngine(NixlTransferEngine(config)))
         return engines[-1]
 
     decode = KVBridgeWorker(
@@ -377,7 +397,7 @@ def measure_connector(
     else:
         rids = lids = list(range(n))
 
-    child_posted = [0]
+    child_posted = [0, 0]  # descriptors, rows
     keep_ms: list[float] = []
 
     def one_load() -> float:
@@ -416,7 +436,8 @@ def measure_connector(
             if time.monotonic() > deadline:
                 raise SystemExit(f"load {spec.request_id} not done within {TIMEOUT_S} s")
         # Done reached prefill (its blocks are restored) - untimed
-        child_posted[0] = child.wait("sent")["descriptors_posted"]
+        sent = child.wait("sent")
+        child_posted[:] = [sent["descriptors_posted"], sent["rows_posted"]]
         return took
 
     if warm:  # extra.warm_peers: the handshake and connection happen before any request
@@ -429,10 +450,12 @@ def measure_connector(
     engine = engines[0]
     prep_ms = (engine.seconds["prep_local"] + engine.seconds["prep_remote"]) * 1e3
     posted0 = decode.metrics.descriptors_posted + child_posted[0]
+    rows0 = engine.num_rows_posted + child_posted[1]
     picked0, read0 = indices_s(), engine.seconds["read"]
     seconds = median_s(one_load, iterations)
     # pull: decode posts the READs; push: the child posts the WRITEs (its own engine)
     descs = (decode.metrics.descriptors_posted + child_posted[0] - posted0) // iterations
+    rows = (engine.num_rows_posted + child_posted[1] - rows0) // iterations
     pick_ms = (indices_s() - picked0) / iterations * 1e3 if mode == "pull" else "-"
     read_ms = (engine.seconds["read"] - read0) / iterations * 1e3 if mode == "pull" else "-"
     child.command(cmd="digest", block_ids=rids)
@@ -442,8 +465,9 @@ def measure_connector(
     name = f"connector {mode} {pfmt} -> {dfmt}, {order}" + (", on save" if on_save else "")
     name += ", host-staged" if staged else ""
     name += ", warm peer" if warm else ""
+    name += f", merge {merge.value}" if merge_named else ""
     keep = statistics.median(keep_ms[1:])  # after the warm-up
-    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3)
+    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows)
     return row, child, decode, buffers
 
 
@@ -538,6 +562,13 @@ def main() -> None:
         action="store_true",
         help="add the x-NHD rows again with extra.warm_peers (compare their 1st ms)",
     )
+    ap.add_argument(
+        "--merge",
+        choices=["off", "on", "compare"],
+        default="off",
+        help="post adjacent blocks as one descriptor (MergeRuns.ON) on both sides: off, on "
+        "(every row), compare (per-layer contiguous rows both ways)",
+    )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
@@ -559,6 +590,7 @@ def main() -> None:
             args.device,
             args.rewrite_on_save,
             args.staged,
+            MergeRuns(args.merge),
         )
         return
     indices_s = time_indices()
@@ -585,13 +617,22 @@ def main() -> None:
     ]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staging = args.host_staging == "on"
-    runs = [(mode, *f, staging, False) for mode in modes for f in formats]
+    merge = MergeRuns.ON if args.merge == "on" else MergeRuns.OFF
+    # (mode, *format, host-staged, warm peer, merge, merge named in the row)
+    runs = [(mode, *f, staging, False, merge, False) for mode in modes for f in formats]
+    if args.merge == "compare":  # the raw baseline's row, then per-layer off/on pairs
+        runs = [(modes[0], *formats[0], staging, False, merge, False)] + [
+            (mode, pfmt, pfmt, False, False, staging, False, m, True)
+            for mode in modes
+            for pfmt in ("bf-NHD", "ks-NHD")
+            for m in (MergeRuns.OFF, MergeRuns.ON)
+        ]
     if args.host_staging == "compare":
-        runs += [(mode, *f, True, False) for mode in modes for f in formats[:2]]
+        runs += [(mode, *f, True, False, merge, False) for mode in modes for f in formats[:2]]
     if args.warm:
-        runs += [(mode, *formats[0], staging, True) for mode in modes]
+        runs += [(mode, *formats[0], staging, True, merge, False) for mode in modes]
     raw_rows: list[Row] = []
-    for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm) in enumerate(runs):
+    for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm, m, named) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
             shape,
             pfmt,
@@ -604,6 +645,8 @@ def main() -> None:
             on_save=on_save,
             staged=staged,
             warm=warm,
+            merge=m,
+            merge_named=named,
         )
         try:
             rows.append(row)
@@ -617,7 +660,7 @@ def main() -> None:
     raw_read_s, raw_write_s = raw_rows[0].seconds, raw_rows[1].seconds
     print()
     header = (
-        f"{'what':<60} {'descs':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
+        f"{'what':<60} {'descs':>6} {'rows':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
         f"{'prep ms':>8} {'pick ms':>8} {'read ms':>8} {'keep ms':>8} {'1st ms':>8}"
     )
     print(header)
@@ -631,11 +674,13 @@ def main() -> None:
         first = f"{r.first_ms:.1f}" if isinstance(r.first_ms, float) else r.first_ms
         raw_s = raw_write_s if " push " in r.name or "WRITE" in r.name else raw_read_s
         print(
-            f"{r.name:<60} {r.descs!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
+            f"{r.name:<60} {r.descs!s:>6} {r.rows!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
             f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8} {keep:>8} {first:>8}"
         )
     print(
-        "\nprep ms: NIXL prep of the local + remote descriptor lists (once per peer); "
+        "\ndescs: descriptors posted per request (a merged run counts once); rows: the rows\n"
+        "(blocks x streams) asked for, before merging; NIXL coalesces adjacent rows itself.\n"
+        "prep ms: NIXL prep of the local + remote descriptor lists (once per peer); "
         "pick ms: GroupPlan.indices per request; read ms: inside engine.read() per request\n"
         "(make_prepped_xfer + post; the default UCX transport copies during the post);\n"
         "1st ms: the first load from a new prefill (handshake, descriptor lists, UCX\n"

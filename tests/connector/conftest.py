@@ -30,6 +30,7 @@ import torch
 from connector.config import KVTransferConfig
 from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec
 from connector.params import KVTransferParams
+from connector.transport import TransferEngine
 from connector.worker import KVBridgeWorker, ModelInfo
 from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from layouts.groups import KVCacheConfig
@@ -367,9 +368,18 @@ class Cluster:
             old.worker.shutdown()
         return node
 
-    def new_node(self, role: str, fmt: SideFormat, kinds: str, **config) -> Node:
-        """A worker of its own (not shared); ``config`` overrides KVTransferConfig fields."""
-        node = self._build(role, fmt, kinds, config)
+    def new_node(
+        self,
+        role: str,
+        fmt: SideFormat,
+        kinds: str,
+        *,
+        engine_factory: Callable[[str], TransferEngine] | None = None,
+        **config,
+    ) -> Node:
+        """A worker of its own (not shared); ``config`` overrides KVTransferConfig fields,
+        ``engine_factory`` builds its transfer engine from the agent name."""
+        node = self._build(role, fmt, kinds, config, engine_factory=engine_factory)
         self._extra.append(node)
         return node
 
@@ -382,10 +392,14 @@ class Cluster:
         *,
         device: str = "cpu",
         host_staging: bool | None = None,
+        engine_factory: Callable[[str], TransferEngine] | None = None,
     ) -> Node:
         engine_id = new_id("P" if role == "kv_producer" else "D")
         worker = KVBridgeWorker(
-            transfer_config(role, engine_id, **config), MODEL, host_staging=host_staging
+            transfer_config(role, engine_id, **config),
+            MODEL,
+            host_staging=host_staging,
+            engine_factory=engine_factory,
         )
         buffers = make_buffers(fmt, kinds, device=device)
         try:

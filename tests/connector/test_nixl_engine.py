@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from connector.errors import DescriptorError, RegistrationError, TransferError
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
+from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine, ProgressMode
 from connector.transport import DescList, XferHandle, XferState, wait_done
 
 NUM_BLOCKS = 1000
@@ -70,7 +70,7 @@ def _collect_notifs(
 class Pair:
     """A prefill engine holding known bytes and a decode engine with an empty cache."""
 
-    def __init__(self, capture_telemetry: bool = False) -> None:
+    def __init__(self, capture_telemetry: bool = False, merge: MergeRuns = MergeRuns.OFF) -> None:
         gen = torch.Generator().manual_seed(1234)
         self.src = torch.randint(
             0, 256, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, generator=gen
@@ -78,7 +78,9 @@ class Pair:
         self.dst = torch.zeros_like(self.src)
         self.prefill = NixlTransferEngine(NixlEngineConfig(agent_name=_name("prefill")))
         self.decode = NixlTransferEngine(
-            NixlEngineConfig(agent_name=_name("decode"), capture_telemetry=capture_telemetry)
+            NixlEngineConfig(
+                agent_name=_name("decode"), capture_telemetry=capture_telemetry, merge=merge
+            )
         )
         self.prefill.register([self.src])
         self.decode.register([self.dst])
@@ -298,7 +300,8 @@ def test_telemetry_counts_merged_descriptors() -> None:
         assert merged is not None and (merged.num_descs, merged.num_bytes) == (1, 100 * 1024)
         apart = pair.decode.telemetry(shuffled)
         assert apart is not None and (apart.num_descs, apart.num_bytes) == (50, 50 * 1024)
-        assert pair.decode.num_descriptors_posted == 150  # ours counts before merging
+        # by index (small transfers): ours counts rows, NIXL coalesces adjacent ones
+        assert pair.decode.num_descriptors_posted == pair.decode.num_rows_posted == 150
     finally:
         pair.close()
 
@@ -338,3 +341,100 @@ def test_progress_thread_completes_without_driving_the_target() -> None:
         while not (notifs := pf.get_notifs()):
             assert time.monotonic() < deadline
         assert notifs == {dc.agent_name: [b"done"]}
+
+
+# -- adjacent runs posted as one descriptor (NixlEngineConfig.merge) -------------------------
+
+
+def _merge_pair(merge: MergeRuns) -> Iterator[Pair]:
+    p = Pair(capture_telemetry=True, merge=merge)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def merging() -> Iterator[Pair]:
+    yield from _merge_pair(MergeRuns.ON)
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_runs_move_as_one_descriptor_each_with_exact_bytes(merging: Pair, op: str) -> None:
+    # three runs (100 rows, 10 rows, 1 row) and two rows that jump on one side only
+    local_idx = np.concatenate([np.arange(200, 300), np.arange(600, 610), [7], [40, 41]])
+    remote_idx = np.concatenate([np.arange(0, 100), np.arange(500, 510), [3], [80, 90]])
+    before = (merging.src.clone(), merging.dst.clone())
+    post = merging.decode.read if op == "read" else merging.decode.write
+    handle = post(merging.local, local_idx, merging.remote, remote_idx, notif=b"runs")
+    notifs = _wait(merging.decode, handle, merging.prefill)
+    got = notifs.get(merging.decode.agent_name) or _collect_notifs(
+        merging.prefill, merging.decode, 1
+    )
+    assert got == [b"runs"]
+    if op == "read":
+        assert torch.equal(merging.dst[local_idx], before[0][remote_idx])
+        touched, other = merging.dst, before[1]
+        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_idx)
+    else:
+        assert torch.equal(merging.src[remote_idx], before[1][local_idx])
+        touched, other = merging.src, before[0]
+        untouched = np.setdiff1d(np.arange(NUM_BLOCKS), remote_idx)
+    assert torch.equal(touched[untouched], other[untouched]), "bytes outside the runs changed"
+    assert (handle.num_rows, handle.num_descs, handle.num_bytes) == (113, 5, 113 * BLOCK_BYTES)
+    assert "num_descs=5 of 113 rows" in repr(handle)
+    assert (merging.decode.num_rows_posted, merging.decode.num_descriptors_posted) == (113, 5)
+    telemetry = merging.decode.telemetry(handle)
+    assert telemetry is not None and (telemetry.num_descs, telemetry.num_bytes) == (
+        5,
+        113 * BLOCK_BYTES,
+    )
+    handle.release()
+    assert merging.decode.num_live_handles == 0
+
+
+def test_no_runs_post_by_index_even_when_merging(merging: Pair) -> None:
+    shuffled = np.random.default_rng(3).permutation(NUM_BLOCKS)[:64]
+    reverse = shuffled[::-1].copy()
+    handle = merging.decode.read(merging.local, shuffled, merging.remote, reverse)
+    _wait(merging.decode, handle, merging.prefill)
+    assert torch.equal(merging.dst[shuffled], merging.src[reverse])
+    assert (handle.num_rows, handle.num_descs) == (64, 64)
+
+
+def test_by_default_rows_post_by_index_and_nixl_coalesces_them() -> None:
+    """What the default (MergeRuns.OFF) hands NIXL: every row; NIXL itself still moves a
+    run as one descriptor, which is why merging does not change the copy."""
+    assert NixlEngineConfig(agent_name="x").merge is MergeRuns.OFF
+    for pair in _merge_pair(MergeRuns.OFF):
+        handle = pair.decode.read(pair.local, np.arange(100, 300), pair.remote, np.arange(200))
+        _wait(pair.decode, handle, pair.prefill)
+        assert torch.equal(pair.dst[100:300], pair.src[:200])
+        assert (handle.num_rows, handle.num_descs) == (200, 200)
+        assert (pair.decode.num_rows_posted, pair.decode.num_descriptors_posted) == (200, 200)
+        telemetry = pair.decode.telemetry(handle)
+        assert telemetry is not None and telemetry.num_descs == 1
+
+
+def test_touching_registrations_never_merge() -> None:
+    """Two local registrations that happen to touch (views of one allocation here): a run
+    of rows across their boundary is two descriptors, one per registration."""
+    big = torch.zeros(2 * 64, BLOCK_BYTES, dtype=torch.uint8)
+    src = torch.randint(0, 256, (128, BLOCK_BYTES), dtype=torch.uint8)
+    with (
+        NixlTransferEngine(NixlEngineConfig(agent_name=_name("prefill"))) as prefill,
+        NixlTransferEngine(
+            NixlEngineConfig(agent_name=_name("decode"), merge=MergeRuns.ON)
+        ) as decode,
+    ):
+        prefill.register([src])
+        decode.register([big[:64]])
+        decode.register([big[64:]])
+        peer = decode.add_peer(prefill.metadata())
+        local = decode.prep_local(_block_descs(big))
+        remote = decode.prep_remote(peer, _block_descs(src))
+        assert local.adjacent[:63].all() and not local.adjacent[63] and local.adjacent[64:127].all()
+        handle = decode.read(local, np.arange(60, 70), remote, np.arange(10, 20))
+        _wait(decode, handle, prefill)
+        assert torch.equal(big[60:70], src[10:20])
+        assert (handle.num_rows, handle.num_descs) == (10, 2)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
 from connector.sender import EARLY_PREPARE_TTL_S
 from handshake.client import ClientConfig
 from layouts.allocation import read_group_token_major
@@ -379,3 +380,100 @@ def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None
     cluster.transfer(prefill, decode, good)
     check_loaded(prefill, decode, good, want)
     assert_restored(prefill.buffers, original, "prefill after Done")
+
+
+# -- adjacent runs posted as one descriptor (MergeRuns.ON) ---------------------------------
+
+
+def _merging_engine(agent_name: str) -> NixlTransferEngine:
+    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name, merge=MergeRuns.ON))
+
+
+def _fresh_request(prefill: Node, decode: Node, end: int) -> Request:
+    """Block ids as fresh allocations hand them out: decode's all consecutive, prefill's in
+    two consecutive runs (one jump half way)."""
+    n = -(-end // decode.block_size)
+    half = n // 2
+    remote = np.concatenate([np.arange(3, 3 + half), np.arange(40, 40 + n - half)])
+    return Request(
+        send_id=new_id("send"),
+        load_id=new_id("load"),
+        remote_ids=[remote],
+        remote_first=[0],
+        local_ids=[np.arange(10, 10 + n)],
+        start=0,
+        end=end,
+    )
+
+
+def _move(cluster: Cluster, prefill: Node, decode: Node, mode: str) -> tuple[int, int, int]:
+    """One fresh request, checked byte-exact against prefill's original bytes; returns the
+    mover's (metrics descriptors_posted, engine descriptors, engine rows) of it."""
+    mover = decode if mode == "pull" else prefill
+    engine = mover.worker._engine
+    assert engine is not None
+    before = (
+        mover.worker.metrics.descriptors_posted,
+        engine.num_descriptors_posted,
+        engine.num_rows_posted,
+    )
+    idle = (prefill if mode == "pull" else decode).worker.metrics.descriptors_posted
+    prefill.fill(31)
+    decode.fill(32)
+    req = _fresh_request(prefill, decode, 256)
+    want, prefill_before = expectations(prefill, decode, req), snapshot(prefill.buffers)
+    others = untouched_blocks(decode, req)
+
+    cluster.transfer(prefill, decode, req)
+
+    check_loaded(prefill, decode, req, want)
+    for g, tm in untouched_blocks(decode, req).items():
+        assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
+    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
+    assert (prefill if mode == "pull" else decode).worker.metrics.descriptors_posted == idle
+    after = (
+        mover.worker.metrics.descriptors_posted,
+        engine.num_descriptors_posted,
+        engine.num_rows_posted,
+    )
+    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(
+    ("pcode", "dcode", "merges"),
+    [
+        ("bf-NHD", "bf-NHD", True),  # one (K, V) block per layer: blocks touch
+        ("ks-HND", "ks-HND", True),  # K and V tensors per layer: blocks touch in each
+        ("x-NHD", "bf-NHD", False),  # a layer's piece of a cross-layer block: gaps between
+    ],
+)
+def test_per_layer_runs_move_as_one_descriptor_each(
+    cluster: Cluster, pcode: str, dcode: str, merges: bool, mode: str
+) -> None:
+    """Consecutive blocks whose memory touches on both sides move as one descriptor per
+    run and stream; the same request through a default (by index) pair posts one per
+    block. Where one side's rows do not touch (consecutive ids notwithstanding) nothing
+    merges. The bytes land exactly either way."""
+    pfmt, dfmt = fmt(pcode, 16), fmt(dcode, 16)
+    extra = {"extra": {"transfer_mode": mode}} if mode == "push" else {}
+    by_index = _move(
+        cluster,
+        cluster.node("kv_producer", pfmt, "F", mode),
+        cluster.node("kv_consumer", dfmt, "F", mode),
+        mode,
+    )
+    merged = _move(
+        cluster,
+        cluster.new_node("kv_producer", pfmt, "F", engine_factory=_merging_engine, **extra),
+        cluster.new_node("kv_consumer", dfmt, "F", engine_factory=_merging_engine, **extra),
+        mode,
+    )
+    metric, descs, rows = by_index
+    assert metric == descs == rows and rows % 16 == 0, by_index  # 16 blocks per stream
+    num_streams = rows // 16
+    if merges:
+        # two runs (prefill's ids jump once) per stream, every row still counted
+        assert merged == (2 * num_streams, 2 * num_streams, rows), (by_index, merged)
+    else:
+        assert merged == by_index, (by_index, merged)
