@@ -31,6 +31,12 @@ class ConnectorMetrics:
     bytes_written: int = 0  # prefill: bytes written into decode's blocks
     staged_to_host_bytes: int = 0  # host staging: cache -> host mirror (sender)
     staged_to_device_bytes: int = 0  # host staging: host mirror -> cache (receiver)
+    # where decode's loads spent their time (connector.load_timeline): waiting for the
+    # peer (handshake), the Prepare round trip, the data (READs or pushes), finishing
+    load_peer_seconds: float = 0.0
+    load_prepare_seconds: float = 0.0
+    load_data_seconds: float = 0.0
+    load_finish_seconds: float = 0.0
 
     def prometheus(self, prefix: str = "kvbridge") -> str:
         lines = []

@@ -32,6 +32,7 @@ import numpy as np
 from connector.errors import TransferError
 from connector.host_stage import HostStage
 from connector.load_rows import GroupRows, group_rows
+from connector.load_timeline import LoadTimeline
 from connector.metadata import LoadFailure, LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import (
@@ -97,6 +98,7 @@ class Load:
     route: Route
     deadline: float
     sources: list[Source]
+    timeline: LoadTimeline
     touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
     num_bytes: int = 0
     started: float = 0.0
@@ -176,6 +178,7 @@ class Receiver:
             route=route,
             deadline=self._clock() + self._timeout_s,
             sources=[Source(key=key) for key in route.reads],
+            timeline=LoadTimeline(added=self._clock()),
         )
         self._by_remote[p.remote_request_id] = spec.request_id
 
@@ -246,6 +249,7 @@ class Receiver:
             if load.spec.request_id not in self._loads:
                 continue
             if all(s.state is LoadState.DONE for s in load.sources):
+                load.timeline.arrived = load.timeline.arrived or self._clock()
                 self._complete(load)
             elif now > load.deadline:
                 states = ", ".join(f"{s.key}: {s.state.value}" for s in load.sources)
@@ -267,6 +271,7 @@ class Receiver:
 
     def _start(self, load: Load, src: Source, peer: Peer) -> None:
         assert peer.plan is not None
+        load.timeline.started = load.timeline.started or self._clock()
         bad = _outside(load.spec.params, peer)
         if bad:
             # params no prefill issued (unsigned deployments): never read, never Prepare,
@@ -336,6 +341,7 @@ class Receiver:
             self._finish_failed(load, f"prefill {peer.key} unreachable for Push")
             return
         src.state = LoadState.PUSHED
+        load.timeline.posted = load.timeline.posted or self._clock()
 
     def _rows(self, load: Load, g: GroupPlan) -> GroupRows:
         spec, params = load.spec, load.spec.params
@@ -357,6 +363,7 @@ class Receiver:
         src.state = LoadState.READING
         if not load.started:
             load.started = self._clock()
+        load.timeline.posted = load.timeline.posted or load.started
         try:
             for g in peer.plan.groups:
                 self._post_group(load, src, peer, g)
@@ -389,7 +396,7 @@ class Receiver:
         handle = self._engine.read(local, lrows, remote, rrows)
         src.handles.append(handle)
         load.num_bytes += int(lrows.size) * stream.length
-        self._metrics.descriptors_posted += int(lrows.size)
+        self._metrics.descriptors_posted += handle.num_descs  # a merged run counts once
 
     def _poll_reads(self, load: Load, src: Source) -> None:
         try:
@@ -439,6 +446,7 @@ class Receiver:
         self._metrics.transfers += 1
         self._metrics.bytes_read += load.num_bytes
         self._metrics.transfer_seconds += self._clock() - load.started
+        load.timeline.record(load.spec.request_id, self._clock(), self._metrics)
         self._notify_done(load, ok=True)
         self._forget(load)
         self._done.add(load.spec.request_id)

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +43,7 @@ from examples.device import DeviceError, add_device_argument, parse_device  # no
 from examples.launch import Cluster, Proc, free_port  # noqa: E402
 
 TIMEOUT_S = 120.0
+PHASES = ("peer", "prepare", "data", "finish")
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Point:
     transfer_ms: float = 0.0  # mean per load (decode's transfer_seconds / transfers)
     bytes_per_req: float = 0.0
     descs_per_req: float = 0.0
+    # decode's mean ms per load in each phase (connector.load_timeline)
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
     def p(self, q: float) -> float:
         values = sorted(self.ttft_s)
@@ -163,6 +166,9 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
         point.transfer_ms = delta("transfer_seconds") / max(loads, 1) * 1e3
         point.bytes_per_req = delta("bytes_read") / max(loads, 1)
         point.descs_per_req = delta("descriptors_posted") / max(loads, 1)
+        point.phases_ms = {
+            phase: delta(f"load_{phase}_seconds") / max(loads, 1) * 1e3 for phase in PHASES
+        }
     return point
 
 
@@ -231,6 +237,19 @@ def main(argv: list[str] | None = None) -> int:
                 last = pt
             assert last is not None
             cells.append(f"{last.bytes_per_req / 1024:8.0f} {last.descs_per_req:8.0f}")
+            print(" ".join(cells))
+    print("\ndecode's load, phase by phase (mean ms per load; connector/load_timeline.py):")
+    header = f"{'tokens':>6} {'conc':>4} " + " ".join(
+        f"{m + ' ' + '/'.join(PHASES):>30}" for m in modes
+    )
+    print(header)
+    print("-" * len(header))
+    for length in lengths:
+        for conc in concs:
+            cells = [f"{length:>6} {conc:>4}"]
+            for m in modes:
+                ph = results[(m, length, conc)].phases_ms
+                cells.append(f"{' / '.join(f'{ph.get(x, 0.0):.2f}' for x in PHASES):>30}")
             print(" ".join(cells))
     print(
         "\nms throughout. xfer ms: decode's mean load time (post to done); overhead: P/D TTFT "

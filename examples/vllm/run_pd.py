@@ -367,6 +367,32 @@ def run_prompts(pd: PDServers, cfg: RunConfig, prompts: list[list[int]]) -> list
     return outcomes
 
 
+def warm_tp_servers(pd: PDServers, cfg: RunConfig) -> None:
+    """One local request to each server with TP > 1 before the checked prompts.
+
+    vLLM's first forward pass at TP > 1 compiles its masked vocabulary embedding
+    (``torch.compile`` and a C++ build, even with ``--enforce-eager``): one rank builds for
+    tens of seconds while the other waits in all_reduce, and neither calls the connector,
+    so a load in flight meanwhile times out (measured on 2 cores: 30-35 s).
+    """
+    for svc, tp in ((pd.prefill, cfg.prefill_tp), (pd.decode, cfg.decode_tp)):
+        if tp <= 1:
+            continue
+        t0 = time.monotonic()
+        try:
+            complete(
+                svc.url,
+                pd.model_name,
+                make_prompts(1, 32, seed=77)[0],
+                max_tokens=2,
+                timeout_s=max(cfg.request_timeout_s, 300.0),
+            )
+        except RequestError as exc:
+            print(f"  warm-up of {svc.name} (TP {tp}) failed: {exc}", flush=True)
+            continue
+        print(f"  {svc.name} (TP {tp}) warmed up in {time.monotonic() - t0:.1f} s", flush=True)
+
+
 def wait_for_metrics(
     url: str, before: dict[str, float], connector: str, expect: int, timeout_s: float = 10.0
 ) -> dict[str, float]:
@@ -418,6 +444,7 @@ def run(cfg: RunConfig) -> int:
             )
             return 1
         print(f"all servers healthy after {pd.start_s:.1f} s", flush=True)
+        warm_tp_servers(pd, cfg)
         before = scrape(pd.decode_url)
         t_run = time.monotonic()
         outcomes = run_prompts(pd, cfg, prompts)

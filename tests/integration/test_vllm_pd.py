@@ -292,9 +292,12 @@ def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster):
     staging slots and splits it into its 32-token blocks; the ranks' bytes add up to the
     prompt's KV once. (TP 2 -> 1 runs in scripts/run_vllm_pd.sh, see the README.)"""
     prefill, decode, reference = "L128a", "T32", "L32a"
-    # A cold TP-2 server's first steps hold its workers for tens of seconds (gloo, kernel
-    # warm-up), and its first handshake took 16 s here (README, known limits): warm it
-    # up with one P/D request first (that one may load or recompute).
+    # A cold TP-2 server's first forward pass compiles vLLM's masked vocabulary embedding
+    # (torch.compile -> a C++ build, even with enforce_eager): one rank builds for tens of
+    # seconds while the other waits in all_reduce, and neither calls the connector, so a
+    # load in flight meanwhile times out. A local request pays that first; one P/D
+    # request then makes the first handshake (it may load or recompute).
+    cluster.run(decode, make_prompts(1, 64, seed=6003)[0])
     cluster.pd(prefill, decode, make_prompts(1, 64, seed=6002)[0])
     prompts = make_prompts(2, 300, seed=6001)
     before = cluster.metrics(decode)
