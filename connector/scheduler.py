@@ -28,7 +28,9 @@ Engine contract, beyond the :class:`~connector.api.SchedulerConnector` Protocol:
   ``loaded_request_ids``, ``recompute`` or ``failed``, or (nothing to read) with a release.
 - Every request ends with one ``request_finished`` or ``request_aborted`` call.
 
-Which prefill blocks are kept, and the lease: see :mod:`connector.retention`.
+This class checks roles and forwards: decode requests to :class:`~connector.loads.Loads`,
+prefill requests to :class:`~connector.sends.Sends`. Which prefill blocks are kept, and the
+lease: see :mod:`connector.retention`.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from connector.api import ConnectorRequest, SchedulerEvents
-from connector.config import ConfigError, FailurePolicy, KVTransferConfig
-from connector.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState, SendState
-from connector.load_range import load_block_ids, load_end
-from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, WorkerOutput
+from connector.config import ConfigError, KVTransferConfig
+from connector.lifecycle import Ignored, LoadState, SendState
+from connector.loads import Loads
+from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.params import KVTransferParams, ParamsError
 from connector.sends import Sends
 from connector.signing import ParamsSigner
@@ -82,13 +84,12 @@ class KVBridgeScheduler:
         self.kv_cache_config = kv_cache_config
         self._clock = clock
         self._specs = tuple(g.spec for g in kv_cache_config.groups)
-        self._num_groups = len(self._specs)
         block_sizes = [s.block_size for s in self._specs]
         if config.is_producer and len(set(block_sizes)) > 1:
             raise ConfigError(
                 f"a producer's KV-cache groups must share one block size (kv_transfer_params "
                 f"carry a single remote_block_size); got {block_sizes} for groups "
-                f"0..{self._num_groups - 1}"
+                f"0..{len(self._specs) - 1}"
             )
         _refuse_margin(config)
         self._signer = ParamsSigner(config.secret_bytes, wall_clock=wall_clock)
@@ -101,19 +102,10 @@ class KVBridgeScheduler:
                 config.engine_id,
                 config.kv_role.value,
             )
-        # Decode side: live records and the next metadata's queues.
-        self._loads: dict[str, LoadRecord] = {}
-        self._consumed: set[str] = set()  # remote KV used up; never load it again
-        self._to_load: dict[str, LoadSpec] = {}
-        self._to_release: dict[str, KVTransferParams] = {}
-        self._to_abort: list[tuple[str, KVTransferParams]] = []
-        self._waiting: dict[str, KVTransferParams] = {}
-        # Prefill side.
-        self._sends = Sends(config, self._specs, tp_size=tp_size)
-        # Both: ids for the next SchedulerEvents.free_request_ids.
-        self._to_free: set[str] = set()
         self.ignored: Counter[Ignored] = Counter()
-        self.load_outcomes: Counter[LoadState] = Counter()
+        self._loads = Loads(config, self._specs, self._signer, self.ignored, clock=clock)
+        self._sends = Sends(config, self._specs, tp_size=tp_size)
+        self.load_outcomes = self._loads.outcomes
         self.send_outcomes = self._sends.outcomes
 
     # ------------------------------------------------------------------ decode side
@@ -126,41 +118,12 @@ class KVBridgeScheduler:
         params = request.kv_transfer_params
         if params is None:
             return 0, False
-        rid = request.request_id
         if params.do_remote_decode and not self.config.is_producer:
             raise ParamsError(
-                f"request {rid!r}: do_remote_decode=true reached a "
+                f"request {request.request_id!r}: do_remote_decode=true reached a "
                 f"{self.config.kv_role.value} engine; send it to a kv_producer"
             )
-        if not params.do_remote_prefill or rid in self._consumed:
-            return 0, False
-        if not self.config.is_consumer:
-            raise ParamsError(
-                f"request {rid!r}: do_remote_prefill=true reached a "
-                f"{self.config.kv_role.value} engine; send it to a kv_consumer"
-            )
-        if num_computed_tokens < 0:
-            raise LifecycleError(f"request {rid!r}: num_computed_tokens={num_computed_tokens}")
-        record = self._loads.get(rid)
-        if record is None:
-            params.validate_for_load(self._num_groups)
-            self._signer.verify(params)  # once: later, heartbeats keep the lease alive
-            record = LoadRecord(rid, params)
-        elif record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
-            raise LifecycleError(
-                f"request {rid!r} is {record.state.name}; get_num_new_matched_tokens is only "
-                f"asked before its blocks are allocated"
-            )
-        record.num_load_tokens = load_end(
-            self._specs, params, len(request.prompt_token_ids), num_computed_tokens, rid
-        )
-        record.num_computed_tokens = num_computed_tokens
-        self._loads[rid] = record
-        if record.num_load_tokens > num_computed_tokens:
-            record.advance(LoadState.MATCHED)
-            return record.num_load_tokens - num_computed_tokens, True
-        record.advance(LoadState.FULL_HIT)
-        return 0, False
+        return self._loads.match(request, params, num_computed_tokens)
 
     def update_state_after_alloc(
         self,
@@ -169,88 +132,16 @@ class KVBridgeScheduler:
         num_external_tokens: int,
     ) -> None:
         """Blocks exist: queue the load, or (nothing to load) tell prefill to free."""
-        rid = request.request_id
-        record = self._loads.get(rid)
-        if record is None:
-            if num_external_tokens:
-                raise LifecycleError(
-                    f"request {rid!r}: num_external_tokens={num_external_tokens} but the "
-                    f"connector promised no tokens for it"
-                )
-            return
-        if record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
-            raise LifecycleError(
-                f"request {rid!r} is {record.state.name}; update_state_after_alloc comes "
-                f"once, after get_num_new_matched_tokens"
-            )
-        if num_external_tokens == 0:
-            record.advance(LoadState.RELEASING)
-            self._to_release[rid] = record.params
-            self._waiting.pop(rid, None)
-            return
-        promised = record.num_load_tokens - record.num_computed_tokens
-        if record.state is LoadState.FULL_HIT or num_external_tokens != promised:
-            raise LifecycleError(
-                f"request {rid!r}: num_external_tokens={num_external_tokens}, but "
-                f"get_num_new_matched_tokens offered {max(0, promised)} "
-                f"(state {record.state.name})"
-            )
-        local_block_ids = load_block_ids(
-            self._specs, rid, block_ids_per_group, record.num_load_tokens
-        )
-        record.advance(LoadState.ALLOCATED)
-        self._waiting.pop(rid, None)
-        self._to_load[rid] = LoadSpec(
-            request_id=rid,
-            params=record.params,
-            local_block_ids=local_block_ids,
-            start_token=record.num_computed_tokens,
-            end_token=record.num_load_tokens,
-        )
+        self._loads.allocated(request, block_ids_per_group, num_external_tokens)
 
     def request_waiting(self, request: ConnectorRequest) -> None:
         """The request is still queued for blocks this step: keep prefill's lease alive."""
-        record = self._loads.get(request.request_id)
-        if record is None or record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
-            return
-        now = self._clock()
-        if now - record.last_heartbeat >= self.config.heartbeat_s:
-            record.last_heartbeat = now
-            self._waiting[record.request_id] = record.params
+        self._loads.keep_alive(request.request_id)
 
     def defers_free(self, request_id: str) -> bool:
         """True while a transfer may still use the request's blocks: a decode load in
         flight (aborted or not) or a prefill hold. The engine must not free them itself."""
-        record = self._loads.get(request_id)
-        if record is not None and record.state in (LoadState.LOADING, LoadState.ABORTING):
-            return True
-        return self._sends.book.live(request_id) is not None
-
-    def _finish_load(self, rid: str, outcome: LoadState) -> None:
-        self._loads.pop(rid).advance(outcome)
-        self.load_outcomes[outcome] += 1
-        if outcome is not LoadState.ABORTED:
-            self._consumed.add(rid)
-
-    def _abort_load(self, rid: str) -> bool:
-        """Give a decode request up; True when its blocks wait for free_request_ids."""
-        record = self._loads[rid]
-        match record.state:
-            case LoadState.RELEASING:  # prefill is told to free by the queued release
-                return False
-            case LoadState.ABORTING:
-                self.ignored[Ignored.ABORT] += 1
-                return True
-            case LoadState.LOADING:
-                record.advance(LoadState.ABORTING)
-                self._to_abort.append((rid, record.params))
-                return True
-            case _:  # MATCHED, FULL_HIT, ALLOCATED: no load posted, nothing writes
-                self._to_load.pop(rid, None)
-                self._waiting.pop(rid, None)
-                self._to_abort.append((rid, record.params))
-                self._finish_load(rid, LoadState.ABORTED)
-                return False
+        return self._loads.busy(request_id) or self._sends.book.live(request_id) is not None
 
     # ------------------------------------------------------------------ prefill side
 
@@ -270,9 +161,9 @@ class KVBridgeScheduler:
         the last state boundary below it. When ``delay_free`` is True the connector owns
         these blocks too (handed back by ``take_blocks_to_free``)."""
         rid = request.request_id
-        self._consumed.discard(rid)
+        self._loads.forget(rid)
         if rid in self._loads:  # a decode request ended before its load did
-            return self._abort_load(rid), None
+            return self._loads.abort(rid), None
         params = request.kv_transfer_params
         if params is None or not params.do_remote_decode or not self.config.is_producer:
             return False, None
@@ -291,22 +182,16 @@ class KVBridgeScheduler:
     def build_connector_meta(self) -> ConnectorMetadata:
         """The step's work for the workers; empties the queues."""
         self._sends.expire(self._clock())
-        for rid in self._to_load:
-            self._loads[rid].advance(LoadState.LOADING)
+        to_load, to_abort, waiting, to_release = self._loads.drain()
         to_send, freed = self._sends.drain()
-        for rid in self._to_release:
-            self._finish_load(rid, LoadState.RELEASED)
-        meta = ConnectorMetadata(
-            reqs_to_load=tuple(self._to_load.values()),
+        return ConnectorMetadata(
+            reqs_to_load=to_load,
             reqs_to_send=to_send,
-            reqs_to_abort=tuple(self._to_abort),
-            reqs_waiting=tuple(self._waiting.items()),
-            reqs_to_release=tuple(self._to_release.items()),
+            reqs_to_abort=to_abort,
+            reqs_waiting=waiting,
+            reqs_to_release=to_release,
             reqs_freed=freed,
         )
-        self._to_load, self._to_release, self._waiting = {}, {}, {}
-        self._to_abort = []
-        return meta
 
     def update_connector_output(self, output: WorkerOutput) -> SchedulerEvents:
         """Fold the workers' report in; unknown or repeated ids are counted in ``ignored``."""
@@ -326,54 +211,21 @@ class KVBridgeScheduler:
             why = SendState.EXPIRED if rid in output.expired_leases else SendState.DONE
             self._sends.release(send, why, by_worker=True)
         self._sends.expire(now)
-
-        recompute: list[LoadFailure] = []
-        failed: list[LoadFailure] = []
-        for failure in output.failed_loads:
-            outcome = self._load_reported(failure.request_id, Ignored.FAILED_LOAD, ok=False)
-            if outcome is LoadState.RECOMPUTED:
-                recompute.append(failure)
-            elif outcome is LoadState.FAILED:
-                failed.append(failure)
-        loaded = [
-            rid
-            for rid in output.finished_recving
-            if self._load_reported(rid, Ignored.FINISHED_RECVING, ok=True) is LoadState.LOADED
-        ]
-        events = SchedulerEvents(
-            free_request_ids=frozenset(self._to_free | self._sends.take_released()),
+        loaded, recompute, failed = self._loads.fold(output)
+        return SchedulerEvents(
+            free_request_ids=frozenset(self._loads.take_freed() | self._sends.take_released()),
             loaded_request_ids=frozenset(loaded),
             recompute=tuple(recompute),
             failed=tuple(failed),
         )
-        self._to_free = set()
-        return events
-
-    def _load_reported(self, rid: str, kind: Ignored, *, ok: bool) -> LoadState | None:
-        """The worker says a load ended; the outcome, or None when the report is ignored."""
-        record = self._loads.get(rid)
-        if record is None or record.state not in (LoadState.LOADING, LoadState.ABORTING):
-            self.ignored[kind] += 1
-            return None
-        if record.state is LoadState.ABORTING:
-            outcome = LoadState.ABORTED
-            self._to_free.add(rid)
-        elif ok:
-            outcome = LoadState.LOADED
-        elif self.config.failure_policy is FailurePolicy.RECOMPUTE:
-            outcome = LoadState.RECOMPUTED
-        else:
-            outcome = LoadState.FAILED
-        self._finish_load(rid, outcome)
-        return outcome
 
     def request_aborted(self, request_id: str) -> None:
         """Decode: tell prefill to free; blocks a load may still write wait for
         free_request_ids (see ``defers_free``). Prefill: the kept blocks are freed at once."""
-        self._consumed.discard(request_id)
+        self._loads.forget(request_id)
         handled = False
         if request_id in self._loads:
-            self._abort_load(request_id)
+            self._loads.abort(request_id)
             handled = True
         send = self._sends.book.live(request_id)
         if send is not None:
@@ -385,8 +237,7 @@ class KVBridgeScheduler:
     # ------------------------------------------------------------------ introspection
 
     def load_state(self, request_id: str) -> LoadState | None:
-        record = self._loads.get(request_id)
-        return None if record is None else record.state
+        return self._loads.state(request_id)
 
     def send_state(self, request_id: str) -> SendState | None:
         return self._sends.book.state(request_id)

@@ -1,16 +1,17 @@
 """The worker-side connector: registers caches, serves handshakes, moves blocks.
 
-It owns one transfer engine (NIXL), one handshake listener (so readers can describe this
-worker), a handshake client and peer directory (to read from others), a :class:`Sender`
-(prefill role) and a :class:`Receiver` (decode role); in push mode also a :class:`Pusher`
-and a second peer directory of the decode workers it writes to (prefill role). Every NIXL
-call happens under the engine-call lock; handshakes run in the background.
+It owns one transfer engine (NIXL), a :class:`~connector.side_channel.SideChannel` (the
+listener that describes this worker to readers, and the client that asks others), a peer
+directory (to read from others), a :class:`Sender` (prefill role) and a :class:`Receiver`
+(decode role); in push mode also a :class:`Pusher` and a second peer directory of the
+decode workers it writes to (prefill role). What arrives from peers goes through an
+:class:`~connector.inbox.Inbox`, what leaves through an :class:`~connector.outbox.Outbox`.
+This module wires them together at ``register_kv_caches`` and runs them once per engine
+step. Every NIXL call happens under the engine-call lock; handshakes run in the background.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 import uuid
@@ -18,29 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from connector.config import ConfigError, KVTransferConfig
-from connector.errors import TransferError
 from connector.host_stage import HostStage, host_stage_for
 from connector.idle_progress import IdleProgress
+from connector.inbox import Inbox
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
-from connector.notifications import (
-    Done,
-    Heartbeat,
-    Notification,
-    NotificationError,
-    Prepare,
-    Prepared,
-    Push,
-    Pushed,
-    decode_notification,
-    encode_notification,
-)
-from connector.params import KVTransferParams
-from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
+from connector.outbox import Outbox
+from connector.peers import PeerDirectory
 from connector.pushes import Pusher
 from connector.receiver import PushEndpoint, Receiver
-from connector.routing import Route, Router
+from connector.routing import Router
 from connector.sender import Sender
+from connector.side_channel import SideChannel
 from connector.staged_reads import Repacker
 from connector.staging import staging_capacity
 from connector.transport import TransferEngine
@@ -54,17 +44,11 @@ from connector.worker_setup import (
     warm_peers,
 )
 from handshake.affinity import unpinned
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.compat import compat_hash
-from handshake.description import WorkerIdentity, describe, parse_description
-from handshake.framing import HandshakeSecurity
-from handshake.listener import HandshakeListener, ListenerConfig
-from handshake.messages import MetadataRequest, WorkerDescription
+from handshake.description import WorkerIdentity
+from handshake.messages import WorkerDescription
 from handshake.modes import TransferMode
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,17 +112,15 @@ class KVBridgeWorker:
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
         self._buffers: KVCacheBuffers | None = None
-        self._description: WorkerDescription | None = None
-        self._listener: HandshakeListener | None = None
+        self._side: SideChannel | None = None
         self._peers: PeerDirectory | None = None
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         self._targets: PeerDirectory | None = None  # push mode: decode workers we write to
         self._pusher: Pusher | None = None
+        self._outbox: Outbox | None = None
+        self._inbox: Inbox | None = None
         self._meta = ConnectorMetadata()
-        self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
-        self._known_agents: set[str] = set()
-        self._outbox: list[tuple[PeerKey, str, int, Notification]] = []
         self._closed = False
         # the engine's calls and the idle-progress thread (if any) take turns
         self._lock = threading.RLock()
@@ -153,13 +135,13 @@ class KVBridgeWorker:
 
     @property
     def description(self) -> WorkerDescription:
-        if self._description is None:
+        if self._side is None:
             raise KVBridgeError("register_kv_caches() has not been called")
-        return self._description
+        return self._side.description
 
     @property
     def side_channel_port(self) -> int:
-        return self._listener.port if self._listener else 0
+        return self._side.port if self._side else 0
 
     def set_repacker(self, repacker: Repacker) -> None:
         """For engine-packed pages (``CacheFormat.block_packing``): the engine's way to
@@ -196,42 +178,18 @@ class KVBridgeWorker:
             rank=self.rank,
             tp_size=self.tp_size,
         )
-        digest = compat_hash(identity, buffers.config)
-        security = HandshakeSecurity(secret=self.config.secret_bytes)
-        port = self.config.kv_port + self.rank if self.config.kv_port else 0
-        self._listener = HandshakeListener(
-            ListenerConfig(host=self.config.kv_ip, port=port, security=security),
-            describe=lambda: self.description,
-            on_request=self._requesters.put,
-        )
-        self._listener.start()
-        self._description = describe(
+        self._side = side = SideChannel(
+            self.config,
             identity,
             moved,
-            nixl_metadata=engine.metadata(),
-            compat_hash=digest,
-            side_channel_host=self.config.kv_ip,
-            side_channel_port=self._listener.port,
+            engine,
             rewrites_in_place=self.rewrites_in_place,
             transfer_mode=self.transfer_mode,
             can_repack=self._repacker is not None,
             rewrites_on_save=self.rewrite_on_save,
         )
-        request = MetadataRequest(
-            protocol_version=self._description.protocol_version,
-            requester_engine_id=self.config.engine_id,
-            requester_rank=self.rank,
-            requester_agent_name=self.agent_name,
-            requester_nixl_metadata=self._description.nixl_metadata,
-        )
-        client = HandshakeClient(
-            ClientConfig(timeout_s=self.config.handshake_timeout_s, security=security),
-            request=request,
-        )
-        local_layout = parse_description(self._description)
-        self._peers = PeerDirectory(
-            engine, client, self._description, local_layout, can_repack=self._repacker is not None
-        )
+        self._peers = side.directory(can_repack=self._repacker is not None)
+        self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
         self._sender = Sender(
             buffers,
             self.metrics,
@@ -242,30 +200,39 @@ class KVBridgeWorker:
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
-            self._targets = PeerDirectory(
-                engine, client, self._description, local_layout, writer=True
-            )
+            self._targets = side.directory(writer=True)
             self._pusher = Pusher(
-                engine, self._targets, self._sender, self.metrics, self._send_raw, clock=self._clock
+                engine,
+                self._targets,
+                self._sender,
+                self.metrics,
+                outbox.send_raw,
+                clock=self._clock,
             )
-            push = PushEndpoint(
-                self.config.engine_id, self.rank, self.config.kv_ip, self._listener.port
-            )
+            push = PushEndpoint(self.config.engine_id, self.rank, self.config.kv_ip, side.port)
         self._receiver = Receiver(
             engine,
             self._peers,
             buffers,
             self.metrics,
-            self._send,
+            outbox.send,
             timeout_s=self.config.transfer_timeout_s,
             clock=self._clock,
             wall_clock=self._wall_clock,
             repacker=self._repacker,
             staging_bytes=self._staging_bytes,
             router=self._router,
-            notify=self._queue_to,
+            notify=outbox.queue_to,
             push=push,
             stage=self._stage,
+        )
+        self._inbox = Inbox(
+            engine,
+            outbox,
+            self.metrics,
+            sender=self._sender,
+            receiver=self._receiver,
+            pusher=self._pusher,
         )
         for host, peer_port in self._warm_peers:
             if self.config.is_consumer:
@@ -284,6 +251,7 @@ class KVBridgeWorker:
     @engine_call
     def start_load_kv(self) -> None:
         receiver, sender = self._ready()
+        assert self._outbox is not None
         meta, self._meta = self._meta, ConnectorMetadata()
         for rid in meta.reqs_freed:  # the scheduler already freed them: restore, forget
             sender.abort(rid, report=False)
@@ -293,20 +261,10 @@ class KVBridgeWorker:
             receiver.add(spec)
         for rid, params in meta.reqs_to_abort:
             if not receiver.abort(rid):
-                self._queue_done(params, ok=False)
+                self._outbox.queue_done(params, ok=False)
         for _rid, params in meta.reqs_to_release:
-            self._queue_done(params, ok=True)
-        by_peer: dict[PeerKey, tuple[tuple[str, int], list[str]]] = {}
-        for _rid, params in meta.reqs_waiting:
-            route = self._route(params)
-            if route is None:
-                continue
-            for key, _readers in route.notify:
-                entry = by_peer.setdefault(key, (route.endpoints[key], []))
-                entry[1].append(params.remote_request_id)
-        for key, (endpoint, ids) in by_peer.items():
-            self._queue_to(key, endpoint, Heartbeat(request_ids=ids))
-            self.metrics.heartbeats_sent += 1
+            self._outbox.queue_done(params, ok=True)
+        self._outbox.queue_heartbeats(meta.reqs_waiting)
         self._progress()
 
     @engine_call
@@ -320,7 +278,8 @@ class KVBridgeWorker:
         receiver, sender = self._ready()
         self._progress()
         sender.expire()
-        self._send_replies()
+        assert self._inbox is not None
+        self._inbox.send_replies()
         done, failed = receiver.take_results()
         finished, expired, heartbeats = sender.take_results()
         return WorkerOutput(
@@ -357,131 +316,17 @@ class KVBridgeWorker:
 
     def _progress(self) -> None:
         receiver, _ = self._ready()
-        self._add_requesters()
-        self._handle_notifications()
+        assert self._side is not None and self._inbox is not None and self._outbox is not None
+        self._side.add_requesters()
+        self._inbox.handle_notifications()
         if self._pusher is not None:
             self._pusher.step()
         receiver.step()
-        self._flush_outbox()
-        self._send_replies()
-        assert self._peers is not None
+        self._outbox.flush()
+        self._inbox.send_replies()
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)
-
-    def _send_replies(self) -> None:
-        assert self._sender is not None
-        for agent, reply in self._sender.take_replies():
-            self._send_raw(agent, reply)
-
-    def _add_requesters(self) -> None:
-        assert self._engine is not None
-        while True:
-            try:
-                req = self._requesters.get_nowait()
-            except queue.Empty:
-                return
-            if not req.requester_agent_name or req.requester_agent_name in self._known_agents:
-                continue
-            try:
-                self._engine.add_peer(req.requester_nixl_metadata)
-                self._known_agents.add(req.requester_agent_name)
-            except KVBridgeError as exc:
-                logger.warning("cannot add requester %s: %s", req.requester_agent_name, exc)
-
-    def _handle_notifications(self) -> None:
-        assert self._engine is not None and self._sender is not None and self._receiver is not None
-        try:
-            notifs = self._engine.get_notifs()
-        except TransferError as exc:
-            logger.warning("reading notifications failed: %s", exc)
-            return
-        for agent, messages in notifs.items():
-            for raw in messages:
-                self.metrics.notifications_received += 1
-                try:
-                    msg = decode_notification(raw)
-                except NotificationError as exc:
-                    self.metrics.bad_notifications += 1
-                    logger.warning("notification from %s dropped: %s", agent, exc)
-                    continue
-                if isinstance(msg, Prepare):
-                    reply = self._sender.on_prepare(msg, agent)
-                    if reply is not None:  # else answered once the request is added
-                        self._send_raw(agent, reply)
-                elif isinstance(msg, Done):
-                    if self._pusher is not None:  # a decode that gave up: stop writing
-                        self._pusher.cancel(msg.request_id, msg.reader_rank)
-                    if not self._sender.on_done(msg):
-                        self.metrics.bad_notifications += 1
-                elif isinstance(msg, Heartbeat):
-                    self._sender.on_heartbeat(msg)
-                elif isinstance(msg, Prepared):
-                    self._receiver.on_prepared(msg, agent)
-                elif isinstance(msg, Push):
-                    self._on_push(msg, agent)
-                elif isinstance(msg, Pushed):
-                    self._receiver.on_pushed(msg, agent)
-
-    def _on_push(self, msg: Push, agent: str) -> None:
-        if self._pusher is None:
-            reason = "this prefill runs in pull mode (extra.transfer_mode); decode must read"
-            self._send_raw(agent, Pushed(request_id=msg.request_id, ok=False, reason=reason))
-            return
-        self._pusher.on_push(msg, agent)
-
-    def _route(self, params: KVTransferParams) -> Route | None:
-        try:
-            return self._router.route(params)
-        except KVBridgeError as exc:
-            logger.warning("no route to prefill %s: %s", params.remote_engine_id, exc)
-            return None
-
-    def _queue_done(self, params: KVTransferParams, *, ok: bool) -> None:
-        """Tell every prefill rank this decode rank reports to that it may free."""
-        route = self._route(params)
-        for key, readers in route.notify if route else ():
-            msg = Done(
-                request_id=params.remote_request_id, ok=ok, readers=readers, reader_rank=self.rank
-            )
-            self._queue_to(key, route.endpoints[key], msg)
-
-    def _queue_to(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
-        assert self._peers is not None
-        host, port = endpoint
-        self._peers.ensure(key, host, port)
-        self._outbox.append((key, host, port, msg))  # type: ignore[arg-type]
-
-    def _flush_outbox(self) -> None:
-        assert self._peers is not None
-        keep = []
-        for key, host, port, msg in self._outbox:
-            peer = self._peers.get(key)
-            if peer is None or peer.state is PeerState.FAILED:
-                logger.warning("dropping %s for unreachable peer %s", type(msg).__name__, key)
-                continue
-            if peer.state is PeerState.CONNECTING:
-                keep.append((key, host, port, msg))
-                continue
-            self._send(peer, msg)
-        self._outbox = keep
-
-    def _send(self, peer: Peer, msg: object) -> bool:
-        if not self._send_raw(peer.agent, msg):
-            assert self._peers is not None
-            self._peers.drop(peer.key, "notification failed: peer unreachable")
-            return False
-        return True
-
-    def _send_raw(self, agent: str, msg: object) -> bool:
-        assert self._engine is not None
-        try:
-            self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
-            self.metrics.notifications_sent += 1
-            return True
-        except KVBridgeError as exc:
-            logger.warning("notification to %s failed: %s", agent, exc)
-            return False
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -495,20 +340,18 @@ class KVBridgeWorker:
         if self._closed:
             return
         self._closed = True
-        if self._receiver is not None:
-            self._receiver.close()
-        if self._pusher is not None:
-            self._pusher.close()
-        if self._sender is not None:
-            self._sender.close()
-        if self._listener is not None:
-            self._listener.close()
-        if self._peers is not None:
-            self._peers.close()
-        if self._targets is not None:
-            self._targets.close()
-        if self._engine is not None:
-            self._engine.close()
+        parts = (
+            self._receiver,
+            self._pusher,
+            self._sender,
+            self._side,
+            self._peers,
+            self._targets,
+            self._engine,  # last: the others may still release NIXL handles
+        )
+        for part in parts:
+            if part is not None:
+                part.close()
 
     def __enter__(self) -> KVBridgeWorker:
         return self

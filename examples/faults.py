@@ -38,8 +38,8 @@ def corrupt_first_loaded_block(engine: Engine) -> None:
 
 
 def drop_first_done(engine: Engine) -> None:
-    worker, dropped = engine.worker, threading.Event()
-    send = worker._send_raw  # the one place the worker hands a notification to NIXL
+    outbox, dropped = engine.worker._outbox, threading.Event()
+    send = outbox.send_raw  # the one place the worker hands a notification to NIXL
 
     def lossy(agent: str, msg: object) -> bool:
         if isinstance(msg, Done) and not dropped.is_set():
@@ -48,7 +48,7 @@ def drop_first_done(engine: Engine) -> None:
             return True
         return send(agent, msg)
 
-    worker._send_raw = lossy
+    outbox.send_raw = lossy
 
 
 FAULTS: dict[str, Callable[[Engine], None]] = {
