@@ -37,6 +37,7 @@ from connector.transport import TransferEngine
 from connector.worker_setup import (
     engine_call,
     idle_progress_ms,
+    merge_runs,
     nixl_engine,
     progress_us,
     rewrite_on_save,
@@ -106,8 +107,9 @@ class KVBridgeWorker:
         self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
         delay_us = progress_us(config.extra)
         shared = bool(idle_progress_ms(config.extra))  # engine called from two threads
+        merge = merge_runs(config.extra)
         self._engine_factory = engine_factory or (
-            lambda name: nixl_engine(name, delay_us, shared=shared)
+            lambda name: nixl_engine(name, delay_us, shared=shared, merge=merge)
         )
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None

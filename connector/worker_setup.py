@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from connector.config import ConfigError
+from connector.nixl_config import MergeRuns
 from connector.transport import TransferEngine
 from handshake.modes import TransferMode
 from layouts.errors import LayoutError
@@ -96,16 +97,32 @@ def progress_us(extra: dict) -> int:
     return value
 
 
-def nixl_engine(agent_name: str, progress_us: int = 0, *, shared: bool = False) -> TransferEngine:
+def merge_runs(extra: dict) -> MergeRuns:
+    """``extra["merge_runs"]``: false (default) posts one descriptor per block and lets
+    NIXL coalesce adjacent ones (it does, and faster than kvbridge can: see
+    ``connector.nixl_config.MergeRuns``); true posts each run of blocks adjacent on both
+    sides as one descriptor."""
+    value = extra.get("merge_runs", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"extra.merge_runs={value!r} must be true or false")
+    return MergeRuns.ON if value else MergeRuns.OFF
+
+
+def nixl_engine(
+    agent_name: str,
+    progress_us: int = 0,
+    *,
+    shared: bool = False,
+    merge: MergeRuns = MergeRuns.OFF,
+) -> TransferEngine:
     from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine, ProgressMode
 
-    if progress_us:
-        return NixlTransferEngine(
-            NixlEngineConfig(
-                agent_name=agent_name,
-                progress=ProgressMode.PROGRESS_THREAD_DELAY,
-                progress_delay_us=progress_us,
-                shared=shared,
-            )
+    progress = ProgressMode.PROGRESS_THREAD_DELAY if progress_us else None
+    return NixlTransferEngine(
+        NixlEngineConfig(
+            agent_name=agent_name,
+            shared=shared,
+            merge=merge,
+            **({"progress": progress, "progress_delay_us": progress_us} if progress else {}),
         )
-    return NixlTransferEngine(NixlEngineConfig(agent_name=agent_name, shared=shared))
+    )

@@ -1,0 +1,39 @@
+"""Settings the worker reads from ``extra`` reach the NIXL engine it builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.config import ConfigError
+from connector.nixl_config import MergeRuns, ProgressMode
+from connector.worker_setup import merge_runs, nixl_engine
+
+
+def test_merge_runs_defaults_off_and_reads_true():
+    assert merge_runs({}) is MergeRuns.OFF
+    assert merge_runs({"merge_runs": False}) is MergeRuns.OFF
+    assert merge_runs({"merge_runs": True}) is MergeRuns.ON
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_merge_runs_refuses_anything_but_a_bool_by_name(value):
+    with pytest.raises(ConfigError, match=r"extra\.merge_runs=.* must be true or false"):
+        merge_runs({"merge_runs": value})
+
+
+@pytest.mark.parametrize(
+    ("progress_us", "merge", "mode"),
+    [
+        (0, MergeRuns.OFF, ProgressMode.PROGRESS_THREAD_OFF),
+        (500, MergeRuns.ON, ProgressMode.PROGRESS_THREAD_DELAY),
+    ],
+)
+def test_the_engine_gets_the_settings(progress_us, merge, mode):
+    engine = nixl_engine(f"settings-{progress_us}", progress_us, merge=merge)
+    try:
+        cfg = engine.config  # type: ignore[attr-defined]
+        assert (cfg.merge, cfg.progress) == (merge, mode)
+        if progress_us:
+            assert cfg.progress_delay_us == progress_us
+    finally:
+        engine.close()
