@@ -176,15 +176,7 @@ def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> Non
     decode.fill(seed + 1)
     rng = np.random.default_rng(seed)
     req = plan_request(prefill, decode, case.start, case.end, rng)
-    prefill_before, before = snapshot(prefill.buffers), expectations(prefill, decode, req)
-    others = untouched_blocks(decode, req)
-
-    cluster.transfer(prefill, decode, req)
-
-    check_loaded(prefill, decode, req, before)
-    for g, tm in untouched_blocks(decode, req).items():
-        assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
-    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
+    _transfer_checked(cluster, prefill, decode, req)
     assert req.send_id not in prefill.expired
     # pull: decode posts READs and prefill nothing; push: prefill posts WRITEs, decode nothing
     (mover, before_m), (idle, before_i) = (
@@ -204,6 +196,20 @@ def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> Non
         assert to_device > 0 and to_device <= _block_bytes(decode, req.local_ids), to_device
     else:
         assert to_host == to_device == 0, (to_host, to_device)
+
+
+def _transfer_checked(cluster: Cluster, prefill: Node, decode: Node, req: Request) -> None:
+    """Move ``req``; decode's blocks hold prefill's bytes, no other decode block changed,
+    and prefill's blocks are back in its own format after ``Done``."""
+    want, prefill_before = expectations(prefill, decode, req), snapshot(prefill.buffers)
+    others = untouched_blocks(decode, req)
+
+    cluster.transfer(prefill, decode, req)
+
+    check_loaded(prefill, decode, req, want)
+    for g, tm in untouched_blocks(decode, req).items():
+        assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
+    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
 
 
 def _block_bytes(node: Node, ids_per_group: list[np.ndarray]) -> int:
@@ -421,15 +427,7 @@ def _move(cluster: Cluster, prefill: Node, decode: Node, mode: str) -> tuple[int
     prefill.fill(31)
     decode.fill(32)
     req = _fresh_request(prefill, decode, 256)
-    want, prefill_before = expectations(prefill, decode, req), snapshot(prefill.buffers)
-    others = untouched_blocks(decode, req)
-
-    cluster.transfer(prefill, decode, req)
-
-    check_loaded(prefill, decode, req, want)
-    for g, tm in untouched_blocks(decode, req).items():
-        assert torch.equal(tm, others[g]), f"group {g}: a block outside the request changed"
-    assert_restored(prefill.buffers, prefill_before, "prefill after Done")
+    _transfer_checked(cluster, prefill, decode, req)
     assert (prefill if mode == "pull" else decode).worker.metrics.descriptors_posted == idle
     after = (
         mover.worker.metrics.descriptors_posted,
