@@ -15,7 +15,9 @@ import msgspec
 from handshake.description import WorkerIdentity
 from handshake.errors import IncompatiblePeerError
 from handshake.messages import PROTOCOL_VERSION, WorkerDescription
+from handshake.tp_plan import check_groups_across_tp
 from layouts.groups import KVCacheConfig
+from layouts.specs import KVCacheKind
 
 
 class _HashInput(msgspec.Struct, array_like=True):
@@ -84,6 +86,9 @@ def check_compatible(
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             diffs.append((name, a, b))
+    # before the per-rank state shapes, which differ across TP sizes for the same model
+    kinds = [KVCacheKind(g.spec.kind) for g in local.groups]
+    check_groups_across_tp(kinds, local.tp_size, remote.tp_size, peer or _name(remote))
     if len(local.groups) != len(remote.groups):
         diffs.append(("num_groups", len(local.groups), len(remote.groups)))
     for lg, rg in zip(local.groups, remote.groups, strict=False):
@@ -113,6 +118,10 @@ def check_compatible(
     if diffs:
         raise IncompatiblePeerError(
             diffs,
-            peer=peer or f"{remote.engine_id}/rank{remote.rank}",
+            peer=peer or _name(remote),
             hint="both sides must serve the same model with the same KV-cache groups",
         )
+
+
+def _name(desc: WorkerDescription) -> str:
+    return f"{desc.engine_id}/rank{desc.rank}"

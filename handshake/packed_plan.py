@@ -119,10 +119,7 @@ def _staged_plan(
     h_local, h_remote = _heads(lg), _heads(rg)
     ra, n = (heads.remote_head, heads.num_heads) if heads else (0, h_remote)
     if n != h_local:
-        raise LayoutError(
-            f"group {lg.group_id}: a staged {b_remote}-token page would take heads from "
-            f"several prefill ranks ({n} of {h_local} from one); not supported yet"
-        )
+        raise _staged_from_several_ranks(local, remote, lg.group_id, b_local, b_remote)
     lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
     streams = []
     for layer in sorted(lr):
@@ -156,6 +153,33 @@ def _staged_plan(
         streams=tuple(streams),
         split_from=b_remote,
         head_slice=(0, ra, n) if heads else (),
+    )
+
+
+def _staged_from_several_ranks(
+    local: PeerLayout, remote: PeerLayout, group_id: int, b_local: int, b_remote: int
+) -> IncompatiblePeerError:
+    """The refusal when a staged page would hold only some of a decode page's heads.
+
+    The engine's split (``Repacker.split``) writes every head of a token at once, and each
+    prefill rank's pages arrive, and are split, on their own: a split would write heads that
+    other prefill ranks have not delivered into the slot.
+    """
+    li, ri = local.identity, remote.identity
+    enough = min(ri.tp_size, li.num_kv_heads)  # a decode rank's heads on one prefill rank
+    return IncompatiblePeerError(
+        [
+            ("tp_size", li.tp_size, ri.tp_size),
+            (f"groups[{group_id}].block_size", b_local, b_remote),
+        ],
+        peer=f"{ri.engine_id}/rank{ri.rank}",
+        hint=f"prefill's {b_remote}-token engine-packed pages do not fit whole into decode's "
+        f"{b_local}-token blocks, so decode stages each page and its engine splits it, "
+        f"writing every head of a token at once; decode rank {li.rank} takes its heads from "
+        f"several prefill ranks, whose pages arrive separately. Make decode's block size a "
+        f"multiple of {b_remote} (pages then land side by side and merge), or run decode at "
+        f"a TP size of at least {enough} (each decode rank's heads then sit on one prefill "
+        f"rank)",
     )
 
 

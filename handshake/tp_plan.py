@@ -14,9 +14,16 @@ heads are outermost, and the shared heads are one contiguous byte range::
 The receiver rewrites its blocks back to its native arrangement once every source rank's
 heads have arrived. Block-size, layout, kernel-block and granularity differences combine
 with the head slice as in the plans for equal TP sizes.
+
+State (Mamba-like) groups move only between equal TP sizes (:func:`check_groups_across_tp`):
+an engine shards each state tensor over its ranks along its own dimensions (vLLM's Mamba2
+conv state even concatenates three differently sharded parts), and a state spec carries
+only a rank's shapes, so no byte range of one rank's state is known to be another's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from handshake import tp
 from handshake.description import PeerLayout
@@ -27,7 +34,7 @@ from layouts.arrangement import BlockArrangement, HeadOrder
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec
+from layouts.specs import AttentionSpec, KVCacheKind
 
 
 def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
@@ -41,10 +48,37 @@ def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
     return any(s.remote_rank == ri.rank for s in slices)
 
 
+def check_groups_across_tp(
+    kinds: Sequence[KVCacheKind], local_tp: int, remote_tp: int, peer: str
+) -> None:
+    """Raise :class:`IncompatiblePeerError` naming both TP sizes when groups of ``kinds``
+    (in group-id order) cannot move between ``local_tp`` and ``remote_tp`` ranks: a state
+    group can only when the sizes are equal (rank ``r`` reads rank ``r``)."""
+    if local_tp == remote_tp:
+        return
+    state = [g for g, kind in enumerate(kinds) if kind is KVCacheKind.STATE]
+    if state:
+        raise IncompatiblePeerError(
+            [("tp_size", local_tp, remote_tp)],
+            peer=peer,
+            hint=f"groups {state} hold recurrent (Mamba-like) state, which each rank keeps "
+            f"only its shard of, split along dimensions the handshake does not describe, so "
+            f"kvbridge moves state only between equal tensor-parallel sizes: run prefill and "
+            f"decode at the same TP size (both {local_tp} or both {remote_tp})",
+        )
+
+
 def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice | None:
-    """The heads ``local`` reads from ``remote``; None when they hold the same heads."""
+    """The heads ``local`` reads from ``remote``; None when they hold the same heads.
+
+    Raises :class:`IncompatiblePeerError` when the two TP sizes cannot be bridged: the
+    heads do not shard, ``remote`` holds none of ``local``'s heads, or a group cannot
+    move between different TP sizes (:func:`check_groups_across_tp`).
+    """
     li, ri = local.identity, remote.identity
     total = li.num_kv_heads
+    kinds = [g.kind for g in local.config.groups]
+    check_groups_across_tp(kinds, li.tp_size, ri.tp_size, peer)
     try:
         mine = [
             s

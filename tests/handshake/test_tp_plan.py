@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from handshake import tp
+from handshake.compat import check_compatible
+from handshake.description import WorkerIdentity, describe
 from handshake.errors import IncompatiblePeerError
+from handshake.messages import WorkerDescription
 from handshake.plan import negotiate
-from layouts.allocation import CacheFormat, read_group_token_major
+from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
+from layouts.specs import FullAttentionSpec, StateSpec
 from layouts.transforms import rewrite_group
 from tests.handshake.plan_harness import execute, make_side
 
@@ -171,11 +176,100 @@ def test_a_prefill_rank_holding_none_of_the_heads_is_refused_by_name():
         negotiate(local.layout, remote.layout)
 
 
-def test_state_groups_across_tp_sizes_are_refused_by_name():
-    remote = make_side("p", 16, _fmt("NHD", True), "M", 8, rank=0, tp_size=1, total_kv_heads=4)
-    local = make_side("d", 16, _fmt("NHD", True), "M", 8, rank=0, tp_size=2, total_kv_heads=4)
-    with pytest.raises(IncompatiblePeerError, match="only attention groups move between"):
-        negotiate(local.layout, remote.layout)
+@pytest.mark.parametrize(
+    ("kinds", "heads", "local", "remote"),
+    [
+        ("FM", 4, (0, 2), (0, 1)),  # decode reads half of the prefill rank's heads
+        ("FM", 4, (0, 1), (1, 2)),  # decode reads two prefill ranks
+        ("SFM", 2, (1, 2), (3, 4)),  # GQA replication: each rank one whole head (no slice)
+        ("LM", 1, (1, 2), (0, 1)),  # MLA: the latent alone would move with the plain plan
+    ],
+)
+def test_state_groups_across_tp_sizes_are_refused_naming_both_sizes(kinds, heads, local, remote):
+    """A rank holds only its shard of a state, split along dimensions no description
+    carries; before this check the two rows without a head slice planned a plain copy of
+    one prefill rank's state into a decode rank of another TP size."""
+    fmt = _fmt("NHD", True)
+    (lr, ltp), (rr, rtp) = local, remote
+    lside = make_side("d", 16, fmt, kinds, 8, rank=lr, tp_size=ltp, total_kv_heads=heads)
+    rside = make_side("p", 16, fmt, kinds, 8, rank=rr, tp_size=rtp, total_kv_heads=heads)
+    with pytest.raises(IncompatiblePeerError) as err:
+        negotiate(lside.layout, rside.layout)
+    state = kinds.index("M")
+    assert err.value.differences == [("tp_size", ltp, rtp)]
+    assert f"groups [{state}] hold recurrent (Mamba-like) state" in err.value.hint
+    assert f"same TP size (both {ltp} or both {rtp})" in err.value.hint
+
+
+def _state_description(rank: int, tp_size: int) -> WorkerDescription:
+    """A rank of a model whose state is sharded as a Mamba layer's is: conv [3, 16 / tp],
+    ssm [16 / tp, 4] (so the state shapes differ between TP sizes)."""
+    from handshake.compat import compat_hash
+
+    groups = [
+        KVCacheGroup(
+            group_id=0,
+            layer_names=("a",),
+            spec=FullAttentionSpec(
+                block_size=16, num_kv_heads=4 // tp_size, head_size=4, dtype=torch.float16
+            ),
+        ),
+        KVCacheGroup(
+            group_id=1,
+            layer_names=("m",),
+            spec=StateSpec(
+                block_size=16,
+                shapes=((3, 16 // tp_size), (16 // tp_size, 4)),
+                dtypes=(torch.float16, torch.float32),
+            ),
+        ),
+    ]
+    buffers = KVCacheBuffers(KVCacheConfig.uniform(groups, 4), _fmt("NHD", False))
+    identity = WorkerIdentity(
+        engine_id=f"e{tp_size}",
+        agent_name=f"e{tp_size}-{rank}",
+        model_name="m",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=4,
+        head_size=4,
+        rank=rank,
+        tp_size=tp_size,
+    )
+    digest = compat_hash(identity, buffers.config)
+    return describe(identity, buffers, nixl_metadata=b"", compat_hash=digest)
+
+
+def test_sharded_state_shapes_across_tp_sizes_are_refused_for_the_tp_sizes():
+    """The handshake's compatibility check sees the per-rank state shapes differ; the
+    error says why (the TP sizes) instead of calling it another model."""
+    with pytest.raises(IncompatiblePeerError) as err:
+        check_compatible(_state_description(0, 2), _state_description(0, 1))
+    assert err.value.differences == [("tp_size", 2, 1)]
+    assert "groups [1] hold recurrent" in err.value.hint
+    assert err.value.peer == "e1/rank0"
+    check_compatible(_state_description(1, 2), _state_description(1, 2))  # equal sizes pass
+
+
+def test_state_groups_move_rank_to_rank_at_equal_tp_sizes():
+    """TP 2 on both sides: decode rank 1 copies prefill rank 1's state, one descriptor per
+    layer and state block, byte for byte."""
+    fmt = _fmt("NHD", False)
+    local = make_side("d", 16, fmt, "FM", 8, rank=1, tp_size=2, total_kv_heads=4)
+    remote = make_side("p", 16, fmt, "FM", 8, rank=1, tp_size=2, total_kv_heads=4)
+    plan = negotiate(local.layout, remote.layout)
+    g = plan.groups[1]
+    ids = np.array([3])
+    assert execute(plan, local, remote, 1, g.chunks_for_tokens(0, 16), ids, np.array([5])) == 2
+    for layer in local.buffers.config.groups[1].layer_names:
+        for a, b in zip(
+            local.buffers.state_views(layer), remote.buffers.state_views(layer), strict=True
+        ):
+            assert torch.equal(_raw(a[3]), _raw(b[5]))  # bytes: random fp bits hold NaNs
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def test_a_sender_that_may_not_rewrite_is_refused_for_a_head_slice():
@@ -239,11 +333,43 @@ def test_packed_pages_from_two_prefill_ranks_land_in_one_decode_page():
         assert g.local_offsets(g.streams[0]).tolist() == [r * page, 2 * page + r * page]
 
 
-def test_packed_pages_staged_from_several_prefill_ranks_are_refused_by_name():
-    local = make_side("d", 32, _packed(), "F", 8, rank=0, tp_size=1, total_kv_heads=4)
-    remote = make_side("p", 64, _packed(), "F", 8, rank=0, tp_size=2, total_kv_heads=4)
-    with pytest.raises(IncompatiblePeerError, match="several prefill ranks"):
+@pytest.mark.parametrize(
+    ("local_tp", "remote_tp", "heads", "enough"),
+    [(1, 2, 4, 2), (1, 4, 4, 4), (2, 4, 4, 4), (1, 4, 2, 2)],  # last: GQA replicas
+)
+def test_packed_pages_staged_from_several_prefill_ranks_are_refused_naming_both_sizes(
+    local_tp, remote_tp, heads, enough
+):
+    """A staged page would carry only some of a decode page's heads, and the engine's
+    split writes every head of a token at once: refused, naming both TP sizes, both block
+    sizes and the two ways out (that same pair works at decode TP ``enough``, or with
+    decode blocks a multiple of prefill's)."""
+    local = make_side("d", 32, _packed(), "F", 8, rank=0, tp_size=local_tp, total_kv_heads=heads)
+    read = tp.sources(0, local_tp, remote_tp, heads)
+    assert len(read) > 1
+    rank = read[-1].remote_rank
+    remote = make_side(
+        "p", 64, _packed(), "F", 8, rank=rank, tp_size=remote_tp, total_kv_heads=heads
+    )
+    with pytest.raises(IncompatiblePeerError) as err:
         negotiate(local.layout, remote.layout, can_repack=True)
+    assert err.value.differences == [
+        ("tp_size", local_tp, remote_tp),
+        ("groups[0].block_size", 32, 64),
+    ]
+    assert err.value.peer == f"p/rank{rank}"
+    assert "decode rank 0 takes its heads from several prefill ranks" in err.value.hint
+    assert "block size a multiple of 64" in err.value.hint
+    assert f"TP size of at least {enough} " in err.value.hint
+    for r in range(enough):  # the suggested TP size plans, from one prefill rank each
+        ok = make_side("d", 32, _packed(), "F", 8, rank=r, tp_size=enough, total_kv_heads=heads)
+        (s,) = tp.sources(r, enough, remote_tp, heads)
+        src = make_side(
+            "p", 64, _packed(), "F", 8, rank=s.remote_rank, tp_size=remote_tp, total_kv_heads=heads
+        )
+        assert negotiate(ok.layout, src.layout, can_repack=True).groups[0].split_from == 64
+    merged = make_side("d", 128, _packed(), "F", 8, rank=0, tp_size=local_tp, total_kv_heads=heads)
+    assert negotiate(merged.layout, remote.layout, can_repack=True).groups[0].repack_from == 64
 
 
 def test_packed_pages_without_head_runs_are_refused_across_tp_sizes():
