@@ -9,8 +9,10 @@ side of the plan (its blocks and rows), ``writer_*`` prefill's::
       -> per piece stream: reader rows and writer rows, pairwise equal lengths
 
 A state group moves one block: prefill's resume state after ``end`` tokens, into decode's
-block of token ``end - 1``. Engine-packed prefill pages larger than decode's are not rows
-here: they go through decode's staging slots (``Staged``), pull only.
+block of token ``end - 1``. Engine-packed prefill pages larger than decode's (or not
+dividing them) are not rows of decode's blocks: they go whole through decode's staging
+slots (``Staged``), round by round, and :func:`staged_rows` gives the rows of one round
+(slot ids on decode's side, prefill's page ids on the writer's).
 """
 
 from __future__ import annotations
@@ -88,3 +90,38 @@ def group_rows(
         lrows, rrows = g.indices(stream, chunks, lids, rids, remote_first_block=writer_first)
         rows.append((i, lrows, rrows))
     return GroupRows(rows=tuple(rows), touched=lids[chunks // g.local_chunks_per_block])
+
+
+def staged_rows(
+    g: GroupPlan,
+    blocks: np.ndarray,
+    slots: np.ndarray,
+    writer_ids: np.ndarray,
+    writer_first: int,
+    num_slots: int,
+) -> tuple[tuple[int, np.ndarray, np.ndarray], ...]:
+    """The rows that move the writer's whole pages of logical blocks ``blocks`` into the
+    reader's staging ``slots`` (``num_slots`` of the group's slot size): per stream, slot
+    ids (reader) and the writer's block ids. Raises :class:`KVBridgeError` naming what
+    does not fit."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    wids = np.asarray(writer_ids, dtype=np.int64)
+    if not g.split_from:
+        raise KVBridgeError(f"group {g.group_id} is not staged by the plan")
+    if blocks.size != slots.size or blocks.size == 0:
+        raise KVBridgeError(
+            f"group {g.group_id}: {blocks.size} pages for {slots.size} staging slots"
+        )
+    pos = blocks - writer_first
+    if pos.min() < 0 or pos.max() >= wids.size:
+        raise KVBridgeError(
+            f"group {g.group_id}: pages {blocks.min()}..{blocks.max()} asked, the request "
+            f"keeps {writer_first}..{writer_first + wids.size - 1}"
+        )
+    if slots.min() < 0 or slots.max() >= num_slots or np.unique(slots).size != slots.size:
+        raise KVBridgeError(
+            f"group {g.group_id}: staging slots {slots.tolist()[:8]} are not distinct slots "
+            f"of the reader's {num_slots}"
+        )
+    return tuple((i, slots, wids[pos]) for i in range(len(g.streams)))

@@ -21,13 +21,18 @@ class ConnectorMetrics:
     eager_hits: int = 0  # requests rewritten on save that their reader wanted that way
     eager_misses: int = 0  # ... that their reader wanted another way (restored, redone)
     receiver_rewrites: int = 0
+    # decode: rounds of whole remote pages through staging slots (read or pushed), split
+    # into local blocks by the engine
+    staging_rounds: int = 0
     notifications_sent: int = 0
     notifications_received: int = 0
     bad_notifications: int = 0
     leases_expired: int = 0
     heartbeats_sent: int = 0
-    pushes_written: int = 0  # prefill: Push requests whose writes completed
-    push_failures: int = 0  # prefill: Push requests answered with ok=False
+    # prefill: Push requests whose writes completed (one per load, or one per round of
+    # decode's staging slots), and those answered with ok=False
+    pushes_written: int = 0
+    push_failures: int = 0
     bytes_written: int = 0  # prefill: bytes written into decode's blocks
     staged_to_host_bytes: int = 0  # host staging: cache -> host mirror (sender)
     staged_to_device_bytes: int = 0  # host staging: host mirror -> cache (receiver)

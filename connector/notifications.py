@@ -14,8 +14,27 @@
                                <------      Pushed(req, ok, reason, bytes)
       Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
 
+    push mode through decode's staging slots (prefill's engine-packed pages larger than
+    decode's blocks, or not dividing them), one Push per round of free slots
+      Push(round 0, staged=[pages -> slots]) -->  WRITE unstaged groups into decode's
+                                                  blocks, the named pages into its slots
+                               <------      Pushed(round 0)    decode splits, frees slots
+      Push(round 1, staged=[...]) ------>   WRITE only the named pages
+                               <------      Pushed(round 1) ... until no page is left
+      Done(req, ok=False)      ------>      a round still unanswered is cancelled and
+                               <------      answered Pushed(ok=False): its slots are free
+
 Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
 (NIXL notifications are meant for <= 64 KiB).
+
+Schema evolution: a new field goes last with a default (old decoders ignore it, new ones
+fill in the default); anything else is a new ``NOTIF_PROTOCOL_VERSION``.
+
+Protocol history:
+    1 - Prepare, Prepared, Done, Heartbeat; Push and Pushed (push mode);
+        Push.round and Push.staged, Pushed.round (defaults 0 / []): pushes through
+        decode's staging slots. An older prefill never sees them: it refuses to push
+        pages decode stages at the handshake (its plan refuses the pair).
 """
 
 from __future__ import annotations
@@ -93,6 +112,16 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
 
+class StagedPages(msgspec.Struct, frozen=True, array_like=True):
+    """Whole prefill pages of a staged group (``GroupPlan.split_from``) for decode's
+    staging slots: logical block ``blocks[i]`` of the request goes to slot ``slots[i]``
+    (slots of ``GroupPlan.staging_bytes`` in decode's advertised arena)."""
+
+    group_id: int
+    blocks: list[int]
+    slots: list[int]
+
+
 class Push(msgspec.Struct, frozen=True, tag=True):
     """Decode asks prefill to WRITE tokens ``[start_token, end_token)`` of a kept request
     into decode's blocks. Prefill looks decode up at ``reader_host:reader_port`` (its own
@@ -112,16 +141,23 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     plan_digest: str
     timeout_s: float
     version: int = NOTIF_PROTOCOL_VERSION
+    # rounds through decode's staging slots: round 0 also writes every group decode does
+    # not stage; a later round writes only ``staged``
+    round: int = 0
+    staged: list[StagedPages] = msgspec.field(default_factory=list)
 
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):
-    """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not."""
+    """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not.
+    Every Push that names staging slots gets exactly one (written, refused, or cancelled
+    by decode's ``Done``): decode lends those slots to nobody else until then."""
 
     request_id: str
     ok: bool
     reason: str = ""
     num_bytes: int = 0
     num_descs: int = 0
+    round: int = 0  # the Push.round answered
 
 
 Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from connector.staging import slot_offsets, slot_region
 from connector.transport import DescList, TransferEngine
 from handshake.affinity import unpin_current_thread
 from handshake.client import HandshakeClient
@@ -41,6 +42,7 @@ from handshake.plan_model import GroupPlan, PieceStream, TransferPlan
 from handshake.tp_plan import reads_from
 from layouts.descriptors import block_descriptors
 from layouts.errors import KVBridgeError
+from layouts.region import KVRegion
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +85,8 @@ class PeerDirectory:
     ) -> None:
         """``writer``: the peers are decode workers this (prefill) worker pushes to; a
         peer's plan is then the one that decode computes (decode's blocks are the plan's
-        local side), and the lists are swapped: remote lists on decode's blocks, local
-        ones on this worker's."""
+        local side), and the lists are swapped: remote lists on decode's blocks (on its
+        staging slots for the groups it stages), local ones on this worker's."""
         self._engine = engine
         self._can_repack = can_repack
         self._writer = writer
@@ -203,8 +205,7 @@ class PeerDirectory:
             peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
             for g in plan.groups:
                 for i, stream in enumerate(g.streams):
-                    index, offsets = self._theirs(g, stream)
-                    region = layout.regions[index].region
+                    region, offsets = self._their_rows(layout, g, i)
                     table = block_descriptors(
                         region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
                     )
@@ -248,11 +249,20 @@ class PeerDirectory:
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
 
-    def _theirs(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
-        """The peer's region index and piece offsets of a stream."""
+    def _their_rows(
+        self, layout: PeerLayout, group: GroupPlan, i: int
+    ) -> tuple[KVRegion, np.ndarray]:
+        """The peer's region and piece offsets of stream ``i``: its blocks, or, for a
+        writer of pages the peer stages, its staging slots (row = slot id)."""
+        stream = group.streams[i]
+        if self._writer and group.split_from:
+            if layout.staging is None:  # negotiation refuses such a push: a bug if here
+                raise KVBridgeError(f"group {group.group_id}: the reader has no staging slots")
+            region = slot_region(layout.staging, group.staging_bytes)
+            return region, np.array([slot_offsets(group)[i]], dtype=np.int64)
         if self._writer:
-            return stream.local_region, group.local_offsets(stream)
-        return stream.remote_region, group.remote_offsets(stream)
+            return layout.regions[stream.local_region].region, group.local_offsets(stream)
+        return layout.regions[stream.remote_region].region, group.remote_offsets(stream)
 
     def _mine(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
         """This worker's region index and piece offsets of a stream."""

@@ -16,6 +16,13 @@ function decode uses to READ; here they become WRITEs from this worker's blocks 
 after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
 ``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
 (it gave up) cancels the writes first.
+
+Engine-packed pages decode must stage (``GroupPlan.split_from``) go whole into the slots of
+decode's staging arena (advertised in its description, addressed by slot id), one ``Push``
+per round of slots decode leased (``Push.staged``): round 0 also writes every other group,
+a later round only its pages (``connector.load_rows.staged_rows``). Each round is answered
+with one ``Pushed`` naming it, also when decode's ``Done`` cancels it: decode lends those
+slots to no other load before that answer.
 """
 
 from __future__ import annotations
@@ -23,18 +30,20 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from connector.errors import TransferError
-from connector.load_rows import group_rows
+from connector.load_rows import group_rows, staged_rows
+from connector.metadata import SendSpec
 from connector.metrics import ConnectorMetrics
 from connector.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
 from connector.peers import Peer, PeerDirectory, PeerKey, PeerState
 from connector.sender import EARLY_PREPARE_TTL_S, Sender
 from connector.transport import TransferEngine, XferHandle, XferState
+from handshake.plan_model import GroupPlan
 from layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
@@ -90,17 +99,17 @@ class Pusher:
         if msg.version != NOTIF_PROTOCOL_VERSION:
             self._refuse(
                 agent,
-                rid,
+                msg,
                 f"Push version {msg.version}, this prefill speaks {NOTIF_PROTOCOL_VERSION}",
             )
             return
         if where in self._pushes:
-            self._refuse(agent, rid, f"a push of {rid!r} to rank {msg.reader_rank} is in flight")
+            self._refuse(agent, msg, f"a push of {rid!r} to rank {msg.reader_rank} is in flight")
             return
         if self._sender.has_ended(rid) or len(self._pushes) >= MAX_PUSHES:
             self._refuse(
                 agent,
-                rid,
+                msg,
                 f"unknown request {rid!r} on this prefill (never kept, "
                 f"already done, or its lease expired)",
             )
@@ -108,7 +117,7 @@ class Pusher:
         if not msg.reader_host or not 0 < msg.reader_port < 65536 or msg.timeout_s <= 0:
             self._refuse(
                 agent,
-                rid,
+                msg,
                 f"Push names no usable side channel "
                 f"({msg.reader_host!r}:{msg.reader_port}) or timeout ({msg.timeout_s})",
             )
@@ -125,10 +134,18 @@ class Pusher:
         )
 
     def cancel(self, request_id: str, reader_rank: int) -> None:
-        """Decode gave up on this push (``Done(ok=False)``): stop writing, say nothing."""
+        """Decode gave up on this push (``Done(ok=False)``): stop writing. A round that
+        names staging slots is answered all the same: decode lends them again only then."""
         push = self._pushes.pop((request_id, reader_rank), None)
-        if push is not None:
-            self._release(push)
+        if push is None:
+            return
+        self._release(push)
+        if push.msg.staged:
+            reason = "cancelled: decode gave the load up"
+            self._reply(
+                push.agent,
+                Pushed(request_id=request_id, ok=False, reason=reason, round=push.msg.round),
+            )
 
     def step(self) -> None:
         """Start pushes whose request and decode are ready; finish the written ones."""
@@ -186,30 +203,7 @@ class Pusher:
         assert spec is not None  # on_prepare just found it
         push.state = PushState.WRITING
         try:
-            if len(msg.block_ids) != len(peer.plan.groups):
-                raise KVBridgeError(
-                    f"Push names {len(msg.block_ids)} groups, the plan has {len(peer.plan.groups)}"
-                )
-            for g in peer.plan.groups:
-                found = group_rows(
-                    g,
-                    peer.layout.config.groups[g.group_id].spec,
-                    np.asarray(msg.block_ids[g.group_id], dtype=np.int64),
-                    np.asarray(spec.block_ids[g.group_id], dtype=np.int64),
-                    spec.first_block[g.group_id] if spec.first_block else 0,
-                    msg.start_token,
-                    msg.end_token,
-                )
-                if found.staged is not None:  # negotiation refuses push for these
-                    raise KVBridgeError(f"group {g.group_id} needs decode's staging slots")
-                for i, reader_rows, writer_rows in found.rows:
-                    stream = g.streams[i]
-                    mine = self._targets.local_list(g, stream)
-                    theirs = peer.remote_lists[(g.group_id, i)]
-                    handle = self._engine.write(mine, writer_rows, theirs, reader_rows)
-                    push.handles.append(handle)
-                    push.num_descs += handle.num_descs  # a merged run counts once
-                    push.num_bytes += int(reader_rows.size) * stream.length
+            self._post_writes(push, peer, spec)
         except TransferError as exc:
             self._fail(push, f"write to decode {push.key} failed: {exc}")
             self._targets.drop(push.key, f"transfer failed: {exc}")
@@ -218,6 +212,61 @@ class Pusher:
             self._fail(push, f"could not post the writes: {exc}")
             return
         self._metrics.descriptors_posted += push.num_descs
+
+    def _post_writes(self, push: _Push, peer: Peer, spec: SendSpec) -> None:
+        """WRITE what the Push asks: round 0 every group decode does not stage, straight
+        into its blocks; every round the staged pages it names into decode's slots."""
+        msg, plan, layout = push.msg, peer.plan, peer.layout
+        assert plan is not None and layout is not None
+        if len(msg.block_ids) != len(plan.groups):
+            raise KVBridgeError(
+                f"Push names {len(msg.block_ids)} groups, the plan has {len(plan.groups)}"
+            )
+        pages = {p.group_id: p for p in msg.staged}
+        if len(pages) != len(msg.staged) or not pages.keys() <= {g.group_id for g in plan.groups}:
+            raise KVBridgeError(
+                f"Push names staging pages of groups {[p.group_id for p in msg.staged]}; the "
+                f"plan has groups 0..{len(plan.groups) - 1}, each at most once a round"
+            )
+        for g in plan.groups:
+            first = spec.first_block[g.group_id] if spec.first_block else 0
+            mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
+            staged = pages.get(g.group_id)
+            if g.split_from:
+                if staged is not None:
+                    assert layout.staging is not None  # negotiation refuses a push without
+                    num_slots = layout.staging.block_bytes // g.staging_bytes
+                    rows = staged_rows(g, staged.blocks, staged.slots, mine, first, num_slots)
+                    self._write(push, peer, g, rows)
+            elif staged is not None:
+                raise KVBridgeError(f"group {g.group_id} is not staged, yet the Push names slots")
+            elif msg.round == 0:  # decode's blocks of unstaged groups: with round 0 only
+                found = group_rows(
+                    g,
+                    layout.config.groups[g.group_id].spec,
+                    np.asarray(msg.block_ids[g.group_id], dtype=np.int64),
+                    mine,
+                    first,
+                    msg.start_token,
+                    msg.end_token,
+                )
+                self._write(push, peer, g, found.rows)
+
+    def _write(
+        self,
+        push: _Push,
+        peer: Peer,
+        g: GroupPlan,
+        rows: Sequence[tuple[int, np.ndarray, np.ndarray]],
+    ) -> None:
+        for i, reader_rows, writer_rows in rows:
+            stream = g.streams[i]
+            mine = self._targets.local_list(g, stream)
+            theirs = peer.remote_lists[(g.group_id, i)]
+            handle = self._engine.write(mine, writer_rows, theirs, reader_rows)
+            push.handles.append(handle)
+            push.num_descs += handle.num_descs  # a merged run counts once
+            push.num_bytes += int(reader_rows.size) * stream.length
 
     def _poll(self, push: _Push, now: float) -> None:
         try:
@@ -241,18 +290,21 @@ class Pusher:
                 ok=True,
                 num_bytes=push.num_bytes,
                 num_descs=push.num_descs,
+                round=push.msg.round,
             ),
         )
 
     def _fail(self, push: _Push, reason: str) -> None:
         self._release(push)  # releasing an in-flight handle cancels it
         self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
-        self._refuse(push.agent, push.msg.request_id, reason)
+        self._refuse(push.agent, push.msg, reason)
 
-    def _refuse(self, agent: str, request_id: str, reason: str) -> None:
+    def _refuse(self, agent: str, msg: Push, reason: str) -> None:
         self._metrics.push_failures += 1
-        logger.warning("push of %s refused: %s", request_id, reason)
-        self._reply(agent, Pushed(request_id=request_id, ok=False, reason=reason))
+        logger.warning("push of %s (round %d) refused: %s", msg.request_id, msg.round, reason)
+        self._reply(
+            agent, Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
+        )
 
     def _release(self, push: _Push) -> None:
         for h in push.handles:

@@ -7,8 +7,10 @@ Opened once the cache is registered with NIXL (the description carries NIXL's me
                          agent, queued on the listener thread and added to NIXL (once per
                          agent) by :meth:`SideChannel.add_requesters` under the worker's lock,
                          so that this worker can notify the requester
-    WorkerDescription    identity, the registered regions, NIXL metadata, compat hash, the
-                         bound port (hence built after the listener), what the worker does
+    WorkerDescription    identity, the registered regions (and, for a push decode that
+                         stages pages, its staging arena: registered before, so that the
+                         NIXL metadata covers it), NIXL metadata, compat hash, the bound
+                         port (hence built after the listener), what the worker does
     HandshakeClient      fetches a peer's description with this worker's MetadataRequest,
                          so that the peer adds this worker's agent in turn
 
@@ -32,6 +34,7 @@ from handshake.messages import MetadataRequest, WorkerDescription
 from handshake.modes import TransferMode
 from layouts.allocation import KVCacheBuffers
 from layouts.errors import KVBridgeError
+from layouts.region import KVRegion
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,10 @@ class SideChannel:
         transfer_mode: TransferMode,
         can_repack: bool,
         rewrites_on_save: bool,
+        staging: KVRegion | None = None,
     ) -> None:
-        """``registered``: the buffers ``engine`` registered (the cache, or its host mirror)."""
+        """``registered``: the buffers ``engine`` registered (the cache, or its host mirror);
+        ``staging``: the registered staging arena a pushing writer may write into."""
         self._engine = engine
         self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
         self._known_agents: set[str] = set()
@@ -77,6 +82,7 @@ class SideChannel:
                 transfer_mode=transfer_mode,
                 can_repack=can_repack,
                 rewrites_on_save=rewrites_on_save,
+                staging=staging,
             )
             request = MetadataRequest(
                 protocol_version=self._description.protocol_version,

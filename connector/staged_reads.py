@@ -1,9 +1,12 @@
-"""Reads through staging slots: engine-packed remote pages larger than the local blocks.
+"""Loads through staging slots: engine-packed remote pages larger than the local blocks.
 
 Such a page (``GroupPlan.split_from``) cannot be cut into local blocks by byte ranges, so
-it is read whole (or its slice of the heads) into a staging slot (``connector.staging``);
-the engine then writes the tokens a load needs into its blocks (:meth:`Repacker.split`)
-and the slot goes back. A load moves in rounds of as many slots as are free.
+it lands whole (or its slice of the heads) in a staging slot (``connector.staging``): read
+by decode (pull, :meth:`StagedReads.post_round`), or written by prefill into the slots
+decode leased for the round (push, :meth:`StagedReads.lease_round` and
+``connector.push_rounds``). The engine then writes the tokens a load needs into its blocks
+(:meth:`Repacker.split`) and the slots go back. A load moves in rounds of as many slots as
+are free.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from connector.metrics import ConnectorMetrics
 from connector.peers import Peer
-from connector.staging import StagingPool, StagingPools
+from connector.staging import StagingPool, StagingPools, slot_offsets
 from connector.transport import TransferEngine, XferHandle
 from handshake.plan_model import GroupPlan
 from layouts.allocation import KVCacheBuffers
@@ -82,32 +85,44 @@ class StagedReads:
         self._metrics = metrics
         self._repacker = repacker
 
-    def post_round(self, queue: list[Staged], peer: Peer) -> tuple[StageBatch | None, int]:
-        """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
-        free: None, wait for another load's round). Returns the round and its bytes."""
+    @property
+    def num_leased_bytes(self) -> int:
+        """Staging bytes out of the pool (rounds in flight, or held for push rounds)."""
+        return self._pools.num_leased_bytes
+
+    def lease_round(self, queue: list[Staged], max_pages: int | None = None) -> StageBatch | None:
+        """The next remote pages of ``queue[0]`` (at most ``max_pages``) with as many free
+        slots as there are for them; None when no slot is free (wait for another round)."""
         staged = queue[0]
-        g = staged.group
-        pool = self._pools.pool(g.staging_bytes)
-        slots = pool.lease(int(staged.remote_blocks.size))
+        pool = self._pools.pool(staged.group.staging_bytes)
+        want = int(staged.remote_blocks.size)
+        slots = pool.lease(want if max_pages is None else min(want, max_pages))
         if slots.size == 0:
-            return None, 0
+            return None
         blocks, staged.remote_blocks = (
             staged.remote_blocks[: slots.size],
             staged.remote_blocks[slots.size :],
         )
         if staged.remote_blocks.size == 0:
             queue.pop(0)
-        batch = StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
-        rrows = staged.remote_ids[blocks - staged.remote_first]
-        offset = num_bytes = 0
-        for i, stream in enumerate(g.streams):
-            local = pool.local_list(offset + stream.local_offsets[0], stream.length)
+        return StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
+
+    def post_round(self, queue: list[Staged], peer: Peer) -> tuple[StageBatch | None, int]:
+        """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
+        free: None, wait for another load's round). Returns the round and its bytes."""
+        batch = self.lease_round(queue)
+        if batch is None:
+            return None, 0
+        staged, g = batch.staged, batch.staged.group
+        rrows = staged.remote_ids[batch.remote_blocks - staged.remote_first]
+        num_bytes = 0
+        for i, (stream, offset) in enumerate(zip(g.streams, slot_offsets(g), strict=True)):
+            local = batch.pool.local_list(offset, stream.length)
             remote = peer.remote_lists[(g.group_id, i)]
-            handle = self._engine.read(local, slots, remote, rrows)
+            handle = self._engine.read(local, batch.slots, remote, rrows)
             batch.handles.append(handle)
-            num_bytes += int(slots.size) * stream.length
+            num_bytes += int(batch.slots.size) * stream.length
             self._metrics.descriptors_posted += handle.num_descs
-            offset += stream.local_chunk_bytes
         return batch, num_bytes
 
     def split(self, batch: StageBatch) -> None:
@@ -135,6 +150,7 @@ class StagedReads:
         assert self._repacker is not None  # negotiation needs one for split plans
         self._repacker.split(g.group_id, pages, g.split_from, slots)
         self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
+        self._metrics.staging_rounds += 1
 
     def cancel(self, batch: StageBatch) -> None:
         """Release a round's reads (cancelling them) and its slots."""

@@ -22,17 +22,18 @@ from connector.config import ConfigError, KVTransferConfig
 from connector.host_stage import HostStage, host_stage_for
 from connector.idle_progress import IdleProgress
 from connector.inbox import Inbox
+from connector.load_records import PushEndpoint
 from connector.metadata import ConnectorMetadata, WorkerOutput
 from connector.metrics import ConnectorMetrics
 from connector.outbox import Outbox
 from connector.peers import PeerDirectory
 from connector.pushes import Pusher
-from connector.receiver import PushEndpoint, Receiver
+from connector.receiver import Receiver
 from connector.routing import Router
 from connector.sender import Sender
 from connector.side_channel import SideChannel
 from connector.staged_reads import Repacker
-from connector.staging import staging_capacity
+from connector.staging import StagingPools, staging_capacity
 from connector.transport import TransferEngine
 from connector.worker_setup import (
     engine_call,
@@ -169,6 +170,11 @@ class KVBridgeWorker:
             engine = self._engine_factory(self.agent_name)
         self._engine = engine
         engine.register(moved.tensors)
+        staging = StagingPools(engine, self._staging_bytes, device=buffers.device)
+        if self._stages_pushes(buffers):
+            # prefill writes whole pages into these slots: registered before the
+            # description, so the NIXL metadata prefill gets in the handshake covers them
+            staging.open()
         identity = WorkerIdentity(
             engine_id=self.config.engine_id,
             agent_name=self.agent_name,
@@ -189,6 +195,7 @@ class KVBridgeWorker:
             transfer_mode=self.transfer_mode,
             can_repack=self._repacker is not None,
             rewrites_on_save=self.rewrite_on_save,
+            staging=staging.region,
         )
         self._peers = side.directory(can_repack=self._repacker is not None)
         self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
@@ -222,7 +229,7 @@ class KVBridgeWorker:
             clock=self._clock,
             wall_clock=self._wall_clock,
             repacker=self._repacker,
-            staging_bytes=self._staging_bytes,
+            staging=staging,
             router=self._router,
             notify=outbox.queue_to,
             push=push,
@@ -243,6 +250,16 @@ class KVBridgeWorker:
                 self._targets.warm(host, peer_port)
         if self._idle is not None:
             self._idle.start()
+
+    def _stages_pushes(self, buffers: KVCacheBuffers) -> bool:
+        """A decode in push mode whose engine repacks packed pages: a prefill with larger
+        (or non-dividing) pages writes them into its staging slots."""
+        return (
+            self.transfer_mode is TransferMode.PUSH
+            and self.config.is_consumer
+            and self._repacker is not None
+            and bool(buffers.format.block_packing)
+        )
 
     # -- per step -------------------------------------------------------------------------
 
@@ -296,6 +313,12 @@ class KVBridgeWorker:
     def num_live_handles(self) -> int:
         """NIXL transfer handles not yet released (0 when idle: a leak shows here)."""
         return int(getattr(self._engine, "num_live_handles", 0))
+
+    @property
+    def num_leased_staging_bytes(self) -> int:
+        """Staging-slot bytes lent to loads, or held for push rounds prefill has not
+        answered yet (0 when idle: a leak shows here)."""
+        return self._receiver.num_leased_staging_bytes if self._receiver is not None else 0
 
     @engine_call
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:

@@ -75,6 +75,7 @@ class PeerLayout:
     transfer_mode: TransferMode = TransferMode.PULL
     can_repack: bool = False  # rebuilds its packed pages from remote ones after a load
     rewrites_on_save: bool = False  # readers that need no rewrite must claim first
+    staging: KVRegion | None = None  # push: the arena a writer stages whole pages into
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -141,8 +142,10 @@ def describe(
     transfer_mode: TransferMode = TransferMode.PULL,
     can_repack: bool = False,
     rewrites_on_save: bool = False,
+    staging: KVRegion | None = None,
 ) -> WorkerDescription:
-    """The description a worker publishes for its buffers."""
+    """The description a worker publishes for its buffers (``staging``: its registered
+    staging arena, advertised for a pushing writer)."""
     config, fmt = buffers.config, buffers.format
     block_size = _side_block_size(config)
     regions = []
@@ -150,16 +153,9 @@ def describe(
         slots = buffers.unit_slots(g.group_id)
         first = config.group_layer_offset(g.group_id)
         for s in slots:
-            r = s.region
             regions.append(
-                WireRegion(
-                    name=r.name,
-                    base_addr=r.base_addr,
-                    block_bytes=r.block_bytes,
-                    block_stride_bytes=r.block_stride_bytes,
-                    num_blocks=r.num_blocks,
-                    memory_kind=r.memory_kind.value,
-                    device_id=r.device_id,
+                _region_to_wire(
+                    s.region,
                     group_id=g.group_id,
                     layer_index=-1 if s.layer_index < 0 else s.layer_index - first,
                     kv_part=s.kv_part,
@@ -198,6 +194,36 @@ def describe(
         transfer_mode=transfer_mode.value,
         can_repack=can_repack,
         rewrites_on_save=rewrites_on_save,
+        staging=_region_to_wire(staging) if staging is not None else None,
+    )
+
+
+def _region_to_wire(
+    r: KVRegion, *, group_id: int = -1, layer_index: int = -1, kv_part: int = -1
+) -> WireRegion:
+    return WireRegion(
+        name=r.name,
+        base_addr=r.base_addr,
+        block_bytes=r.block_bytes,
+        block_stride_bytes=r.block_stride_bytes,
+        num_blocks=r.num_blocks,
+        memory_kind=r.memory_kind.value,
+        device_id=r.device_id,
+        group_id=group_id,
+        layer_index=layer_index,
+        kv_part=kv_part,
+    )
+
+
+def _region_from_wire(r: WireRegion) -> KVRegion:
+    return KVRegion(
+        name=r.name,
+        base_addr=r.base_addr,
+        block_bytes=r.block_bytes,
+        block_stride_bytes=r.block_stride_bytes,
+        num_blocks=r.num_blocks,
+        memory_kind=MemoryKind(r.memory_kind),
+        device_id=r.device_id,
     )
 
 
@@ -225,15 +251,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         )
         regions = tuple(
             RegionInfo(
-                region=KVRegion(
-                    name=r.name,
-                    base_addr=r.base_addr,
-                    block_bytes=r.block_bytes,
-                    block_stride_bytes=r.block_stride_bytes,
-                    num_blocks=r.num_blocks,
-                    memory_kind=MemoryKind(r.memory_kind),
-                    device_id=r.device_id,
-                ),
+                region=_region_from_wire(r),
                 group_id=r.group_id,
                 layer_index=r.layer_index,
                 kv_part=r.kv_part,
@@ -244,6 +262,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
             if isinstance(g.spec, AttentionSpec):
                 fmt.kernel_block_size_for(g.spec.block_size)
         mode = TransferMode.parse(desc.transfer_mode)
+        staging = _region_from_wire(desc.staging) if desc.staging is not None else None
     except (LayoutError, ValueError, TypeError) as exc:
         raise ProtocolError(
             f"description from engine {desc.engine_id!r} (rank {desc.rank}) is invalid: {exc}"
@@ -269,6 +288,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         transfer_mode=mode,
         can_repack=desc.can_repack,
         rewrites_on_save=desc.rewrites_on_save,
+        staging=staging,
     )
 
 

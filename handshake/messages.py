@@ -20,7 +20,9 @@ Protocol history:
         WireSpec.kv_interleaved (default false; vLLM 0.32's K|V content axis);
         WorkerDescription.rewrites_in_place (default true), block_packing (default "");
         WorkerDescription.transfer_mode (default "pull": an older peer only pulls),
-        can_repack (default false) and rewrites_on_save (default false).
+        can_repack (default false) and rewrites_on_save (default false);
+        WorkerDescription.staging (default none): the registered staging arena a pushing
+        prefill writes whole pages into (engine-packed pages larger than decode's).
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # the sender rewrites kept blocks into its last reader's format when they are saved:
     # a reader that needs no rewrite must claim them (an empty Prepare) before reading
     rewrites_on_save: bool = False
+    # push mode, engine-packed pages: the registered staging arena (one block of its whole
+    # size) whose slots a prefill with larger pages writes into (connector.staging)
+    staging: WireRegion | None = None
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -21,7 +21,8 @@ native arrangement instead: every piece is cut where its bytes stop being contig
 (e.g. one piece per head when an HND 128-token block feeds 32-token chunks). That costs
 descriptors, so pieces smaller than ``MIN_NATIVE_PIECE_BYTES`` are refused by name
 (``handshake.native_read``). Engine-packed pages move whole (``handshake.packed_plan``);
-the plan objects themselves live in ``handshake.plan_model``.
+those the reader must stage go, in push mode, into the staging arena it advertises, which
+must hold a slot of each such group. The plan objects live in ``handshake.plan_model``.
 
 Token chunk ``q`` (tokens ``q*u .. q*u+u-1``) lives in local block ``q // r_local`` at
 chunk ``q % r_local`` and in remote block ``q // r_remote`` at chunk ``q % r_remote``.
@@ -124,21 +125,40 @@ def negotiate(
                 peer=peer,
                 hint=f"cannot bridge the block formats: {exc}",
             ) from None
-    staged = [p.group_id for p in plans if p.split_from]
-    if local.transfer_mode is TransferMode.PUSH and staged:
-        raise IncompatiblePeerError(
-            [("transfer_mode", "push", "push")],
-            peer=peer,
-            hint=f"groups {staged}: prefill's engine-packed pages are larger than decode's, "
-            f"so decode must stage them before its engine splits them; a push cannot write "
-            f"into decode's staging slots: use transfer_mode 'pull' for this pair",
-        )
+    if local.transfer_mode is TransferMode.PUSH:
+        _check_push_staging(local, [p for p in plans if p.split_from], peer)
     return TransferPlan(
         local_engine_id=local.identity.engine_id,
         remote_engine_id=remote.identity.engine_id,
         remote_agent_name=remote.identity.agent_name,
         groups=tuple(plans),
     )
+
+
+def _check_push_staging(local: PeerLayout, staged: list[GroupPlan], peer: str) -> None:
+    """A push of pages decode must stage goes into decode's advertised staging arena: it
+    must exist and hold one slot (a remote page of every layer) of every staged group."""
+    if not staged:
+        return
+    ids = [g.group_id for g in staged]
+    arena = local.staging.block_bytes if local.staging is not None else 0
+    if arena == 0:
+        raise IncompatiblePeerError(
+            [("staging", "none", "needed")],
+            peer=peer,
+            hint=f"groups {ids}: prefill's engine-packed pages are larger than decode's (or "
+            f"do not divide them), so prefill must write them into decode's staging slots, "
+            f"and decode advertises none (an older kvbridge, or no engine repacker): "
+            f"upgrade decode or use transfer_mode 'pull' for this pair",
+        )
+    need = max(g.staging_bytes for g in staged)
+    if arena < need:
+        raise IncompatiblePeerError(
+            [("staging_bytes", arena, need)],
+            peer=peer,
+            hint=f"groups {ids}: one staging slot needs {need} B (a prefill page of every "
+            f"layer) but decode's staging holds {arena} B; raise extra.staging_mib on decode",
+        )
 
 
 # -- attention groups ------------------------------------------------------------------

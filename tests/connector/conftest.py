@@ -36,6 +36,7 @@ from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_maj
 from layouts.groups import KVCacheConfig
 from layouts.layout import KVLayout, KVPacking
 from layouts.specs import KVCacheKind, SlidingWindowSpec, StateSpec
+from tests.connector.packed_engine import HndRepacker
 from tests.handshake.plan_harness import make_groups
 
 MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)
@@ -52,6 +53,9 @@ class SideFormat:
     cross_layer: bool = False
     packing: KVPacking = KVPacking.BLOCKS_FIRST
     kernel_block_size: int | None = None
+    # engine-packed pages (tests.connector.packed_engine): moved whole, the worker gets
+    # an HndRepacker
+    block_packing: str = ""
 
     @property
     def cache_format(self) -> CacheFormat:
@@ -60,12 +64,14 @@ class SideFormat:
             kernel_block_size=self.kernel_block_size,
             cross_layer=self.cross_layer,
             packing=self.packing,
+            block_packing=self.block_packing,
         )
 
     def __str__(self) -> str:
         alloc = "x" if self.cross_layer else ("ks" if self.packing is KVPacking.KV_SPLIT else "bf")
         kernel = f"-k{self.kernel_block_size}" if self.kernel_block_size else ""
-        return f"b{self.block_size}-{alloc}-{self.layout.value}{kernel}"
+        packed = "-packed" if self.block_packing else ""
+        return f"b{self.block_size}-{alloc}-{self.layout.value}{kernel}{packed}"
 
 
 def fill_buffers(buffers: KVCacheBuffers, seed: int) -> None:
@@ -403,6 +409,8 @@ class Cluster:
         )
         buffers = make_buffers(fmt, kinds, device=device)
         try:
+            if fmt.block_packing:
+                worker.set_repacker(HndRepacker(buffers))
             worker.register_kv_caches(buffers)
         except BaseException:
             worker.shutdown()

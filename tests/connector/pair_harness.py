@@ -85,11 +85,13 @@ def make_side(
     num_blocks: int = 64,
     rewrites_in_place: bool = True,
     repacker: Repacker | None = None,
+    repacker_for: Callable[[KVCacheBuffers], Repacker] | None = None,
     device: str = "cpu",
     host_staging: bool | None = None,
     **extra_config: object,
 ) -> Side:
-    """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``."""
+    """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``;
+    ``repacker_for``: builds the engine's repacker on the side's buffers."""
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
     buffers = KVCacheBuffers(kv, fmt, device)
     for t in buffers.tensors:
@@ -111,6 +113,8 @@ def make_side(
         rewrites_in_place=rewrites_in_place,
         host_staging=host_staging,
     )
+    if repacker_for is not None:
+        repacker = repacker_for(buffers)
     if repacker is not None:
         worker.set_repacker(repacker)
     worker.register_kv_caches(buffers)

@@ -1,6 +1,7 @@
 """Push mode through the whole lifecycle: two real connectors (scheduler + worker + NIXL)
-in one process, prefill WRITEs into decode's blocks. Every test ends with both block pools
-full: each block was freed exactly once."""
+in one process, prefill WRITEs into decode's blocks (and, for engine-packed pages decode
+must stage, into decode's staging slots, round by round). Every test ends with both block
+pools full: each block was freed exactly once."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 from connector.lifecycle import SendState
 from connector.notifications import Push, decode_notification, encode_notification
 from connector.params import KVTransferParams
+from connector.push_rounds import PUSH_MARGIN_S
+from handshake.description import parse_description
 from layouts.allocation import CacheFormat, read_group_token_major
 from layouts.layout import KVLayout
+from tests.connector.packed_engine import PACKED, HndRepacker
 from tests.connector.pair_harness import (
     FakeClock,
     Request,
@@ -38,9 +42,19 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def make_pair(clock: FakeClock) -> Iterator[Callable[..., tuple[Side, Side]]]:
+def made() -> Iterator[list[Side]]:
+    """The sides a test built: shut down, last first, after it."""
+    sides: list[Side] = []
+    try:
+        yield sides
+    finally:
+        for side in reversed(sides):
+            side.worker.shutdown()
+
+
+@pytest.fixture
+def make_pair(clock: FakeClock, made: list[Side]) -> Callable[..., tuple[Side, Side]]:
     """``make_pair(kinds, prefill_mode, decode_mode)``; both shut down after the test."""
-    made: list[Side] = []
 
     def make(
         kinds: str = "F", prefill_mode: str = "push", decode_mode: str = "push"
@@ -68,11 +82,7 @@ def make_pair(clock: FakeClock) -> Iterator[Callable[..., tuple[Side, Side]]]:
         made.append(decode)
         return prefill, decode
 
-    try:
-        yield make
-    finally:
-        for side in reversed(made):
-            side.worker.shutdown()
+    return make
 
 
 @pytest.fixture
@@ -120,11 +130,9 @@ def test_prefill_writes_decode_reads_nothing(make_pair, kinds):
     _pools_full(prefill, decode)
 
 
-@pytest.mark.parametrize(("prefill_mode", "decode_mode"), [("pull", "push"), ("push", "pull")])
-def test_modes_that_disagree_fail_the_load_by_name_and_free_prefill(
-    make_pair, prefill_mode, decode_mode
-):
-    prefill, decode = make_pair("F", prefill_mode, decode_mode)
+def _refused_load(prefill: Side, decode: Side) -> str:
+    """A load the handshake refuses: it fails, prefill frees at once (the fake clock never
+    moves: no lease), decode's blocks go back. Returns the failure's reason."""
     p = Request("p1", token_ids(150), _remote_decode())
     params = prefill_finish(prefill, p)
     d = Request("d1", p.prompt_token_ids, params)
@@ -132,13 +140,22 @@ def test_modes_that_disagree_fail_the_load_by_name_and_free_prefill(
     run_until(
         [prefill, decode],
         lambda: bool(failed(decode, "d1")) and "p1" in prefill.freed,
-        "the failed load and prefill's free (the fake clock never moves: no lease)",
+        "the failed load and prefill's free",
     )
     [failure] = failed(decode, "d1")
-    assert "transfer_mode" in failure.reason
-    assert f"local='{decode_mode}' remote='{prefill_mode}'" in failure.reason
-    assert prefill.sched.send_outcomes == {SendState.DONE: 1}
     _finish_decode(decode, d)
+    return failure.reason
+
+
+@pytest.mark.parametrize(("prefill_mode", "decode_mode"), [("pull", "push"), ("push", "pull")])
+def test_modes_that_disagree_fail_the_load_by_name_and_free_prefill(
+    make_pair, prefill_mode, decode_mode
+):
+    prefill, decode = make_pair("F", prefill_mode, decode_mode)
+    reason = _refused_load(prefill, decode)
+    assert "transfer_mode" in reason
+    assert f"local='{decode_mode}' remote='{prefill_mode}'" in reason
+    assert prefill.sched.send_outcomes == {SendState.DONE: 1}
     _pools_full(prefill, decode)
 
 
@@ -224,4 +241,203 @@ def test_a_pull_prefill_refuses_a_push_by_name(make_pair):
     prefill.sched.request_aborted("p1")
     prefill.pool.free(prefill.sched.take_blocks_to_free("p1") or ())
     run_until([prefill], lambda: prefill.worker.readers_done("p1") is None, "p1 dropped")
+    _pools_full(prefill, decode)
+
+
+# -- pages decode stages: prefill writes them into decode's staging slots, in rounds ------
+
+
+@pytest.fixture
+def make_staged_pair(clock: FakeClock, made: list[Side]) -> Callable[..., tuple[Side, Side]]:
+    """``make_staged_pair(prefill_block, decode_block, staging_slots)``: engine-packed
+    pages in push mode; decode's staging arena holds ``staging_slots`` prefill pages of
+    every layer (tests/connector/packed_engine: the bytes stay comparable token-major)."""
+
+    def make(prefill_block: int, decode_block: int, staging_slots: float) -> tuple[Side, Side]:
+        prefill = make_side(
+            "kv_producer",
+            "prefill",
+            prefill_block,
+            PACKED,
+            "F",
+            clock,
+            lease_s=30.0,
+            extra={"transfer_mode": "push"},
+        )
+        made.append(prefill)
+        slot = _slot_bytes(prefill)
+        decode = make_side(
+            "kv_consumer",
+            "decode",
+            decode_block,
+            PACKED,
+            "F",
+            clock,
+            repacker_for=HndRepacker,
+            extra={"transfer_mode": "push", "staging_mib": staging_slots * slot / (1 << 20)},
+        )
+        made.append(decode)
+        return prefill, decode
+
+    return make
+
+
+def _slot_bytes(prefill: Side) -> int:
+    """One staging slot: a prefill page of every layer of the group."""
+    return sum(
+        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
+    )
+
+
+def _tokens(side: Side, req: Request) -> torch.Tensor:
+    return read_group_token_major(side.buffers, 0, np.array(req.block_ids[0]))
+
+
+@pytest.mark.parametrize(
+    ("prefill_block", "decode_block", "num_computed"),
+    [(128, 32, 0), (128, 32, 96), (96, 128, 0), (96, 128, 128)],
+)
+def test_larger_packed_pages_are_pushed_into_staging_slots_in_rounds(
+    make_staged_pair, prefill_block, decode_block, num_computed
+):
+    """Prefill pages larger than decode's blocks (or not dividing them) go whole into
+    decode's two staging slots, two pages a round; decode's engine splits each round into
+    its blocks. A decode prefix hit that ends inside a prefill page leaves it untouched."""
+    prefill, decode = make_staged_pair(prefill_block, decode_block, staging_slots=2.5)
+    p = Request("p1", token_ids(600), _remote_decode())
+    params = prefill_finish(prefill, p)
+    want = _tokens(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    assert decode_admit(decode, d, num_computed) == 599 - num_computed
+    before = _tokens(decode, d)
+    run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "push")
+    got = _tokens(decode, d)
+    assert torch.equal(got[:, :, num_computed:599], want[:, :, num_computed:599])
+    assert torch.equal(got[:, :, :num_computed], before[:, :, :num_computed])
+    pages = -(-599 // prefill_block) - num_computed // prefill_block
+    rounds = -(-pages // 2)
+    pm, dm = prefill.worker.metrics, decode.worker.metrics
+    assert (dm.staging_rounds, pm.pushes_written, pm.push_failures) == (rounds, rounds, 0)
+    assert dm.descriptors_posted == 0 and pm.descriptors_posted == pages * 2  # page x layer
+    assert dm.bytes_read == pm.bytes_written == pages * _slot_bytes(prefill)
+    # the engine writes into every decode block a round touches (a block between two
+    # rounds counts in both)
+    first = num_computed // prefill_block
+    touched = [
+        np.unique(
+            np.arange(max(lo, num_computed), min(lo + 2 * prefill_block, 599)) // decode_block
+        )
+        for lo in range(first * prefill_block, 599, 2 * prefill_block)
+    ]
+    assert dm.receiver_rewrites == sum(t.size for t in touched)
+    assert decode.worker.num_leased_staging_bytes == 0
+    _finish_decode(decode, d)
+    _pools_full(prefill, decode)
+
+
+def test_an_abort_between_pushed_rounds_returns_every_slot_and_frees_prefill(make_staged_pair):
+    """Decode gives the load up while prefill owes it round 1: the round's slots stay out
+    of the pool (prefill may be writing into them) until prefill answers the cancelled
+    round; the fake clock never moves, so nothing expires meanwhile."""
+    prefill, decode = make_staged_pair(128, 32, staging_slots=2.5)
+    p = Request("p1", token_ids(600), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([prefill, decode], lambda: decode.worker.metrics.staging_rounds == 1, "round 0")
+    decode.sched.request_aborted("d1")
+    decode.step()  # round 1 was just asked: its two slots are held, Done(ok=False) leaves
+    assert decode.worker.num_leased_staging_bytes == 2 * _slot_bytes(prefill)
+    run_until(
+        [prefill, decode],
+        lambda: (
+            "p1" in prefill.freed
+            and "d1" in decode.freed
+            and decode.worker.num_leased_staging_bytes == 0
+        ),
+        "both sides to free and every staging slot to come back",
+    )
+    decode.pool.free([b for ids in d.block_ids for b in ids])
+    assert not loaded(decode, "d1")
+    assert prefill.worker.metrics.pushes_written == 1  # round 1: cancelled, and answered
+    pusher = prefill.worker._pusher
+    assert pusher is not None and pusher.num_inflight == 0
+    assert prefill.worker.num_live_handles == 0
+    _pools_full(prefill, decode)
+
+
+def test_slots_of_a_round_prefill_never_answers_come_back_after_its_deadline(
+    make_staged_pair, clock
+):
+    """Prefill never sees round 0 (it does not step): after decode gives up, the round's
+    slots stay held until prefill can no longer be writing (the round's timeout plus the
+    margin), then come back."""
+    prefill, decode = make_staged_pair(128, 32, staging_slots=2.5)
+    p = Request("p1", token_ids(600), _remote_decode())
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([decode], lambda: decode.worker.metrics.notifications_sent >= 1, "round 0 sent")
+    slots = 2 * _slot_bytes(prefill)
+    assert decode.worker.num_leased_staging_bytes == slots
+    decode.sched.request_aborted("d1")
+    decode.step()
+    clock.now += decode.worker.config.transfer_timeout_s - 1.0  # before the round's end
+    decode.step()
+    assert decode.worker.num_leased_staging_bytes == slots
+    clock.now += 2.0 + PUSH_MARGIN_S
+    decode.step()
+    assert decode.worker.num_leased_staging_bytes == 0
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free")
+    decode.pool.free([b for ids in d.block_ids for b in ids])
+    _pools_full(prefill, decode)
+
+
+def test_a_push_waits_while_another_load_holds_every_staging_slot(make_staged_pair):
+    """Two loads, two slots: the first load's rounds take both, so the second one's first
+    Push goes without slots and its pages wait until slots come back; both land exactly."""
+    prefill, decode = make_staged_pair(128, 32, staging_slots=2.5)
+    pairs = []
+    for i in range(2):
+        p = Request(f"p{i}", token_ids(600, seed=i), _remote_decode())
+        params = prefill_finish(prefill, p)
+        d = Request(f"d{i}", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+        pairs.append((p, d, _tokens(prefill, p)))
+    run_until(
+        [prefill, decode],
+        lambda: all(loaded(decode, d.request_id) for _, d, _ in pairs),
+        "both loads",
+    )
+    for _, d, want in pairs:
+        assert torch.equal(_tokens(decode, d)[:, :, :599], want[:, :, :599])
+    pm, dm = prefill.worker.metrics, decode.worker.metrics
+    assert dm.staging_rounds == 6  # 5 pages each, at most 2 a round
+    assert pm.pushes_written == dm.staging_rounds + 1  # d1's round 0 named no slot
+    assert decode.worker.num_leased_staging_bytes == 0
+    for _, d, _ in pairs:
+        _finish_decode(decode, d)
+    run_until([prefill, decode], lambda: len(prefill.freed) == 2, "prefill to free")
+    _pools_full(prefill, decode)
+
+
+def test_only_a_push_decode_with_packed_pages_advertises_its_staging_arena(
+    make_staged_pair, make_pair
+):
+    """Registered before the description was built (prefill's NIXL metadata covers it),
+    advertised whole; no other worker registers one up front."""
+    prefill, decode = make_staged_pair(128, 32, staging_slots=2.5)
+    arena = parse_description(decode.worker.description).staging
+    assert arena is not None and arena.block_bytes == int(2.5 * _slot_bytes(prefill))
+    assert prefill.worker.description.staging is None
+    _, plain = make_pair()  # push between kvbridge layouts: nothing to stage
+    assert plain.worker.description.staging is None
+
+
+def test_a_staging_arena_too_small_for_one_page_fails_the_push_by_name(make_staged_pair):
+    """Negotiation refuses the pair (the Push could not land): the load fails naming the
+    knob and prefill frees at once."""
+    prefill, decode = make_staged_pair(128, 32, staging_slots=0.5)
+    assert "raise extra.staging_mib on decode" in _refused_load(prefill, decode)
+    assert decode.worker.metrics.bytes_read == 0
     _pools_full(prefill, decode)

@@ -43,6 +43,7 @@ from tests.connector.conftest import (
     plan_request,
     snapshot,
 )
+from tests.connector.packed_engine import ENGINE_ORDER
 
 NHD, HND = KVLayout.NHD, KVLayout.HND
 SPLIT, FIRST = KVPacking.KV_SPLIT, KVPacking.BLOCKS_FIRST
@@ -157,7 +158,7 @@ class Placement:
         return bool(self.host_staging) or (self.device != "cpu" and self.buffer_device == "cpu")
 
 
-def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> None:
+def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> tuple[Node, Node]:
     placed = {
         "device": where.device,
         "buffer_device": where.buffer_device,
@@ -196,6 +197,71 @@ def _load_case(cluster: Cluster, case: Case, mode: str, where: Placement) -> Non
         assert to_device > 0 and to_device <= _block_bytes(decode, req.local_ids), to_device
     else:
         assert to_host == to_device == 0, (to_host, to_device)
+    return prefill, decode
+
+
+# -- engine-packed pages (block_packing): moved whole -------------------------------------
+
+
+def packed(block_size: int) -> SideFormat:
+    """Per-layer HND pages under an engine's packing name (tests/connector/packed_engine)."""
+    return SideFormat(block_size=block_size, layout=HND, block_packing=ENGINE_ORDER)
+
+
+# (prefill, decode) block sizes: equal; decode larger (pages side by side, merged); prefill
+# larger or not dividing (whole pages through decode's staging slots, split), with decode
+# prefix hits that end inside a prefill page
+PACKED_CASES = [
+    Case(packed(32), packed(32), "FS", 0, 200),
+    Case(packed(32), packed(128), "F", 128, 250),
+    Case(packed(128), packed(32), "FS", 0, 200),
+    Case(packed(128), packed(32), "F", 64, 256),
+    Case(packed(96), packed(128), "FS", 0, 250),
+    Case(packed(128), packed(96), "F", 96, 256),
+]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("case", PACKED_CASES, ids=str)
+def test_engine_packed_pages(cluster: Cluster, case: Case, mode: str) -> None:
+    """Whole pages, byte-exact either way: pull READs pages into decode's staging slots,
+    push has prefill WRITE them there (decode's advertised arena), and decode's engine
+    splits them into its blocks; one staging round per staged group here."""
+    staged = case.decode.block_size % case.prefill.block_size != 0
+    prefill = cluster.node("kv_producer", case.prefill, case.kinds, mode)
+    decode = cluster.node("kv_consumer", case.decode, case.kinds, mode)
+    rounds = decode.worker.metrics.staging_rounds
+    pushes = prefill.worker.metrics.pushes_written
+
+    _load_case(cluster, case, mode, Placement())
+
+    num_rounds = decode.worker.metrics.staging_rounds - rounds
+    assert num_rounds == (len(case.kinds) if staged else 0), num_rounds
+    assert decode.worker.num_leased_staging_bytes == 0  # every slot came back
+    if mode == "push":
+        # one Push per load, unless it moved in rounds: every round after the first
+        assert prefill.worker.metrics.pushes_written - pushes == max(1, num_rounds)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_engine_packed_pages_in_rounds(cluster: Cluster, mode: str) -> None:
+    """A staging arena of 2.5 prefill pages: 128 -> 32 moves the full group's 4 pages two
+    at a time, then the sliding window's page; the bytes land exactly, the slots return."""
+    prefill = cluster.node("kv_producer", packed(128), "FS", mode)
+    layers = prefill.buffers.config.groups[0].layer_names
+    slot = sum(prefill.buffers.layer_bytes(n).shape[1] for n in layers)
+    extra = {"transfer_mode": mode, "staging_mib": 2.5 * slot / (1 << 20)}
+    decode = cluster.new_node("kv_consumer", packed(32), "FS", extra=extra)
+    prefill.fill(41)
+    decode.fill(42)
+    req = plan_request(prefill, decode, 0, 500, np.random.default_rng(5))
+    pushes = prefill.worker.metrics.pushes_written
+
+    _transfer_checked(cluster, prefill, decode, req)
+
+    assert decode.worker.metrics.staging_rounds == 3  # 2 + 2 full-group pages, 1 window
+    assert decode.worker.num_leased_staging_bytes == 0
+    assert prefill.worker.metrics.pushes_written - pushes == (3 if mode == "push" else 0)
 
 
 def _transfer_checked(cluster: Cluster, prefill: Node, decode: Node, req: Request) -> None:

@@ -212,6 +212,24 @@ def test_reply_from_an_older_peer_without_defaulted_fields_still_decodes() -> No
     assert decoded == msgspec.structs.replace(current, side_channel_host="", side_channel_port=0)
 
 
+def test_a_staging_arena_travels_and_an_older_peer_advertises_none() -> None:
+    arena = WireRegion(
+        name="staging",
+        base_addr=1 << 40,
+        block_bytes=1 << 20,
+        block_stride_bytes=1 << 20,
+        num_blocks=1,
+        memory_kind="DRAM",
+    )
+    current = msgspec.structs.replace(make_description(), staging=arena)
+    assert decode_reply(encode(current)) == current
+    fields = msgspec.to_builtins(current)
+    del fields["staging"]  # a peer from before push through staging slots
+    fields["nixl_metadata"] = current.nixl_metadata
+    decoded = decode_reply(msgspec.msgpack.encode(fields))
+    assert isinstance(decoded, WorkerDescription) and decoded.staging is None
+
+
 def test_messages_are_frozen() -> None:
     request = MetadataRequest(PROTOCOL_VERSION)
     with pytest.raises(AttributeError):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from handshake.errors import IncompatiblePeerError
+from handshake.modes import TransferMode
 from handshake.plan import negotiate
 from handshake.plan_model import TransformSide
 from layouts.allocation import CacheFormat, read_group_token_major
 from layouts.layout import KVLayout
+from layouts.region import KVRegion, MemoryKind
 from tests.handshake.plan_harness import cache_format, execute, make_side
 
 NUM_TOKENS = 256
@@ -291,3 +294,66 @@ def test_engine_packed_pages_that_do_not_divide_go_whole_to_staging(b_remote, b_
     assert (g.split_from, g.repack_from, g.wire_tokens) == (b_remote, 0, b_remote)
     page = remote.layout.regions[g.streams[0].remote_region].region.block_bytes
     assert g.staging_bytes == 2 * page  # one whole remote page per layer
+
+
+def _push_sides(b_remote: int, b_local: int, staging_bytes: int | None, kinds: str = "FS"):
+    """Engine-packed push pair; the local (decode) side advertises a staging arena of
+    ``staging_bytes`` (None: none, as an older kvbridge or a decode without repacker)."""
+    fmt = CacheFormat(layout=KVLayout.HND, block_packing="vllm-cpu-attn:vec")
+    remote, local = make_side("p", b_remote, fmt, kinds, 8), make_side("d", b_local, fmt, kinds, 8)
+    arena = None
+    if staging_bytes is not None:
+        arena = KVRegion(
+            name="staging",
+            base_addr=1 << 20,
+            block_bytes=staging_bytes,
+            block_stride_bytes=staging_bytes,
+            num_blocks=1,
+            memory_kind=MemoryKind.DRAM,
+        )
+    push = TransferMode.PUSH
+    return (
+        replace(local.layout, transfer_mode=push, staging=arena),
+        replace(remote.layout, transfer_mode=push),
+    )
+
+
+@pytest.mark.parametrize("b_remote,b_local", [(128, 32), (96, 128)])
+def test_push_stages_larger_packed_pages_in_the_decode_arena(b_remote, b_local):
+    """The plan is pull's: whole pages into staging slots (prefill writes them into the
+    arena decode advertises); the arena must hold one slot."""
+    local, remote = _push_sides(b_remote, b_local, staging_bytes=1 << 20)
+    plan = negotiate(local, remote, can_repack=True)
+    pull = negotiate(
+        replace(local, transfer_mode=TransferMode.PULL, staging=None),
+        replace(remote, transfer_mode=TransferMode.PULL),
+        can_repack=True,
+    )
+    assert plan.groups == pull.groups and all(g.split_from == b_remote for g in plan.groups)
+
+
+def test_push_of_pages_decode_stages_needs_its_staging_arena():
+    local, remote = _push_sides(128, 32, staging_bytes=None)
+    with pytest.raises(IncompatiblePeerError, match=r"(?s)staging: local='none'.*groups \[0, 1\]"):
+        negotiate(local, remote, can_repack=True)
+
+
+def test_push_into_an_arena_smaller_than_one_slot_names_the_knob():
+    local, remote = _push_sides(128, 32, staging_bytes=4096)
+    g = negotiate(
+        replace(local, staging=None, transfer_mode=TransferMode.PULL),
+        replace(remote, transfer_mode=TransferMode.PULL),
+        can_repack=True,
+    ).groups[0]
+    with pytest.raises(
+        IncompatiblePeerError,
+        match=rf"(?s)staging_bytes: local=4096 remote="
+        rf"{g.staging_bytes}.*raise extra.staging_mib on decode",
+    ):
+        negotiate(local, remote, can_repack=True)
+
+
+def test_push_between_pages_that_need_no_staging_needs_no_arena():
+    local, remote = _push_sides(32, 128, staging_bytes=None)
+    plan = negotiate(local, remote, can_repack=True)
+    assert all(g.repack_from == 32 and not g.split_from for g in plan.groups)

@@ -8,6 +8,8 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
                             kv_consumer; only with KVBRIDGE_VLLM_TP=1 (see its test)
     G32a G32b               tiny-gemma3 (full + sliding-window groups), kv_both, policy fail,
                             push mode: prefill WRITEs into decode's blocks
+    P128 P32                tiny-llama, block sizes 128 and 32, kv_both, policy fail, push
+                            mode: prefill WRITEs whole pages into decode's staging slots
     proxy                   examples.proxy, prefill L128a -> decode L128b
 
 vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole:
@@ -164,6 +166,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         _spec("L96a", llama, 96, "recompute"),
         _spec("G32a", gemma, 32, "fail", mode="push"),
         _spec("G32b", gemma, 32, "fail", mode="push"),
+        _spec("P128", llama, 128, "fail", mode="push"),
+        _spec("P32", llama, 32, "fail", mode="push"),
     ]
     if WITH_TP:
         specs.append(_spec("T32", llama, 32, "recompute", tp=2, role="decode"))
@@ -173,9 +177,12 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
-        cluster = Cluster(servers, {"L": llama.name, "G": gemma.name, "T": llama.name})
+        cluster = Cluster(
+            servers, {"L": llama.name, "G": gemma.name, "T": llama.name, "P": llama.name}
+        )
         # every decode -> prefill direction the tests use (its first handshake)
         pairs = {(p, d) for p, d, _ in PAIRS} | {("G32a", "G32b"), ("G32b", "G32a")}
+        pairs |= {("P128", "P32")}
         _warm_up(cluster, sorted(pairs))
         yield cluster
     finally:
@@ -327,6 +334,31 @@ def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
     assert _delta(p_before, p_after, "pushes_written") == len(prompts)
     for p, g in zip(prompts, got, strict=True):
         _assert_same(cluster.run(prefill, p), g)
+
+
+def test_push_writes_larger_prefill_pages_into_decode_staging_slots(cluster):
+    """Push mode, prefill block 128 -> decode block 32: the prefill server WRITEs whole
+    128-token pages into the decode server's staging slots (advertised in its handshake),
+    and vLLM's kernel splits them into decode's blocks; tokens and logprobs equal a
+    single server. One round per prompt (the default 64 MiB arena holds 256 slots)."""
+    prefill, decode = "P128", "P32"
+    prompts = make_prompts(2, 400, seed=12128)
+    before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
+    got = [cluster.pd(prefill, decode, p) for p in prompts]
+    after, p_after = cluster.metrics(decode), cluster.metrics(prefill)
+    moved = _deltas(before, after)
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    loaded = [len(p) - 1 for p in prompts]
+    pages = sum(-(-n // 128) for n in loaded)
+    pushed = _delta(p_before, p_after, "bytes_written")
+    assert _delta(before, after, "bytes_read") == pushed == pages * 128 * BYTES_PER_TOKEN, moved
+    assert _delta(before, after, "descriptors_posted") == 0, moved  # decode posted nothing
+    assert _delta(p_before, p_after, "descriptors_posted") == pages * 4  # page x layer
+    assert _delta(p_before, p_after, "pushes_written") == len(prompts)
+    assert _delta(before, after, "staging_rounds") == len(prompts), moved
+    assert _delta(before, after, "receiver_rewrites") == sum(-(-n // 32) for n in loaded)
+    for p, g in zip(prompts, got, strict=True):
+        _assert_same(cluster.run("L32a", p), g)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("L32a", "L32b"), ("G32b", "G32a")])
