@@ -31,8 +31,10 @@ ModelConfig; the hook runs right after a layer's paged attention stored its KV. 
 cores such a forward is ~100-1000x longer than the WRITE of its KV, far from a GPU's
 ratio; ``--compute standin`` therefore replaces the layer's compute by a matmul loop sized
 so that the forward lasts T / ``--ratio`` (T measured first), then writes the layer's KV
-with the same paged write. ``ideal`` is (b) with copies that use no compute resources (a
-GPU's copy engine or NIC): max(F + T/L, F/L + T).
+with the same paged write. Column ``best``: (b)/(a) if the copies used none of the
+compute's resources (a GPU's copy engine or NIC), max(F + T/L, F/L + T) / (F + T).
+The machine is shared: each sample starts once its busy share is below ``--quiet`` (or
+after ``--quiet-wait-s``), and ratios are taken per round, then the median.
 
 Run:  .venv/bin/python scripts/bench_layer_push.py --compute model --tokens 512,1024,2048
       .venv/bin/python scripts/bench_layer_push.py --compute standin --ratio 0.1 \\
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import enum
 import json
 import os
@@ -66,7 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine  # noqa: E402
-from connector.transport import XferHandle, wait_done  # noqa: E402
+from connector.transport import DescList, XferHandle, wait_done  # noqa: E402
 from examples.model import FULL, ModelCaches, ModelConfig, TinyModel  # noqa: E402
 from examples.model import SeqInput as ModelInput  # noqa: E402
 from examples.paged_attention import AttentionCache, write_kv  # noqa: E402
@@ -238,7 +241,11 @@ class DecodeChild(Child):
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._events: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self.wait("ready")
+        try:
+            self.ready = self.wait("ready")
+        except BaseException:
+            self.close()
+            raise
 
     def ask(self, reply: str, **cmd: object) -> dict:
         self.command(**cmd)
@@ -258,8 +265,8 @@ class Writer:
         self.cross_layer = setup.cross_layer
         self.peer = ""
         self._local = local.regions()
-        self._pages: tuple | None = None
-        self._blocks: tuple | None = None
+        self._pages: tuple[DescList, DescList] | None = None  # (here, decode)
+        self._blocks: tuple[DescList, DescList] | None = None
         self._layer_idx: list[tuple[np.ndarray, np.ndarray]] = []
         self._request_idx: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -693,10 +700,10 @@ def main() -> None:
         flush=True,
     )
     config = NixlEngineConfig(agent_name=f"lp-P-{uuid.uuid4().hex[:8]}", shared=True)
-    child = DecodeChild(setup)
-    engine = NixlTransferEngine(config)
-    poster: LayerPoster | None = None
-    try:
+    with contextlib.ExitStack() as teardown:  # unwinds in reverse, past failures
+        child = DecodeChild(setup)
+        teardown.callback(child.close)
+        engine = teardown.enter_context(NixlTransferEngine(config))
         engine.register(buffers.tensors)
         writer = Writer(engine, setup, buffers)
         remote = [
@@ -706,6 +713,7 @@ def main() -> None:
         writer.connect(base64.b64decode(child.ready["metadata"]), remote)
         child.ask("peered", cmd="peer", metadata=b64(engine.metadata()))
         poster = LayerPoster(writer)
+        teardown.callback(poster.close)
         bench = Bench(setup, forward, writer, poster, child, buffers)
         rng = np.random.default_rng(0)
         src, dst = (rng.permutation(setup.num_blocks) for _ in range(2))
@@ -718,11 +726,6 @@ def main() -> None:
             results[tokens] = measure(bench, list(Mode), args.iterations, quiet)
             print(f"  done: {tokens} tokens (load {os.getloadavg()[0]:.1f})", flush=True)
         print_tables(setup, results)
-    finally:
-        if poster is not None:
-            poster.close()
-        engine.close()
-        child.close()
 
 
 if __name__ == "__main__":
