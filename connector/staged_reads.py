@@ -40,10 +40,16 @@ class Repacker(Protocol):
         pages: Sequence[torch.Tensor],
         remote_block_size: int,
         slots: np.ndarray,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
         ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
-        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``."""
+        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``.
+
+        ``heads`` ``(first, count)``: the pages hold only local heads ``first .. first +
+        count - 1`` (tensor parallelism, when the local heads come from several remote
+        ranks, each staged on its own); write just those heads of each token and leave
+        the others as they are. None: the pages hold every local head."""
 
 
 @dataclass
@@ -148,7 +154,13 @@ class StagedReads:
             offset += stream.local_chunk_bytes
         batch.pool.give_back(batch.slots)
         assert self._repacker is not None  # negotiation needs one for split plans
-        self._repacker.split(g.group_id, pages, g.split_from, slots)
+        spec = self._buffers.config.groups[g.group_id].spec
+        if g.head_slice and g.head_slice[2] != getattr(spec, "num_kv_heads", 0):
+            # this source holds some of the local heads (others come from other ranks)
+            heads = (g.head_slice[0], g.head_slice[2])
+            self._repacker.split(g.group_id, pages, g.split_from, slots, heads=heads)
+        else:
+            self._repacker.split(g.group_id, pages, g.split_from, slots)
         self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
         self._metrics.staging_rounds += 1
 

@@ -113,13 +113,15 @@ def _staged_plan(
     heads: HeadSlice | None,
 ) -> GroupPlan:
     """Remote pages that do not fit whole into local ones: one page per layer and remote
-    block (its slice of the heads) into a staging slot of local-heads pages, the group's
-    layers back to back."""
+    block (its slice of the heads) into a staging slot, the group's layers back to back.
+    A slot page holds the ``n`` heads this remote rank gives (all local heads, or, when
+    the local heads come from several remote ranks, local heads ``la .. la + n - 1``: the
+    engine's split then writes only those, ``GroupPlan.head_slice``)."""
     b_local, b_remote = lg.spec.block_size, rg.spec.block_size
     h_local, h_remote = _heads(lg), _heads(rg)
-    ra, n = (heads.remote_head, heads.num_heads) if heads else (0, h_remote)
-    if n != h_local:
-        raise _staged_from_several_ranks(local, remote, lg.group_id, b_local, b_remote)
+    la, ra, n = (
+        (heads.local_head, heads.remote_head, heads.num_heads) if heads else (0, 0, h_remote)
+    )
     lr, rr = _paired_layers(local, remote, lg.group_id, rg.group_id)
     streams = []
     for layer in sorted(lr):
@@ -138,7 +140,7 @@ def _staged_plan(
                 local_offsets=(0,),
                 remote_offsets=(ra * per_head,),
                 length=n * per_head,
-                local_chunk_bytes=n * per_head,  # one slot page: b_remote tokens, local heads
+                local_chunk_bytes=n * per_head,  # one slot page: b_remote tokens, n heads
                 remote_chunk_bytes=rbytes,
             )
         )
@@ -152,34 +154,7 @@ def _staged_plan(
         receiver=None,
         streams=tuple(streams),
         split_from=b_remote,
-        head_slice=(0, ra, n) if heads else (),
-    )
-
-
-def _staged_from_several_ranks(
-    local: PeerLayout, remote: PeerLayout, group_id: int, b_local: int, b_remote: int
-) -> IncompatiblePeerError:
-    """The refusal when a staged page would hold only some of a decode page's heads.
-
-    The engine's split (``Repacker.split``) writes every head of a token at once, and each
-    prefill rank's pages arrive, and are split, on their own: a split would write heads that
-    other prefill ranks have not delivered into the slot.
-    """
-    li, ri = local.identity, remote.identity
-    enough = min(ri.tp_size, li.num_kv_heads)  # a decode rank's heads on one prefill rank
-    return IncompatiblePeerError(
-        [
-            ("tp_size", li.tp_size, ri.tp_size),
-            (f"groups[{group_id}].block_size", b_local, b_remote),
-        ],
-        peer=f"{ri.engine_id}/rank{ri.rank}",
-        hint=f"prefill's {b_remote}-token engine-packed pages do not fit whole into decode's "
-        f"{b_local}-token blocks, so decode stages each page and its engine splits it, "
-        f"writing every head of a token at once; decode rank {li.rank} takes its heads from "
-        f"several prefill ranks, whose pages arrive separately. Make decode's block size a "
-        f"multiple of {b_remote} (pages then land side by side and merge), or run decode at "
-        f"a TP size of at least {enough} (each decode rank's heads then sit on one prefill "
-        f"rank)",
+        head_slice=(la, ra, n) if heads else (),
     )
 
 

@@ -9,7 +9,9 @@ prefill's receives ``r`` prefill pages side by side, and :class:`CpuAttnRepacker
 them into one page of its own (``merge``): it reads the small pages through their element
 map and writes K and V back with vLLM's own kernel. A prefill block ``r`` times larger
 lands whole in a staging slot, and ``split`` writes the tokens decode loads from it into
-decode's blocks the same way.
+decode's blocks the same way. When decode's heads come from several prefill ranks (prefill
+TP larger), each rank's staged pages hold only its heads; ``split`` then writes just those
+heads of each token, through the element map (the kernel writes every head of a token).
 
 The element map is measured, not assumed: :func:`page_map` runs the kernel on a scratch
 block whose values encode each element's index.
@@ -101,6 +103,7 @@ class CpuAttnRepacker:
         pages: Sequence[torch.Tensor],
         remote_block_size: int,
         slots: np.ndarray,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         names = self._layers[group_id]
         if len(pages) != len(names):
@@ -111,7 +114,11 @@ class CpuAttnRepacker:
         keep = torch.from_numpy(flat >= 0)
         where = torch.from_numpy(flat[flat >= 0])
         for name, layer_pages in zip(names, pages, strict=True):
-            split_layer(self._tensors[name], layer_pages, remote_block_size, keep, where)
+            cache = self._tensors[name]
+            if heads is None or heads == (0, cache.shape[1]):
+                split_layer(cache, layer_pages, remote_block_size, keep, where)
+            else:
+                split_heads_layer(cache, layer_pages, remote_block_size, keep, where, heads)
 
 
 def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size: int) -> None:
@@ -158,3 +165,39 @@ def split_layer(
     key = canonical[:, 0].reshape(n * b, heads, d)[keep].contiguous()
     value = canonical[:, 1].reshape(n * b, heads, d)[keep].contiguous()
     _write(cache, key, value, slots)
+
+
+def split_heads_layer(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    remote_block_size: int,
+    keep: torch.Tensor,
+    slots: torch.Tensor,
+    heads: tuple[int, int],
+) -> None:
+    """:func:`split_layer` for pages that hold only heads ``first .. first + count - 1``
+    of this layer's ``H``: those heads of each kept token go to their place in its slot's
+    page (the element map of an ``H``-head page), the other heads stay as they are."""
+    _, num_heads, block_size, width = cache.shape
+    first, count = heads
+    d, b, n = width // 2, remote_block_size, pages.shape[0]
+    if not (0 <= first and count > 0 and first + count <= num_heads):
+        raise KVBridgeError(f"heads {first}..{first + count - 1} are not among {num_heads}")
+    if n == 0 or slots.numel() == 0:
+        return
+    expected = 2 * b * count * d * cache.element_size()
+    if pages.shape[1] != expected:
+        raise KVBridgeError(
+            f"{b}-token pages of {count} heads, {pages.shape[1]} B, do not match this layer "
+            f"({expected} B)"
+        )
+    if not cache.is_contiguous():
+        raise KVBridgeError("a layer's CPU attention cache must be one contiguous tensor")
+    src = torch.from_numpy(page_map(cache.dtype, b, count, d).reshape(-1))
+    elems = pages.contiguous().view(cache.dtype).reshape(n, -1)
+    values = elems[:, src].reshape(n, 2, b, count, d).transpose(1, 2).reshape(n * b, 2, count, d)
+    dst = page_map(cache.dtype, block_size, num_heads, d)[:, :, first : first + count]
+    by_token = torch.from_numpy(np.ascontiguousarray(dst.transpose(1, 0, 2, 3)))  # [B, 2, c, D]
+    page_elems = num_heads * block_size * width
+    where = (slots // block_size).view(-1, 1, 1, 1) * page_elems + by_token[slots % block_size]
+    cache.view(-1)[where.reshape(-1)] = values[keep].reshape(-1)

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from connector.config import KVTransferConfig
+from connector.engine_thread import lower_calling_thread_priority
 from connector.metadata import WorkerOutput
 from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
 from connector.vllm.packing import CpuAttnRepacker
 from connector.vllm.stats import CounterDelta, KVBridgeStats
 from connector.worker import KVBridgeWorker, ModelInfo
+from connector.worker_setup import engine_thread_nice
 from layouts.external import adopt_kv_caches
 from layouts.groups import KVCacheConfig
 from layouts.layout import KVLayout
@@ -51,6 +53,7 @@ class VLLMWorkerSide:
         # their notifications (a claim's Prepare, Done)
         defaults = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
         config = replace(config, extra={**defaults, **config.extra})
+        self._engine_nice = engine_thread_nice(config.extra)
         spec = kv_config.groups[0].spec
         assert isinstance(spec, AttentionSpec)
         self.worker = KVBridgeWorker(
@@ -96,6 +99,8 @@ class VLLMWorkerSide:
             ", ".join(f"g{g.group_id}={g.spec.kind.value}" for g in buffers.config.groups),
         )
         self.worker.register_kv_caches(buffers)
+        if self._engine_nice:  # after kvbridge's threads started: they keep their priority
+            lower_calling_thread_priority(self._engine_nice)
 
     def bind(self, metadata: Any) -> None:
         if not isinstance(metadata, KVBridgeMetadata):
@@ -141,8 +146,9 @@ class VLLMWorkerSide:
 
 def heads_major(kv_config: KVCacheConfig) -> bool:
     """Whether vLLM's CPU attention keeps each head of a page in one contiguous run, heads
-    in order (measured with its kernel, :func:`connector.vllm.packing.page_map`); then a
-    tensor-parallel reader can take a slice of the heads as one byte range."""
+    in order and each in the same order inside its run (measured with its kernel,
+    :func:`connector.vllm.packing.page_map`); then a tensor-parallel reader can take a
+    slice of the heads as one byte range, and that slice is a page of fewer heads."""
     from connector.vllm.packing import page_map
 
     for g in kv_config.groups:
@@ -152,10 +158,12 @@ def heads_major(kv_config: KVCacheConfig) -> bool:
         offsets = page_map(spec.dtype, spec.block_size, spec.num_kv_heads, spec.head_size)
         per_head = offsets.size // spec.num_kv_heads
         by_head = np.moveaxis(offsets, 2, 0).reshape(spec.num_kv_heads, -1)
-        if not all(
-            np.array_equal(np.sort(by_head[h]), np.arange(h * per_head, (h + 1) * per_head))
-            for h in range(spec.num_kv_heads)
-        ):
+        if not np.array_equal(np.sort(by_head[0]), np.arange(per_head)):
+            return False
+        # every head in the same order inside its run: a slice of the heads is a page of
+        # fewer heads (what a rank of another TP size holds)
+        steps = np.arange(spec.num_kv_heads).reshape(-1, 1) * per_head
+        if not np.array_equal(by_head - steps, np.broadcast_to(by_head[0], by_head.shape)):
             return False
     return True
 

@@ -53,6 +53,9 @@ def side_format(cfg: dict) -> SideFormat:
         cross_layer=cfg.get("cross_layer", False),
         packing=KVPacking(cfg.get("packing", "blocks_first")),
         kernel_block_size=cfg.get("kernel_block_size"),
+        block_packing=cfg.get("block_packing", ""),
+        packed_heads_major=cfg.get("packed_heads_major", False),
+        kv_interleaved=cfg.get("kv_interleaved", False),
     )
 
 

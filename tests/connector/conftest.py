@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -35,7 +35,7 @@ from connector.worker import KVBridgeWorker, ModelInfo
 from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from layouts.groups import KVCacheConfig
 from layouts.layout import KVLayout, KVPacking
-from layouts.specs import KVCacheKind, SlidingWindowSpec, StateSpec
+from layouts.specs import AttentionSpec, KVCacheKind, MLASpec, SlidingWindowSpec, StateSpec
 from tests.connector.packed_engine import HndRepacker
 from tests.handshake.plan_harness import make_groups
 
@@ -56,6 +56,8 @@ class SideFormat:
     # engine-packed pages (tests.connector.packed_engine): moved whole, the worker gets
     # an HndRepacker
     block_packing: str = ""
+    packed_heads_major: bool = False  # such pages keep each head in one run (TP slices)
+    kv_interleaved: bool = False  # K|V side by side per (head, token), as vLLM 0.32 shows
 
     @property
     def cache_format(self) -> CacheFormat:
@@ -65,13 +67,15 @@ class SideFormat:
             cross_layer=self.cross_layer,
             packing=self.packing,
             block_packing=self.block_packing,
+            packed_heads_major=self.packed_heads_major,
         )
 
     def __str__(self) -> str:
         alloc = "x" if self.cross_layer else ("ks" if self.packing is KVPacking.KV_SPLIT else "bf")
         kernel = f"-k{self.kernel_block_size}" if self.kernel_block_size else ""
         packed = "-packed" if self.block_packing else ""
-        return f"b{self.block_size}-{alloc}-{self.layout.value}{kernel}{packed}"
+        kv = "-kv" if self.kv_interleaved else ""
+        return f"b{self.block_size}-{alloc}-{self.layout.value}{kernel}{packed}{kv}"
 
 
 def fill_buffers(buffers: KVCacheBuffers, seed: int) -> None:
@@ -91,7 +95,15 @@ def make_buffers(
 ) -> KVCacheBuffers:
     """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state;
     ``num_kv_heads``: the heads this rank holds."""
-    config = KVCacheConfig.uniform(make_groups(fmt.block_size, kinds, num_kv_heads), num_blocks)
+    groups = make_groups(fmt.block_size, kinds, num_kv_heads)
+    if fmt.kv_interleaved:
+        groups = [
+            replace(g, spec=replace(g.spec, kv_interleaved=True))
+            if isinstance(g.spec, AttentionSpec) and not isinstance(g.spec, MLASpec)
+            else g
+            for g in groups
+        ]
+    config = KVCacheConfig.uniform(groups, num_blocks)
     return KVCacheBuffers(config, fmt.cache_format, device)
 
 

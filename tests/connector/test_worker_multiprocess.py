@@ -87,6 +87,9 @@ class Child:
             "cross_layer": fmt.cross_layer,
             "packing": fmt.packing.value,
             "kernel_block_size": fmt.kernel_block_size,
+            "block_packing": fmt.block_packing,
+            "packed_heads_major": fmt.packed_heads_major,
+            "kv_interleaved": fmt.kv_interleaved,
             "transfer_mode": transfer_mode,
         }
         env = {**os.environ, "PYTHONPATH": str(REPO)}

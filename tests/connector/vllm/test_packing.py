@@ -7,6 +7,7 @@ These tests run that kernel, so a vLLM change to the order shows up here first.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +182,84 @@ def test_cpu_attention_pages_keep_each_head_in_one_run():
         groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
     )
     assert heads_major(config) is (_isa_name() == "vec")
+
+
+def test_a_slice_of_the_heads_is_a_page_of_fewer_heads():
+    """What a rank of another TP size holds: heads ``a .. a + n - 1`` of a 4-head page,
+    shifted to the start, are the element order of an ``n``-head page."""
+    from connector.vllm.packing import page_map
+
+    if _isa_name() != "vec":
+        pytest.skip("heads are contiguous runs only in the vec order")
+    for block_size in (32, 64, 128):
+        four = page_map(torch.float32, block_size, 4, D)
+        per_head = four.size // 4
+        for a, n in [(0, 2), (2, 2), (1, 1), (3, 1), (1, 3)]:
+            want = page_map(torch.float32, block_size, n, D)
+            assert np.array_equal(four[:, :, a : a + n] - a * per_head, want), (block_size, a, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("small,large,ranks", [(32, 64, 2), (32, 128, 4), (64, 96, 2)])
+def test_split_of_head_slices_from_several_prefill_ranks_equals_writing_all_heads(
+    dtype, small, large, ranks
+):
+    """Decode TP 1 with 4 heads, prefill TP ``ranks`` with ``large``-token blocks: each
+    prefill rank's staged pages hold only its heads; splitting them one rank at a time
+    (in any order) writes decode's blocks byte for byte as the kernel writes all heads at
+    once, and a rank's split leaves the other heads and the prefix-hit block alone."""
+    from connector.vllm.packing import CpuAttnRepacker, _write
+
+    heads = 4
+    per_rank = heads // ranks
+    g = torch.Generator().manual_seed(small * large + ranks)
+    tokens = 2 * large
+    key = torch.randn(tokens, heads, D, generator=g).to(dtype)
+    value = torch.randn(tokens, heads, D, generator=g).to(dtype)
+    src_ids = torch.tensor([2, 0])
+    src_slots = (src_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1)
+    staged = []  # per prefill rank: its pages, as its staging slots hold them
+    for r in range(ranks):
+        mine = slice(r * per_rank, (r + 1) * per_rank)
+        src = torch.zeros(3, per_rank, large, 2 * D, dtype=dtype)
+        _write(src, key[:, mine].contiguous(), value[:, mine].contiguous(), src_slots)
+        staged.append([src[src_ids].reshape(2, -1).view(torch.uint8)])
+
+    nb = -(-tokens // small)
+    dst = torch.zeros(nb + 2, heads, small, 2 * D, dtype=dtype)
+    dst_ids = np.arange(nb)[::-1] + 2
+    start, end = small, tokens - 1
+    t = np.arange(tokens).reshape(2, large)
+    slots = np.where((t >= start) & (t < end), dst_ids[t // small] * small + t % small, -1)
+    spec = FullAttentionSpec(block_size=small, num_kv_heads=heads, head_size=D, dtype=dtype)
+    layers = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=nb + 2
+    )
+    repacker = CpuAttnRepacker(layers, {"l0": dst})
+    before_hit = dst[int(dst_ids[0])].clone()
+    keep = torch.arange(start, end)
+    want_slots = torch.from_numpy(dst_ids[keep.numpy() // small] * small + keep.numpy() % small)
+    written = torch.from_numpy(dst_ids[1:].copy())
+    for step, r in enumerate(reversed(range(ranks))):  # the last rank's pages arrive first
+        repacker.split(0, staged[r], large, slots, (r * per_rank, per_rank))
+        want = torch.zeros_like(dst)  # heads of the ranks split so far, the rest still 0
+        done = slice(r * per_rank, heads)
+        k, v = torch.zeros_like(key[keep]), torch.zeros_like(value[keep])
+        k[:, done], v[:, done] = key[keep][:, done], value[keep][:, done]
+        _write(want, k, v, want_slots)
+        assert torch.equal(dst[written].view(torch.uint8), want[written].view(torch.uint8)), step
+    assert torch.equal(dst[int(dst_ids[0])], before_hit)
+
+
+def test_split_of_a_head_slice_refuses_heads_outside_the_layer():
+    from connector.vllm.packing import CpuAttnRepacker
+    from layouts.errors import KVBridgeError
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
+    config = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
+    )
+    repacker = CpuAttnRepacker(config, {"l0": torch.zeros(NB, H, BS, 2 * D)})
+    pages = [torch.zeros(1, 2 * 64 * D * 4, dtype=torch.uint8)]
+    with pytest.raises(KVBridgeError, match=r"heads 1\.\.2 are not among 2"):
+        repacker.split(0, pages, 64, np.zeros((1, 64), dtype=np.int64), (1, 2))
