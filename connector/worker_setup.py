@@ -126,3 +126,18 @@ def nixl_engine(
             **({"progress": progress, "progress_delay_us": progress_us} if progress else {}),
         )
     )
+
+
+def engine_thread_nice(extra: dict) -> int:
+    """``extra["engine_thread_nice"]``: 0 (default) leaves the engine's thread alone; 1-19
+    lowers the scheduling priority of the thread that registers the KV caches (vLLM's
+    worker thread, which busy-waits between steps) to that nice value once kvbridge's own
+    threads are running. On a machine with fewer cores than busy engine threads, a
+    busy-waiting thread otherwise starves the transfer threads sharing its core."""
+    value = extra.get("engine_thread_nice", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise ConfigError(
+            f"extra.engine_thread_nice={value!r} must be an integer from 0 (leave the engine "
+            f"thread's priority alone) to 19 (lowest)"
+        )
+    return value

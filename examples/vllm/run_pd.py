@@ -47,7 +47,13 @@ from examples.vllm.client import (
 from examples.vllm.metrics import connector_names, scrape, transfer_figures
 from examples.vllm.models import DTYPE, MAX_POSITIONS, MODELS, REPO_ROOT, ensure_model
 from examples.vllm.procs import Service, ServiceError, start_all, stop_all
-from examples.vllm.servers import CONNECTORS, ServerSpec, proxy_service, vllm_service
+from examples.vllm.servers import (
+    CONNECTORS,
+    ServerSpec,
+    proxy_service,
+    vllm_service,
+    with_engine_nice,
+)
 
 
 @dataclass
@@ -138,6 +144,10 @@ def start_pd(
     if (prefill_tp, decode_tp) != (1, 1):
         tag += f"-tp{prefill_tp}to{decode_tp}"
     log_dir = Path(log_dir) if log_dir else default_log_dir(tag)
+    given = kv_extra
+    kv_extra = with_engine_nice(kv_extra, connector, prefill_tp + decode_tp + with_reference)
+    if progress and kv_extra is not given:
+        print("  more busy engine threads than cores: extra.engine_thread_nice=19", flush=True)
     common = dict(
         model=model_dir,
         dtype=DTYPE,

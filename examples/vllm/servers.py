@@ -154,6 +154,23 @@ def cpu_bind(slot: int, tensor_parallel_size: int = 1) -> str:
     return "|".join(str(cores[(first + r) % len(cores)]) for r in range(tensor_parallel_size))
 
 
+def with_engine_nice(
+    kv_extra: dict[str, Any] | None, connector: str, busy_threads: int
+) -> dict[str, Any] | None:
+    """``kv_extra`` plus kvbridge's ``extra.engine_thread_nice`` = 19 when the servers
+    started together have more busy-waiting engine threads (one per TP rank) than this
+    process may use cores: vLLM's workers spin between steps, and on a shared core they
+    starved the transfer threads (decode loads stuck in ``reading`` for 30 s; see
+    ``connector/engine_thread.py``). A value the caller set wins; other connectors get
+    ``kv_extra`` unchanged."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if connector != "kvbridge" or busy_threads <= cores:
+        return kv_extra
+    extra = dict((kv_extra or {}).get("extra", {}))
+    extra.setdefault("engine_thread_nice", 19)
+    return {**(kv_extra or {}), "extra": extra}
+
+
 def python_path_env() -> str:
     """``PYTHONPATH`` with the repository root first (for ``connector.vllm``)."""
     parts = [str(REPO_ROOT)]
