@@ -140,6 +140,22 @@ def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size
     _write(cache, key, value, slots)
 
 
+def _canonical(
+    pages: torch.Tensor, dtype: torch.dtype, block_size: int, heads: int, head_size: int
+) -> torch.Tensor:
+    """``n`` pages of ``block_size`` tokens and ``heads`` heads in the kernel's order
+    (uint8 ``[n, page_bytes]``) as ``[n, K/V, token, head, dim]`` elements."""
+    n, b = pages.shape[0], block_size
+    expected = 2 * b * heads * head_size * dtype.itemsize
+    if pages.shape[1] != expected:
+        raise KVBridgeError(
+            f"{b}-token pages of {pages.shape[1]} B do not match this layer ({expected} B)"
+        )
+    offsets = torch.from_numpy(page_map(dtype, b, heads, head_size).reshape(-1))
+    elems = pages.contiguous().view(dtype).reshape(n, -1)
+    return elems[:, offsets].reshape(n, 2, b, heads, head_size)
+
+
 def split_layer(
     cache: torch.Tensor,
     pages: torch.Tensor,
@@ -154,14 +170,7 @@ def split_layer(
     d, b, n = width // 2, remote_block_size, pages.shape[0]
     if n == 0 or slots.numel() == 0:
         return
-    expected = 2 * b * heads * d * cache.element_size()
-    if pages.shape[1] != expected:
-        raise KVBridgeError(
-            f"{b}-token pages of {pages.shape[1]} B do not match this layer ({expected} B)"
-        )
-    offsets = torch.from_numpy(page_map(cache.dtype, b, heads, d).reshape(-1))
-    elems = pages.contiguous().view(cache.dtype).reshape(n, -1)
-    canonical = elems[:, offsets].reshape(n, 2, b, heads, d)
+    canonical = _canonical(pages, cache.dtype, b, heads, d)
     key = canonical[:, 0].reshape(n * b, heads, d)[keep].contiguous()
     value = canonical[:, 1].reshape(n * b, heads, d)[keep].contiguous()
     _write(cache, key, value, slots)
@@ -185,17 +194,10 @@ def split_heads_layer(
         raise KVBridgeError(f"heads {first}..{first + count - 1} are not among {num_heads}")
     if n == 0 or slots.numel() == 0:
         return
-    expected = 2 * b * count * d * cache.element_size()
-    if pages.shape[1] != expected:
-        raise KVBridgeError(
-            f"{b}-token pages of {count} heads, {pages.shape[1]} B, do not match this layer "
-            f"({expected} B)"
-        )
     if not cache.is_contiguous():
         raise KVBridgeError("a layer's CPU attention cache must be one contiguous tensor")
-    src = torch.from_numpy(page_map(cache.dtype, b, count, d).reshape(-1))
-    elems = pages.contiguous().view(cache.dtype).reshape(n, -1)
-    values = elems[:, src].reshape(n, 2, b, count, d).transpose(1, 2).reshape(n * b, 2, count, d)
+    canonical = _canonical(pages, cache.dtype, b, count, d)  # [n, 2, b, count, D]
+    values = canonical.transpose(1, 2).reshape(n * b, 2, count, d)
     dst = page_map(cache.dtype, block_size, num_heads, d)[:, :, first : first + count]
     by_token = torch.from_numpy(np.ascontiguousarray(dst.transpose(1, 0, 2, 3)))  # [B, 2, c, D]
     page_elems = num_heads * block_size * width
