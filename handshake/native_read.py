@@ -60,7 +60,8 @@ def native_stream(
         raise LayoutError(
             f"group {group_id}: reading the sender's {rewrite.src} blocks as {rewrite.dst} "
             f"chunks without a rewrite needs {length}-byte pieces (fewer than "
-            f"{min_piece_bytes}); the sender does not rewrite blocks in place"
+            f"{min_piece_bytes}); the sender does not rewrite blocks in place (HND blocks "
+            f"keep each head's tokens in one run: vLLM's VLLM_KV_CACHE_LAYOUT=HND)"
         )
     local_offsets = []
     remote_offsets = []

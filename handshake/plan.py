@@ -114,7 +114,9 @@ def negotiate(
             if packed:
                 plans.append(packed_plan(local, remote, lg, rg, heads))
             elif heads is not None:
-                plans.append(tp_attention_plan(local, remote, lg, rg, heads))
+                plans.append(
+                    tp_attention_plan(local, remote, lg, rg, heads, min_native_piece_bytes)
+                )
             elif isinstance(lg.spec, StateSpec):
                 plans.append(_state_plan(local, remote, lg, rg))
             else:

@@ -28,7 +28,16 @@ from collections.abc import Sequence
 from handshake import tp
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from handshake.pieces import PieceMap, granularity, group_streams, pieces, rewrites, wire_chunk
+from handshake.native_read import native_stream
+from handshake.pieces import (
+    PieceMap,
+    geometries,
+    granularity,
+    group_streams,
+    pieces,
+    rewrites,
+    wire_chunk,
+)
 from handshake.plan_model import Granularity, GroupPlan
 from layouts.arrangement import BlockArrangement, HeadOrder
 from layouts.errors import LayoutError
@@ -113,8 +122,11 @@ def tp_attention_plan(
     lg: KVCacheGroup,
     rg: KVCacheGroup,
     hs: tp.HeadSlice,
+    min_native_piece_bytes: int,
 ) -> GroupPlan:
-    """Heads ``hs`` of every token chunk, head-major on the wire."""
+    """Heads ``hs`` of every token chunk, head-major on the wire. A sender that may not
+    rewrite its blocks is read in its native arrangement instead, in runs of at least
+    ``min_native_piece_bytes`` (else :class:`LayoutError` naming the piece size)."""
     lspec, rspec = lg.spec, rg.spec
     if not isinstance(lspec, AttentionSpec) or not isinstance(rspec, AttentionSpec):
         raise LayoutError(
@@ -132,6 +144,10 @@ def tp_attention_plan(
         )
     u, r_local, r_remote = wire_chunk(lspec, rspec)
     grain = min(granularity(local, lspec), granularity(remote, rspec))
+    if not remote.rewrites_in_place:
+        # Read where the sender keeps its heads: inside each (layer, K|V) part, so that an
+        # HND sender's head slice is one run per part and no rewrite is needed.
+        grain = Granularity.PART
     wire = BlockArrangement(
         layout=KVLayout.HND,
         parts_outer=grain is Granularity.PART,
@@ -142,11 +158,6 @@ def tp_attention_plan(
         }[grain],
     )
     sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
-    if sender is not None and not remote.rewrites_in_place:
-        raise LayoutError(
-            f"group {lg.group_id}: reading a slice of the heads needs the sender to rewrite "
-            f"its blocks head-major ({sender}), and this sender does not rewrite in place"
-        )
     lp = pieces(local, lg, lspec, grain, r_local)
     rp = pieces(remote, rg, rspec, grain, r_remote)
     if set(lp) != set(rp):
@@ -160,6 +171,22 @@ def tp_attention_plan(
             f"group {lg.group_id}: pieces of {l_piece} B (local, {lh.count} heads) and "
             f"{r_piece} B (remote, {rh.count} heads) do not hold whole heads of equal size"
         )
+    streams = group_streams(
+        _shifted(lp, hs.local_head * per_head),
+        _shifted(rp, hs.remote_head * per_head),
+        hs.num_heads * per_head,
+    )
+    native_read = sender is not None and not remote.rewrites_in_place
+    if native_read:
+        # The sender's engine may read these blocks meanwhile: read its head slice where
+        # it lies (HND: one run per head slice of a (layer, K|V) block part).
+        assert sender is not None
+        geometry = geometries(remote, rg.group_id, rspec)[0]
+        streams = tuple(
+            native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
+            for s in streams
+        )
+        sender = None
     return GroupPlan(
         group_id=lg.group_id,
         kind=lg.kind,
@@ -168,12 +195,9 @@ def tp_attention_plan(
         remote_chunks_per_block=r_remote,
         sender=sender,
         receiver=receiver,
-        streams=group_streams(
-            _shifted(lp, hs.local_head * per_head),
-            _shifted(rp, hs.remote_head * per_head),
-            hs.num_heads * per_head,
-        ),
+        streams=streams,
         head_slice=(hs.local_head, hs.remote_head, hs.num_heads),
+        native_read=native_read,
     )
 
 

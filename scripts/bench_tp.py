@@ -14,6 +14,9 @@ head slices costs without kvbridge's head-major rewrite after save:
 * per head: an NHD cache read in place, one descriptor per (block, layer, K/V, head) at
   best (per token even, unless the blocks are HND).
 
+The last format is a prefill that may not rewrite its blocks (vLLM on a GPU): kvbridge then
+reads HND blocks in place, one descriptor per (layer, K/V) head slice of a block.
+
 Counts only (pure planning, no transfer); the connector's own NIXL tests move the bytes.
 """
 
@@ -32,13 +35,18 @@ from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout
 from layouts.specs import FullAttentionSpec
 
+# name -> (format on both sides, whether prefill may rewrite its blocks after save)
 FORMATS = {
-    "cross-layer": CacheFormat(layout=KVLayout.NHD, cross_layer=True),
-    "per-layer": CacheFormat(layout=KVLayout.HND),
+    "cross-layer": (CacheFormat(layout=KVLayout.NHD, cross_layer=True), True),
+    "per-layer": (CacheFormat(layout=KVLayout.HND), True),
+    # vLLM on a GPU: its prefix cache may read prefill's blocks, so they are read in place
+    "per-layer HND, prefill may not rewrite": (CacheFormat(layout=KVLayout.HND), False),
 }
 
 
-def side(fmt: CacheFormat, rank: int, tp_size: int, args: argparse.Namespace) -> PeerLayout:
+def side(
+    fmt: CacheFormat, rank: int, tp_size: int, args: argparse.Namespace, rewrites: bool = True
+) -> PeerLayout:
     heads = tp.rank_heads(rank, tp_size, args.heads).count
     spec = FullAttentionSpec(
         block_size=args.block_size,
@@ -62,7 +70,13 @@ def side(fmt: CacheFormat, rank: int, tp_size: int, args: argparse.Namespace) ->
         rank=rank,
         tp_size=tp_size,
     )
-    desc = describe(identity, buffers, nixl_metadata=b"", compat_hash=compat_hash(identity, config))
+    desc = describe(
+        identity,
+        buffers,
+        nixl_metadata=b"",
+        compat_hash=compat_hash(identity, config),
+        rewrites_in_place=rewrites,
+    )
     return parse_description(desc)
 
 
@@ -85,13 +99,13 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for d_tp, p_tp in [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (8, 2)]:
-        for name, fmt in FORMATS.items():
+        for name, (fmt, rewrites) in FORMATS.items():
             ours = baseline_slices = baseline_heads = 0
             moved = 0
             for d in range(d_tp):
                 local = side(fmt, d, d_tp, args)
                 for s in tp.sources(d, d_tp, p_tp, args.heads):
-                    remote = side(fmt, s.remote_rank, p_tp, args)
+                    remote = side(fmt, s.remote_rank, p_tp, args, rewrites)
                     g = negotiate(local, remote).groups[0]
                     n = blocks * (args.block_size // g.wire_tokens) * g.descriptors_per_chunk
                     ours += n

@@ -15,7 +15,8 @@ stdout (anything else on stdout is NIXL's chatter)::
 
 Tensor parallelism: ``rank``, ``tp_size`` and ``total_kv_heads`` in the config make it
 rank ``rank`` of a prefill engine (its cache holds that rank's heads; it listens on
-``kv_port + rank``).
+``kv_port + rank``). ``rewrites_in_place: false`` makes it an engine that may not rewrite
+its blocks for a reader (vLLM: its prefix cache), read in its native arrangement.
 
 The first event is ``{"event": "ready", "port": .., "agent": .., "pid": ..}``. The child
 drives its worker (``get_finished``) between commands and exits on ``quit`` or when
@@ -106,7 +107,13 @@ def main(cfg: dict) -> None:
         extra={"transfer_mode": cfg.get("transfer_mode", "pull")},
     )
     model = replace(MODEL, num_kv_heads=total)
-    with KVBridgeWorker(config, model, rank=rank, tp_size=tp_size) as worker:
+    with KVBridgeWorker(
+        config,
+        model,
+        rank=rank,
+        tp_size=tp_size,
+        rewrites_in_place=cfg.get("rewrites_in_place", True),
+    ) as worker:
         worker.register_kv_caches(buffers)
         _say(event="ready", port=worker.side_channel_port, agent=worker.agent_name, pid=os.getpid())
         while True:

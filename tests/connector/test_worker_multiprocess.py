@@ -66,6 +66,7 @@ class Child:
         total_kv_heads: int = 2,
         wait_ready: bool = True,
         transfer_mode: str = "pull",
+        rewrites_in_place: bool = True,
     ):
         from handshake.tp import rank_heads
 
@@ -91,6 +92,7 @@ class Child:
             "packed_heads_major": fmt.packed_heads_major,
             "kv_interleaved": fmt.kv_interleaved,
             "transfer_mode": transfer_mode,
+            "rewrites_in_place": rewrites_in_place,
         }
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.log = log

@@ -72,6 +72,7 @@ class Prefill:
         mode: str = "pull",
         kinds: str = KINDS,
         fmt: SideFormat = PREFILL_FMT,
+        rewrites_in_place: bool = True,
     ) -> None:
         self.engine_id = new_id("P")
         self.tp_size, self.heads, self.kinds, self.fmt = tp_size, heads, kinds, fmt
@@ -89,6 +90,7 @@ class Prefill:
                 total_kv_heads=heads,
                 wait_ready=False,
                 transfer_mode=mode,
+                rewrites_in_place=rewrites_in_place,
             )
             for r in range(tp_size)
         ]
@@ -159,8 +161,18 @@ class TPCluster:
         mode: str = "pull",
         kinds: str = KINDS,
         formats: tuple[SideFormat, SideFormat] = (PREFILL_FMT, DECODE_FMT),
+        prefill_rewrites: bool = True,
     ) -> tuple[Prefill, list[DecodeRank]]:
-        prefill = Prefill(self._tmp, prefill_tp, heads, mode, kinds, formats[0])
+        """``prefill_rewrites=False``: prefill may not rewrite its blocks (read natively)."""
+        prefill = Prefill(
+            self._tmp,
+            prefill_tp,
+            heads,
+            mode,
+            kinds,
+            formats[0],
+            rewrites_in_place=prefill_rewrites,
+        )
         self._prefills.append(prefill)
         decodes = [
             DecodeRank(d, decode_tp, heads, mode, kinds, formats[1]) for d in range(decode_tp)

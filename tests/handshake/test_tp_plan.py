@@ -44,9 +44,12 @@ def _transfer(
     f_local: CacheFormat | None = None,
     f_remote: CacheFormat | None = None,
     kinds: str = "F",
+    remote_rewrites: bool = True,
+    min_native_piece_bytes: int | None = None,
 ) -> list[int]:
-    """Run every decode rank's plans; assert its heads equal the prefill heads; returns
-    descriptors per decode rank."""
+    """Run every decode rank's plans; assert its heads equal the prefill heads (and, for
+    a prefill that may not rewrite, its blocks untouched); returns descriptors per decode
+    rank."""
     f_local = f_local or _fmt("HND", False)
     f_remote = f_remote or _fmt("NHD", True)
     tokens = math.lcm(TOKENS, b_local, b_remote)  # whole blocks on both sides
@@ -54,10 +57,19 @@ def _transfer(
     nb = max(8, n_r + 1, n_l + 1)
     remotes = [
         make_side(
-            "p", b_remote, f_remote, kinds, nb, rank=r, tp_size=remote_tp, total_kv_heads=heads
+            "p",
+            b_remote,
+            f_remote,
+            kinds,
+            nb,
+            rank=r,
+            tp_size=remote_tp,
+            total_kv_heads=heads,
+            rewrites_in_place=remote_rewrites,
         )
         for r in range(remote_tp)
     ]
+    untouched = [[t.clone() for t in side.buffers.tensors] for side in remotes]
     rids = np.arange(n_r)[::-1] + 1  # remote blocks out of order
     lids = (np.arange(n_l) * 3 + 1) % nb  # distinct, out of order
     want = {
@@ -74,9 +86,13 @@ def _transfer(
         slices = tp.sources(d, local_tp, remote_tp, heads)
         for s in slices:
             src = remotes[s.remote_rank]
-            plan = negotiate(local.layout, src.layout)
+            plan = negotiate(
+                local.layout, src.layout, min_native_piece_bytes=min_native_piece_bytes
+            )
             for g in range(len(kinds)):
                 gp = plan.groups[g]
+                if not remote_rewrites:
+                    assert gp.sender is None
                 assert gp.head_slice == (
                     ()
                     if len(slices) == 1
@@ -99,6 +115,9 @@ def _transfer(
                 b = ref[..., s.remote_head : s.remote_head + s.num_heads, :]
                 assert torch.equal(a, b), (d, s, g)
         moved.append(total)
+    if not remote_rewrites:
+        for side, before in zip(remotes, untouched, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(side.buffers.tensors, before, strict=True))
     return moved
 
 
@@ -272,7 +291,54 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def test_a_sender_that_may_not_rewrite_is_refused_for_a_head_slice():
+@pytest.mark.parametrize(
+    ("b_local", "b_remote", "f_local", "f_remote"),
+    [
+        (16, 16, _fmt("HND", False), _fmt("HND", False)),  # vLLM GPU, HND on both sides
+        (16, 64, _fmt("HND", False), _fmt("HND", False)),
+        (64, 16, _fmt("NHD", False), _fmt("HND", False, kb=8)),
+        (32, 16, _fmt("HND", False, split=True), _fmt("HND", False, split=True)),
+        (16, 16, _fmt("NHD", True), _fmt("HND", False, split=True)),
+        (32, 48, _fmt("HND", False), _fmt("HND", False)),  # not multiples: 16-token chunks
+        (16, 16, _fmt("HND", False), _fmt("NHD", False)),  # NHD: one piece per token
+    ],
+)
+@pytest.mark.parametrize(
+    ("local_tp", "remote_tp", "heads"), [(2, 1, 4), (1, 2, 4), (4, 2, 4), (1, 4, 2), (4, 1, 2)]
+)
+def test_a_sender_that_may_not_rewrite_is_read_head_slice_by_head_slice(
+    local_tp, remote_tp, heads, b_local, b_remote, f_local, f_remote
+):
+    """vLLM on a GPU: prefill's prefix cache may read its blocks, so they are read as
+    they are; each decode rank still gets exactly its heads, prefill's bytes untouched."""
+    _transfer(
+        local_tp,
+        remote_tp,
+        heads,
+        b_local=b_local,
+        b_remote=b_remote,
+        f_local=f_local,
+        f_remote=f_remote,
+        kinds="FS",
+        remote_rewrites=False,
+        min_native_piece_bytes=8,
+    )
+
+
+def test_native_head_slices_of_hnd_blocks_are_one_descriptor_per_layer_part_and_block():
+    """HND per-layer blocks (vLLM's GPU layout for heterogeneous TP): a decode rank's head
+    slice of a (layer, K|V) block part is one contiguous run."""
+    hnd = _fmt("HND", False)
+    blocks = TOKENS // 16
+    per_rank = 2 * 2 * blocks  # 2 layers x K, V x blocks
+    native = {"remote_rewrites": False, "min_native_piece_bytes": 64}
+    assert _transfer(2, 1, 4, f_local=hnd, f_remote=hnd, **native) == [per_rank] * 2
+    assert _transfer(1, 2, 4, f_local=hnd, f_remote=hnd, **native) == [2 * per_rank]
+
+
+def test_native_head_slices_smaller_than_the_minimum_piece_are_refused_by_name():
+    """An NHD sender that may not rewrite: one head of one token is 8 B here, fewer than
+    the 512 B a descriptor must carry by default; the error names HND as the way out."""
     remote = make_side(
         "p",
         16,
@@ -285,8 +351,10 @@ def test_a_sender_that_may_not_rewrite_is_refused_for_a_head_slice():
         rewrites_in_place=False,
     )
     local = make_side("d", 16, _fmt("NHD", False), "F", 8, rank=0, tp_size=2, total_kv_heads=4)
-    with pytest.raises(IncompatiblePeerError, match="does not rewrite in place"):
+    with pytest.raises(IncompatiblePeerError, match="8-byte pieces") as err:
         negotiate(local.layout, remote.layout)
+    assert "does not rewrite blocks in place" in str(err.value)
+    assert "VLLM_KV_CACHE_LAYOUT=HND" in str(err.value)
 
 
 def test_plan_str_names_the_head_slice():
