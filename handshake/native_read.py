@@ -12,9 +12,28 @@ from dataclasses import replace
 
 import numpy as np
 
+from handshake.description import PeerLayout
+from handshake.pieces import geometries
 from handshake.plan_model import PieceStream, Rewrite
 from layouts.arrangement import UnitGeometry, element_offsets
 from layouts.errors import LayoutError
+from layouts.specs import AttentionSpec
+
+
+def native_streams(
+    streams: tuple[PieceStream, ...],
+    remote: PeerLayout,
+    group_id: int,
+    spec: AttentionSpec,
+    rewrite: Rewrite,
+    chunks: int,
+    min_piece_bytes: int,
+) -> tuple[PieceStream, ...]:
+    """Every stream of a group re-cut by :func:`native_stream` for ``remote``'s blocks."""
+    geometry = geometries(remote, group_id, spec)[0]
+    return tuple(
+        native_stream(s, geometry, rewrite, chunks, group_id, min_piece_bytes) for s in streams
+    )
 
 
 def native_stream(

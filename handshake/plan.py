@@ -37,10 +37,9 @@ import math
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
 from handshake.modes import TransferMode
-from handshake.native_read import native_stream
+from handshake.native_read import native_streams
 from handshake.packed_plan import check_block_packing, packed_plan
 from handshake.pieces import (
-    geometries,
     granularity,
     group_streams,
     pieces,
@@ -188,10 +187,8 @@ def _attention_plan(
     native_read = sender is not None and not remote.rewrites_in_place
     if native_read:
         assert sender is not None
-        geometry = geometries(remote, rg.group_id, rspec)[0]
-        streams = tuple(
-            native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
-            for s in streams
+        streams = native_streams(
+            streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
         )
         sender = None
     return GroupPlan(

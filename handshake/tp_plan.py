@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from handshake import tp
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from handshake.native_read import native_stream
+from handshake.native_read import native_streams
 from handshake.pieces import (
     PieceMap,
-    geometries,
     granularity,
     group_streams,
     pieces,
@@ -181,10 +180,8 @@ def tp_attention_plan(
         # The sender's engine may read these blocks meanwhile: read its head slice where
         # it lies (HND: one run per head slice of a (layer, K|V) block part).
         assert sender is not None
-        geometry = geometries(remote, rg.group_id, rspec)[0]
-        streams = tuple(
-            native_stream(s, geometry, sender, r_remote, rg.group_id, min_native_piece_bytes)
-            for s in streams
+        streams = native_streams(
+            streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
         )
         sender = None
     return GroupPlan(
