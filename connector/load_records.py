@@ -106,6 +106,8 @@ def outside(params: KVTransferParams, peer: Peer) -> str:
     regions = peer.layout.regions
     for g in peer.plan.groups:
         ids = params.remote_block_ids[g.group_id]
+        if not g.streams:  # nothing of this group on that peer (a state replica read elsewhere)
+            continue
         limit = min((regions[s.remote_region].region.num_blocks for s in g.streams), default=0)
         if ids and (min(ids) < 0 or max(ids) >= limit):
             return (

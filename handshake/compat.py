@@ -2,8 +2,10 @@
 
 The hash covers the protocol version, the model identity (name, dtype, layer count, KV
 heads, head size) and the group structure (kinds, layer names, specs without block size
-or page size, which negotiation may bridge). Equal hashes are the fast path; on a
-mismatch :func:`check_compatible` names every differing field with both values.
+or page size, which negotiation may bridge). A state spec whose TP sharding is described
+counts as the whole model's state (its sharding included), the same at any TP size; one
+without counts as its rank's shapes. Equal hashes are the fast path; on a mismatch
+:func:`check_compatible` names every differing field with both values.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import msgspec
 
 from handshake.description import WorkerIdentity
 from handshake.errors import IncompatiblePeerError
-from handshake.messages import PROTOCOL_VERSION, WorkerDescription
+from handshake.messages import PROTOCOL_VERSION, WireSpec, WorkerDescription
 from handshake.tp_plan import check_groups_across_tp
 from layouts.groups import KVCacheConfig
-from layouts.specs import KVCacheKind
+from layouts.specs import KVCacheKind, StateSpec, dtype_name
 
 
 class _HashInput(msgspec.Struct, array_like=True):
@@ -30,10 +32,20 @@ class _HashInput(msgspec.Struct, array_like=True):
     groups: list[tuple[str, list[str], list[object]]]
 
 
-def _group_fingerprints(config: KVCacheConfig) -> list[tuple[str, list[str], list[object]]]:
+def _group_fingerprints(
+    config: KVCacheConfig, tp_size: int
+) -> list[tuple[str, list[str], list[object]]]:
     out = []
     for g in config.groups:
         spec = g.spec
+        if isinstance(spec, StateSpec) and spec.sharding is not None:
+            # the whole model's state (rank shapes x TP on the split dims), as on any rank
+            shapes, dtypes = [list(s) for s in spec.shapes], [dtype_name(d) for d in spec.dtypes]
+            sharding: Sharding = [(how.dim, list(how.sections)) for how in spec.sharding]
+            whole_shapes, whole_sharding = _whole_state(shapes, sharding, tp_size)
+            state: list[object] = [str(whole_shapes), str(dtypes), str(whole_sharding)]
+            out.append((spec.kind.value, list(g.layer_names), state))
+            continue
         # a rank's own head count follows from the model's (identity) and its TP rank
         fields: list[object] = [
             str(getattr(spec, name))
@@ -61,10 +73,43 @@ def compat_hash(identity: WorkerIdentity, config: KVCacheConfig) -> str:
             num_layers=identity.num_layers,
             num_kv_heads=identity.num_kv_heads,
             head_size=identity.head_size,
-            groups=_group_fingerprints(config),
+            groups=_group_fingerprints(config, identity.tp_size),
         )
     )
     return hashlib.sha256(payload).hexdigest()[:32]
+
+
+Sharding = list[tuple[int | None, list[int]]]  # per state tensor: (split dim, sections)
+
+
+def _whole_state(
+    shapes: list[list[int]], sharding: Sharding, tp_size: int
+) -> tuple[list[list[int]], Sharding]:
+    """The whole model's state shapes and sections from one rank's: the split dimension
+    and its sections times ``tp_size``."""
+    whole_shapes: list[list[int]] = []
+    whole_sharding: Sharding = []
+    for shape, (dim, sections) in zip(shapes, sharding, strict=True):
+        whole = list(shape)
+        if dim is not None and 0 <= dim < len(whole):
+            whole[dim] *= tp_size
+        whole_shapes.append(whole)
+        whole_sharding.append((dim, [s * tp_size for s in sections]))
+    return whole_shapes, whole_sharding
+
+
+def _state(spec: WireSpec, tp_size: int) -> tuple[object, ...]:
+    """What must be equal about a state spec on the wire: the whole model's shapes and
+    sharding when described, else one rank's shapes (equal TP sizes only)."""
+    if not spec.state_sharding:
+        return (spec.state_shapes, spec.state_dtypes)
+    sharding: Sharding = [
+        (None if w.dim == -1 else w.dim, list(w.sections)) for w in spec.state_sharding
+    ]
+    if len(sharding) != len(spec.state_shapes):
+        return (spec.state_shapes, spec.state_dtypes, sharding)  # malformed: shown as is
+    whole_shapes, whole_sharding = _whole_state(spec.state_shapes, sharding, tp_size)
+    return (whole_shapes, spec.state_dtypes, whole_sharding)
 
 
 _IDENTITY_FIELDS = (
@@ -88,7 +133,14 @@ def check_compatible(
             diffs.append((name, a, b))
     # before the per-rank state shapes, which differ across TP sizes for the same model
     kinds = [KVCacheKind(g.spec.kind) for g in local.groups]
-    check_groups_across_tp(kinds, local.tp_size, remote.tp_size, peer or _name(remote))
+    described = [
+        lg.group_id
+        for lg, rg in zip(local.groups, remote.groups, strict=False)
+        if lg.spec.state_sharding and rg.spec.state_sharding
+    ]
+    check_groups_across_tp(
+        kinds, local.tp_size, remote.tp_size, peer or _name(remote), described=described
+    )
     if len(local.groups) != len(remote.groups):
         diffs.append(("num_groups", len(local.groups), len(remote.groups)))
     for lg, rg in zip(local.groups, remote.groups, strict=False):
@@ -102,17 +154,9 @@ def check_compatible(
             a, b = getattr(lg.spec, name), getattr(rg.spec, name)
             if a != b:
                 diffs.append((f"{prefix}.spec.{name}", a, b))
-        if (lg.spec.state_shapes, lg.spec.state_dtypes) != (
-            rg.spec.state_shapes,
-            rg.spec.state_dtypes,
-        ):
-            diffs.append(
-                (
-                    f"{prefix}.spec.state",
-                    (lg.spec.state_shapes, lg.spec.state_dtypes),
-                    (rg.spec.state_shapes, rg.spec.state_dtypes),
-                )
-            )
+        lstate, rstate = _state(lg.spec, local.tp_size), _state(rg.spec, remote.tp_size)
+        if lstate != rstate:
+            diffs.append((f"{prefix}.spec.state", lstate, rstate))
     if not diffs and local.compat_hash != remote.compat_hash:
         diffs.append(("compat_hash", local.compat_hash, remote.compat_hash))
     if diffs:

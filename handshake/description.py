@@ -16,6 +16,7 @@ from handshake.messages import (
     WireGroup,
     WireRegion,
     WireSpec,
+    WireStateSharding,
     WorkerDescription,
 )
 from handshake.modes import TransferMode
@@ -31,6 +32,7 @@ from layouts.specs import (
     KVCacheSpec,
     MLASpec,
     SlidingWindowSpec,
+    StateSharding,
     StateSpec,
     dtype_name,
     parse_dtype,
@@ -89,6 +91,12 @@ def spec_to_wire(spec: KVCacheSpec) -> WireSpec:
             state_shapes=[list(s) for s in spec.shapes],
             state_dtypes=[dtype_name(d) for d in spec.dtypes],
             page_size_bytes=spec.page_size_bytes,
+            state_sharding=[
+                WireStateSharding(
+                    dim=-1 if how.dim is None else how.dim, sections=list(how.sections)
+                )
+                for how in spec.sharding or ()
+            ],
         )
     return WireSpec(
         kind=spec.kind.value,
@@ -110,6 +118,11 @@ def spec_from_wire(wire: WireSpec) -> KVCacheSpec:
             shapes=tuple(tuple(s) for s in wire.state_shapes),
             dtypes=tuple(parse_dtype(d) for d in wire.state_dtypes),
             page_size_padded=wire.page_size_bytes or None,
+            sharding=tuple(
+                StateSharding(dim=None if w.dim == -1 else w.dim, sections=tuple(w.sections))
+                for w in wire.state_sharding
+            )
+            or None,
         )
     common = {
         "block_size": wire.block_size,

@@ -22,7 +22,9 @@ Protocol history:
         WorkerDescription.transfer_mode (default "pull": an older peer only pulls),
         can_repack (default false) and rewrites_on_save (default false);
         WorkerDescription.staging (default none): the registered staging arena a pushing
-        prefill writes whole pages into (engine-packed pages larger than decode's).
+        prefill writes whole pages into (engine-packed pages larger than decode's);
+        WireSpec.state_sharding (default empty: not described): how each state tensor is
+        split over TP ranks, so that state groups move between different TP sizes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
     requester_nixl_metadata: bytes = b""
 
 
+class WireStateSharding(msgspec.Struct, frozen=True):
+    """How one state tensor is split over TP ranks (``layouts.specs.StateSharding``):
+    ``dim`` -1 for a tensor replicated on every rank."""
+
+    dim: int
+    sections: list[int] = msgspec.field(default_factory=list)
+
+
 class WireSpec(msgspec.Struct, frozen=True):
     """A KV-cache spec on the wire (``kind`` is a ``layouts.specs.KVCacheKind`` value)."""
 
@@ -73,6 +83,8 @@ class WireSpec(msgspec.Struct, frozen=True):
     state_dtypes: list[str] = msgspec.field(default_factory=list)
     page_size_bytes: int = 0
     kv_interleaved: bool = False  # K|V side by side per (head, token): one part
+    # per state tensor, how the engine shards it over TP ranks; empty: not described
+    state_sharding: list[WireStateSharding] = msgspec.field(default_factory=list)
 
 
 class WireGroup(msgspec.Struct, frozen=True):

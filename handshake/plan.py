@@ -53,6 +53,7 @@ from handshake.plan_model import (
     TransferPlan,
 )
 from handshake.tp_plan import head_slice, tp_attention_plan
+from handshake.tp_state import state_layers, tp_state_plan
 from layouts.arrangement import BlockArrangement
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
@@ -83,6 +84,7 @@ def negotiate(
             "and decode",
         )
     heads = head_slice(local, remote, peer)
+    across_tp = local.identity.tp_size != remote.identity.tp_size
     packed = check_block_packing(local, remote, peer, can_repack)
     if heads is not None and packed:
         if not (local.format.packed_heads_major and remote.format.packed_heads_major):
@@ -110,7 +112,9 @@ def negotiate(
                 peer=peer,
             )
         try:
-            if packed:
+            if isinstance(lg.spec, StateSpec) and across_tp:
+                plans.append(tp_state_plan(local, remote, lg, rg, peer))
+            elif packed:
                 plans.append(packed_plan(local, remote, lg, rg, heads))
             elif heads is not None:
                 plans.append(
@@ -236,14 +240,7 @@ def _state_plan(
         raise LayoutError(f"state sizes differ: {lspec.state_bytes} vs {rspec.state_bytes} bytes")
 
     def pieces(side: PeerLayout, spec: StateSpec) -> dict[tuple[int, int], tuple[int, int, int]]:
-        out = {}
-        for idx, info in enumerate(side.regions):
-            if info.group_id != lg.group_id:
-                continue
-            layers = range(lg.num_layers) if info.layer_index < 0 else [info.layer_index]
-            for i, layer in enumerate(layers):
-                out[(layer, -1)] = (idx, i * spec.page_size_bytes, info.region.block_bytes)
-        return out
+        return {(layer, -1): where for layer, where in state_layers(side, lg, spec).items()}
 
     lp, rp = pieces(local, lspec), pieces(remote, rspec)
     if set(lp) != set(rp):

@@ -15,15 +15,18 @@ The receiver rewrites its blocks back to its native arrangement once every sourc
 heads have arrived. Block-size, layout, kernel-block and granularity differences combine
 with the head slice as in the plans for equal TP sizes.
 
-State (Mamba-like) groups move only between equal TP sizes (:func:`check_groups_across_tp`):
-an engine shards each state tensor over its ranks along its own dimensions (vLLM's Mamba2
-conv state even concatenates three differently sharded parts), and a state spec carries
-only a rank's shapes, so no byte range of one rank's state is known to be another's.
+State (Mamba-like) groups: an engine shards each state tensor over its ranks along its
+own dimensions (vLLM's Mamba2 conv state even concatenates three differently sharded
+parts). Where both sides describe that sharding (``StateSpec.sharding``), a decode rank
+reads exactly its shard of every state tensor from the prefill ranks holding it
+(:mod:`handshake.tp_state`); where either side does not, a state spec carries only a
+rank's shapes, no byte range of one rank's state is known to be another's, and
+:func:`check_groups_across_tp` refuses different TP sizes by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from handshake import tp
 from handshake.description import PeerLayout
@@ -42,7 +45,7 @@ from layouts.arrangement import BlockArrangement, HeadOrder
 from layouts.errors import LayoutError
 from layouts.groups import KVCacheGroup
 from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec, KVCacheKind
+from layouts.specs import AttentionSpec, KVCacheKind, StateSpec
 
 
 def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
@@ -57,23 +60,43 @@ def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
 
 
 def check_groups_across_tp(
-    kinds: Sequence[KVCacheKind], local_tp: int, remote_tp: int, peer: str
+    kinds: Sequence[KVCacheKind],
+    local_tp: int,
+    remote_tp: int,
+    peer: str,
+    *,
+    described: Collection[int] = (),
 ) -> None:
     """Raise :class:`IncompatiblePeerError` naming both TP sizes when groups of ``kinds``
     (in group-id order) cannot move between ``local_tp`` and ``remote_tp`` ranks: a state
-    group can only when the sizes are equal (rank ``r`` reads rank ``r``)."""
+    group can only when the sizes are equal (rank ``r`` reads rank ``r``) or when it is in
+    ``described``, the groups whose state sharding both sides describe
+    (:mod:`handshake.tp_state` maps those)."""
     if local_tp == remote_tp:
         return
-    state = [g for g, kind in enumerate(kinds) if kind is KVCacheKind.STATE]
+    state = [g for g, kind in enumerate(kinds) if kind is KVCacheKind.STATE and g not in described]
     if state:
         raise IncompatiblePeerError(
             [("tp_size", local_tp, remote_tp)],
             peer=peer,
             hint=f"groups {state} hold recurrent (Mamba-like) state, which each rank keeps "
             f"only its shard of, split along dimensions the handshake does not describe, so "
-            f"kvbridge moves state only between equal tensor-parallel sizes: run prefill and "
-            f"decode at the same TP size (both {local_tp} or both {remote_tp})",
+            f"kvbridge moves this state only between equal tensor-parallel sizes: run prefill "
+            f"and decode at the same TP size (both {local_tp} or both {remote_tp}), or have "
+            f"both engines describe how they shard each state tensor (StateSpec.sharding)",
         )
+
+
+def described_state_groups(local: PeerLayout, remote: PeerLayout) -> list[int]:
+    """The state groups whose sharding both sides describe."""
+    return [
+        lg.group_id
+        for lg, rg in zip(local.config.groups, remote.config.groups, strict=False)
+        if isinstance(lg.spec, StateSpec)
+        and isinstance(rg.spec, StateSpec)
+        and lg.spec.sharding is not None
+        and rg.spec.sharding is not None
+    ]
 
 
 def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice | None:
@@ -86,7 +109,9 @@ def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice
     li, ri = local.identity, remote.identity
     total = li.num_kv_heads
     kinds = [g.kind for g in local.config.groups]
-    check_groups_across_tp(kinds, li.tp_size, ri.tp_size, peer)
+    check_groups_across_tp(
+        kinds, li.tp_size, ri.tp_size, peer, described=described_state_groups(local, remote)
+    )
     try:
         mine = [
             s

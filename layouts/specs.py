@@ -156,18 +156,74 @@ class MLASpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateSharding:
+    """How an engine shards one state tensor over its tensor-parallel ranks.
+
+    ``dim``: the dimension of the (per-rank) shape that is split over the ranks, rank
+    ``r`` of ``tp`` holding the ``r``-th of ``tp`` equal parts; None: the tensor is
+    replicated, whole on every rank. ``sections``: the per-rank sizes of sections
+    concatenated along ``dim`` that are each split on their own (empty: one section).
+    vLLM's Mamba2 conv state concatenates x, B and C along its channel dimension::
+
+        global   [ x: I | B: G*N | C: G*N ]           (conv_dim = I + 2*G*N channels)
+        rank r   [ x_r: I/tp | B_r: G*N/tp | C_r: G*N/tp ]  sections (I/tp, G*N/tp, G*N/tp)
+    """
+
+    dim: int | None
+    sections: tuple[int, ...] = ()
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    def section_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The per-rank sections along ``dim`` of a tensor of per-rank ``shape``."""
+        assert self.dim is not None
+        return self.sections or (shape[self.dim],)
+
+    def check(self, shape: tuple[int, ...], index: int) -> None:
+        """Raise :class:`LayoutError` unless this describes a tensor of per-rank ``shape``
+        (state tensor ``index``)."""
+        if self.dim is None:
+            if self.sections:
+                raise LayoutError(
+                    f"StateSpec: state {index} is replicated (dim None) but has sections "
+                    f"{self.sections}; sections only split a sharded dimension"
+                )
+            return
+        if not isinstance(self.dim, int) or not 0 <= self.dim < len(shape):
+            raise LayoutError(
+                f"StateSpec: state {index} is sharded on dim={self.dim!r}, not a dimension "
+                f"of its shape {shape} (0..{len(shape) - 1}, or None for replicated)"
+            )
+        if any(not isinstance(s, int) or s <= 0 for s in self.sections):
+            raise LayoutError(
+                f"StateSpec: state {index} sections {self.sections} must be positive integers"
+            )
+        if self.sections and sum(self.sections) != shape[self.dim]:
+            raise LayoutError(
+                f"StateSpec: state {index} sections {self.sections} add up to "
+                f"{sum(self.sections)}, but its dim {self.dim} holds {shape[self.dim]}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class StateSpec:
     """Fixed-size recurrent state per request (e.g. Mamba conv + ssm states).
 
     ``block_size`` is the token granularity at which states are kept (a state block holds
     the state after the block's last token). ``page_size_padded`` pads the page up so
-    that state layers can share one page size with attention layers.
+    that state layers can share one page size with attention layers. ``shapes`` are one
+    rank's; ``sharding`` (one :class:`StateSharding` per state tensor) says how the
+    engine splits them over tensor-parallel ranks, None when it does not say (such a
+    state moves only between equal TP sizes).
     """
 
     block_size: int
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     page_size_padded: int | None = field(default=None)
+    sharding: tuple[StateSharding, ...] | None = None
 
     kind = KVCacheKind.STATE
 
@@ -183,6 +239,14 @@ class StateSpec:
                 raise LayoutError(f"StateSpec: state shape {shape} must be positive integers")
         for dtype in self.dtypes:
             dtype_name(dtype)
+        if self.sharding is not None:
+            if len(self.sharding) != len(self.shapes):
+                raise LayoutError(
+                    f"StateSpec: sharding describes {len(self.sharding)} state tensors, the "
+                    f"spec has {len(self.shapes)} shapes; give one StateSharding per shape"
+                )
+            for i, (how, shape) in enumerate(zip(self.sharding, self.shapes, strict=True)):
+                how.check(shape, i)
         if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
             raise LayoutError(
                 f"StateSpec: page_size_padded={self.page_size_padded} is smaller than the "

@@ -32,6 +32,7 @@ import json
 import os
 import select
 import sys
+import traceback
 from dataclasses import replace
 
 from connector.metadata import ConnectorMetadata, SendSpec
@@ -98,7 +99,9 @@ def main(cfg: dict) -> None:
     rank, tp_size = cfg.get("rank", 0), cfg.get("tp_size", 1)
     total = cfg.get("total_kv_heads", MODEL.num_kv_heads)
     heads = rank_heads(rank, tp_size, total).count
-    buffers = make_buffers(side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads)
+    buffers = make_buffers(
+        side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads, tp_size=tp_size
+    )
     fill_buffers(buffers, cfg["seed"])
     config = transfer_config(
         "kv_producer",
@@ -116,16 +119,28 @@ def main(cfg: dict) -> None:
     ) as worker:
         worker.register_kv_caches(buffers)
         _say(event="ready", port=worker.side_channel_port, agent=worker.agent_name, pid=os.getpid())
-        while True:
-            out = worker.get_finished()
-            for rid in sorted(out.finished_sending):
-                _say(event="sent", request_id=rid, expired=rid in out.expired_leases)
-            # waiting on stdin for 1 ms paces the loop (no busy core); it is not a sync
-            readable, _, _ = select.select([sys.stdin], [], [], 0.001)
-            if readable:
-                line = sys.stdin.readline()
-                if not line or not _handle(worker, buffers, line):
-                    return
+        try:
+            _serve(worker, buffers)
+        except Exception as exc:
+            # said before the worker shuts down (its pushes then fail "shut down"), so the
+            # cause reaches the log even when the parent kills this process meanwhile
+            traceback.print_exc()
+            sys.stderr.flush()
+            _say(event="error", reason=f"{type(exc).__name__}: {exc}")
+            raise
+
+
+def _serve(worker: KVBridgeWorker, buffers) -> None:
+    while True:
+        out = worker.get_finished()
+        for rid in sorted(out.finished_sending):
+            _say(event="sent", request_id=rid, expired=rid in out.expired_leases)
+        # waiting on stdin for 1 ms paces the loop (no busy core); it is not a sync
+        readable, _, _ = select.select([sys.stdin], [], [], 0.001)
+        if readable:
+            line = sys.stdin.readline()
+            if not line or not _handle(worker, buffers, line):
+                return
 
 
 if __name__ == "__main__":

@@ -92,10 +92,11 @@ def make_buffers(
     num_blocks: int = NUM_BLOCKS,
     num_kv_heads: int = 2,
     device: str = "cpu",
+    tp_size: int = 1,
 ) -> KVCacheBuffers:
-    """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state;
-    ``num_kv_heads``: the heads this rank holds."""
-    groups = make_groups(fmt.block_size, kinds, num_kv_heads)
+    """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state,
+    'T' state sharded over ``tp_size`` ranks; ``num_kv_heads``: the heads this rank holds."""
+    groups = make_groups(fmt.block_size, kinds, num_kv_heads, tp_size)
     if fmt.kv_interleaved:
         groups = [
             replace(g, spec=replace(g.spec, kv_interleaved=True))

@@ -11,7 +11,11 @@ byte-exact again (the head-major rewrite after save is undone).
 MLA (one latent, the same on every rank): each decode rank reads it whole from one prefill
 rank, and a prefill rank nobody reads is freed by the ``Done`` of the decode rank that
 releases it; loads go one decode rank at a time and every prefill rank's ``Done`` set is
-checked after each. A state group across TP sizes fails the load, naming both sizes.
+checked after each.
+
+State (Mamba-like) groups: where both sides describe how the state is sharded, every
+decode rank gets exactly its shard of the whole state (pull and push); where they do not,
+the load fails, naming both TP sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from connector.metadata import LoadSpec
 from handshake import tp
@@ -31,6 +36,7 @@ from tests.connector.tp_cluster import (
     TOKENS,
     DecodeRank,
     Prefill,
+    Request,
     TPCluster,
     check_heads,
     held,
@@ -41,6 +47,7 @@ from tests.connector.tp_cluster import (
     send,
     window_lo,
 )
+from tests.handshake.plan_harness import shard, sharded_state, unshard
 
 pytestmark = pytest.mark.integration
 
@@ -189,10 +196,63 @@ def test_mla_latent_is_read_once_per_decode_rank_and_every_prefill_rank_frees(
         assert child.digest() == child.replica_digest()  # nothing rewrote the latent
 
 
+def _check_state(prefill: Prefill, decode: DecodeRank, decode_tp: int, req: Request) -> None:
+    """Decode's state block holds, byte for byte, its shard of the whole state rebuilt from
+    every prefill rank's block (replicated tensors: the copy of the first prefill rank it
+    reads heads from; the seeded copies differ, so this proves which rank was read)."""
+    g = prefill.kinds.index("T")
+    lblock = int(req.local[g][(TOKENS - 1) // decode.fmt.block_size])
+    rblock = int(req.remote[g][0])
+    first = tp.sources(decode.rank, decode_tp, prefill.tp_size, prefill.heads)[0].remote_rank
+    rank_how = prefill.ranks[0].buffers.config.groups[g].spec.sharding
+    whole_how = sharded_state(16).sharding
+    assert rank_how is not None and whole_how is not None
+    for layer in decode.buffers.config.groups[g].layer_names:
+        got = decode.buffers.state_views(layer)
+        for i, (how, wh) in enumerate(zip(rank_how, whole_how, strict=True)):
+            shards = [c.buffers.state_views(layer)[i][rblock] for c in prefill.ranks]
+            want = shard(unshard(shards, how, first), wh, decode.rank, decode_tp)
+            assert _raw(got[i][lblock]).equal(_raw(want)), (decode.rank, layer, i)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)  # bytes: random fp bits hold NaNs
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("decode_tp", "prefill_tp"), [(1, 2), (2, 1)])
+def test_a_described_state_group_gives_each_decode_rank_its_shard(
+    setup, decode_tp, prefill_tp, mode
+):
+    """Full attention + a Mamba2-like state whose sharding both sides describe (conv split
+    on its channels in sections x, B, C; ssm on its heads; one replicated tensor): every
+    decode rank gets its heads and exactly its shard of the state, from the prefill ranks
+    it reads heads from; every prefill rank frees after its decode ranks' Done, its blocks
+    restored."""
+    prefill, decodes = setup(decode_tp, prefill_tp, 4, mode, "FT")
+    req = new_request(prefill, decodes[0].fmt, np.random.default_rng(40 + decode_tp))
+    send(prefill, req)
+    spec = load_spec(prefill, req)
+    if mode == "pull":  # decode rank 0 first: its prefill ranks wait for the other readers
+        _load_in_turn(prefill, decodes[:1], spec, _computed_done_by(decode_tp, prefill))
+    load_all(prefill, decodes[1:] if mode == "pull" else decodes, spec, "every shard loaded")
+    for d in decodes:
+        assert not d.failed, d.failed
+        assert spec.request_id in d.loaded
+        check_heads(prefill, d, tp.sources(d.rank, decode_tp, prefill_tp, 4), req)
+        _check_state(prefill, d, decode_tp, req)
+        if mode == "push":
+            assert d.worker.metrics.descriptors_posted == 0
+    for child in prefill.ranks:
+        assert req.rid in child.sent
+        assert child.digest() == child.replica_digest()
+
+
 def test_a_state_group_across_tp_sizes_fails_the_load_naming_both_sizes(setup):
-    """Decode TP 1, prefill TP 2, a model with a state group: the handshake refuses each
-    prefill rank by name (a rank's state is a shard kvbridge cannot map across sizes);
-    the load fails with that reason instead of moving anything."""
+    """Decode TP 1, prefill TP 2, a model with a state group whose sharding is not
+    described ('M'): the handshake refuses each prefill rank by name (a rank's state is a
+    shard kvbridge cannot map across sizes); the load fails with that reason instead of
+    moving anything."""
     prefill, (decode,) = setup(1, 2, 4, kinds="FM")
     req = new_request(prefill, decode.fmt, np.random.default_rng(5))
     send(prefill, req)

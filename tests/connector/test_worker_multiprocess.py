@@ -72,7 +72,7 @@ class Child:
 
         self.fmt, self.engine_id, self.seed, self.rank = fmt, engine_id, seed, rank
         heads = rank_heads(rank, tp_size, total_kv_heads).count
-        self.buffers: KVCacheBuffers = make_buffers(fmt, kinds, NUM_BLOCKS, heads)
+        self.buffers: KVCacheBuffers = make_buffers(fmt, kinds, NUM_BLOCKS, heads, tp_size=tp_size)
         fill_buffers(self.buffers, seed)
         cfg = {
             "engine_id": engine_id,
@@ -130,6 +130,11 @@ class Child:
     def _note(self, event: dict) -> None:
         if event["event"] == "sent":
             self.sent.add(event["request_id"])
+        elif event["event"] == "error":  # its worker loop raised: fail now, with the cause
+            raise AssertionError(
+                f"child {self.engine_id} failed: {event['reason']}; "
+                f"log tail: {self.log.read_text()[-2000:]}"
+            )
 
     def drain(self) -> None:
         """Take the events that arrived (non-blocking)."""

@@ -19,7 +19,14 @@ from layouts.allocation import CacheFormat, KVCacheBuffers
 from layouts.descriptors import block_descriptors
 from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, StateSpec
+from layouts.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLASpec,
+    SlidingWindowSpec,
+    StateSharding,
+    StateSpec,
+)
 from layouts.transforms import rewrite_group
 
 
@@ -35,9 +42,51 @@ def cache_format(
     )
 
 
-def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCacheGroup]:
-    """kinds: 'F' full, 'S' sliding window, 'M' state, 'L' MLA latent (one head, replicated
-    on every tensor-parallel rank); two layers per group."""
+def sharded_state(block_size: int, tp_size: int = 1) -> StateSpec:
+    """A Mamba2-like state at TP ``tp_size`` (1, 2 or 4), sharding described as vLLM
+    shards it: conv ``[3, (8 + 2 * 4) / tp]`` split on dim 1 in sections x, B, C; ssm
+    ``[4 / tp heads, 2, 4]`` on dim 0; and a small tensor replicated on every rank."""
+    return StateSpec(
+        block_size=block_size,
+        shapes=((3, 16 // tp_size), (4 // tp_size, 2, 4), (6,)),
+        dtypes=(torch.float16, torch.float32, torch.float16),
+        sharding=(
+            StateSharding(dim=1, sections=(8 // tp_size, 4 // tp_size, 4 // tp_size)),
+            StateSharding(dim=0),
+            StateSharding(dim=None),
+        ),
+    )
+
+
+def shard(full: torch.Tensor, how: StateSharding, rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``tp_size``'s shard of a whole state tensor (``how`` in whole-model
+    sizes), cut with torch: the oracle for ``handshake.tp_state``'s byte ranges."""
+    if how.dim is None:
+        return full
+    sections = full.split(list(how.sections) or [full.shape[how.dim]], dim=how.dim)
+    return torch.cat([s.chunk(tp_size, dim=how.dim)[rank] for s in sections], dim=how.dim)
+
+
+def unshard(shards: list[torch.Tensor], how: StateSharding, replica: int) -> torch.Tensor:
+    """The whole tensor rebuilt from every rank's shard (``how`` in per-rank sizes); a
+    replicated one is rank ``replica``'s (seeded ranks hold different copies, so a check
+    against it also shows which rank was read)."""
+    if how.dim is None:
+        return shards[replica]
+    split = [s.split(list(how.sections) or [s.shape[how.dim]], dim=how.dim) for s in shards]
+    return torch.cat(
+        [torch.cat([parts[j] for parts in split], dim=how.dim) for j in range(len(split[0]))],
+        dim=how.dim,
+    )
+
+
+def make_groups(
+    block_size: int, kinds: str, num_kv_heads: int = 2, tp_size: int = 1
+) -> list[KVCacheGroup]:
+    """kinds: 'F' full, 'S' sliding window, 'M' state (sharding not described), 'T' state
+    whose TP sharding is described (:func:`sharded_state` at ``tp_size``), 'R' state
+    described as replicated on every rank, 'L' MLA latent (one head, replicated on every
+    tensor-parallel rank); two layers per group."""
     groups = []
     for i, k in enumerate(kinds):
         common = {
@@ -53,6 +102,15 @@ def make_groups(block_size: int, kinds: str, num_kv_heads: int = 2) -> list[KVCa
             spec = SlidingWindowSpec(sliding_window=24, **common)
         elif k == "L":
             spec = MLASpec(**{**common, "num_kv_heads": 1, "head_size": 8})
+        elif k == "T":
+            spec = sharded_state(block_size, tp_size)
+        elif k == "R":  # described, but whole on every rank
+            spec = StateSpec(
+                block_size=block_size,
+                shapes=((3, 4), (5,)),
+                dtypes=(torch.float32, torch.float16),
+                sharding=(StateSharding(dim=None), StateSharding(dim=None)),
+            )
         else:
             spec = StateSpec(
                 block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)
@@ -83,7 +141,7 @@ def make_side(
     from handshake.tp import rank_heads
 
     heads = rank_heads(rank, tp_size, total_kv_heads).count
-    config = KVCacheConfig.uniform(make_groups(block_size, kinds, heads), num_blocks)
+    config = KVCacheConfig.uniform(make_groups(block_size, kinds, heads, tp_size), num_blocks)
     buffers = KVCacheBuffers(config, fmt)
     for t in buffers.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))

@@ -18,7 +18,7 @@ from handshake.plan import negotiate
 from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from layouts.groups import KVCacheConfig, KVCacheGroup
 from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, StateSpec
+from layouts.specs import FullAttentionSpec, StateSharding, StateSpec
 from layouts.transforms import rewrite_group
 from tests.handshake.plan_harness import execute, make_side
 
@@ -204,10 +204,13 @@ def test_a_prefill_rank_holding_none_of_the_heads_is_refused_by_name():
         ("LM", 1, (1, 2), (0, 1)),  # MLA: the latent alone would move with the plain plan
     ],
 )
-def test_state_groups_across_tp_sizes_are_refused_naming_both_sizes(kinds, heads, local, remote):
-    """A rank holds only its shard of a state, split along dimensions no description
-    carries; before this check the two rows without a head slice planned a plain copy of
-    one prefill rank's state into a decode rank of another TP size."""
+def test_state_groups_across_tp_sizes_are_refused_when_the_sharding_is_not_described(
+    kinds, heads, local, remote
+):
+    """A rank holds only its shard of a state; without a description of how it is split
+    ('M') no byte range of one rank's state is known to be another's. Before this check
+    the two rows without a head slice planned a plain copy of one prefill rank's state
+    into a decode rank of another TP size."""
     fmt = _fmt("NHD", True)
     (lr, ltp), (rr, rtp) = local, remote
     lside = make_side("d", 16, fmt, kinds, 8, rank=lr, tp_size=ltp, total_kv_heads=heads)
@@ -218,13 +221,56 @@ def test_state_groups_across_tp_sizes_are_refused_naming_both_sizes(kinds, heads
     assert err.value.differences == [("tp_size", ltp, rtp)]
     assert f"groups [{state}] hold recurrent (Mamba-like) state" in err.value.hint
     assert f"same TP size (both {ltp} or both {rtp})" in err.value.hint
+    assert "StateSpec.sharding" in err.value.hint
 
 
-def _state_description(rank: int, tp_size: int) -> WorkerDescription:
+@pytest.mark.parametrize(
+    ("kinds", "heads", "local", "remote", "pieces"),
+    [
+        # decode rank 0 of 2 <- prefill TP 1: x, B, C halves of 3 conv rows, ssm heads 0..1
+        # and the replicated tensor (apart on prefill's side): 9 + 2 runs per layer
+        ("FT", 4, (0, 2), (0, 1), 22),
+        # decode TP 1 <- prefill rank 1 of 2: 9 conv runs + ssm heads 2..3 (no replica)
+        ("FT", 4, (0, 1), (1, 2), 20),
+        # MLA: decode rank 1 of 2 reads its latent and its state shard from prefill rank 0;
+        # ssm heads 2..3 and the replica are contiguous on both sides: 9 + 1 runs
+        ("LT", 1, (1, 2), (0, 1), 20),
+    ],
+)
+def test_state_groups_across_tp_sizes_move_their_shard_when_the_sharding_is_described(
+    kinds, heads, local, remote, pieces
+):
+    """The same rows with the sharding described ('T', Mamba2-like): planned, one
+    descriptor per contiguous run of the decode rank's shard (executed byte for byte
+    against the whole state in ``test_tp_state.py``)."""
+    fmt = _fmt("NHD", True)
+    (lr, ltp), (rr, rtp) = local, remote
+    lside = make_side("d", 16, fmt, kinds, 8, rank=lr, tp_size=ltp, total_kv_heads=heads)
+    rside = make_side("p", 16, fmt, kinds, 8, rank=rr, tp_size=rtp, total_kv_heads=heads)
+    g = negotiate(lside.layout, rside.layout).groups[kinds.index("T")]
+    assert g.descriptors_per_chunk == pieces
+    assert (g.sender, g.receiver, g.head_slice) == (None, None, ())
+
+
+def test_described_state_with_prefill_head_replicas_is_refused_by_name():
+    """GQA replication on prefill (2 KV heads, TP 4): decode rank 1 of 2 reads its head
+    from prefill rank 3 alone, but its state shard lies on ranks 2 and 3."""
+    fmt = _fmt("NHD", True)
+    lside = make_side("d", 16, fmt, "SFT", 8, rank=1, tp_size=2, total_kv_heads=2)
+    rside = make_side("p", 16, fmt, "SFT", 8, rank=3, tp_size=4, total_kv_heads=2)
+    with pytest.raises(IncompatiblePeerError) as err:
+        negotiate(lside.layout, rside.layout)
+    assert err.value.differences == [("tp_size", 2, 4)]
+    assert "from prefill ranks [2, 3] but reads its KV heads only from [3]" in err.value.hint
+
+
+def _state_description(rank: int, tp_size: int, described: bool = False) -> WorkerDescription:
     """A rank of a model whose state is sharded as a Mamba layer's is: conv [3, 16 / tp],
-    ssm [16 / tp, 4] (so the state shapes differ between TP sizes)."""
+    ssm [16 / tp, 4] (so the state shapes differ between TP sizes); ``described``: the
+    spec says so (conv on dim 1, ssm on dim 0)."""
     from handshake.compat import compat_hash
 
+    sharding = (StateSharding(dim=1), StateSharding(dim=0)) if described else None
     groups = [
         KVCacheGroup(
             group_id=0,
@@ -240,6 +286,7 @@ def _state_description(rank: int, tp_size: int) -> WorkerDescription:
                 block_size=16,
                 shapes=((3, 16 // tp_size), (16 // tp_size, 4)),
                 dtypes=(torch.float16, torch.float32),
+                sharding=sharding,
             ),
         ),
     ]
@@ -260,14 +307,24 @@ def _state_description(rank: int, tp_size: int) -> WorkerDescription:
 
 
 def test_sharded_state_shapes_across_tp_sizes_are_refused_for_the_tp_sizes():
-    """The handshake's compatibility check sees the per-rank state shapes differ; the
-    error says why (the TP sizes) instead of calling it another model."""
+    """The handshake's compatibility check sees the per-rank state shapes differ and no
+    sharding described; the error says why (the TP sizes) instead of calling it another
+    model."""
     with pytest.raises(IncompatiblePeerError) as err:
         check_compatible(_state_description(0, 2), _state_description(0, 1))
     assert err.value.differences == [("tp_size", 2, 1)]
     assert "groups [1] hold recurrent" in err.value.hint
     assert err.value.peer == "e1/rank0"
     check_compatible(_state_description(1, 2), _state_description(1, 2))  # equal sizes pass
+
+
+def test_sharded_state_shapes_across_tp_sizes_pass_when_the_sharding_is_described():
+    """Described, the per-rank shapes are shards of one whole state: the same hash at
+    both TP sizes, no difference named."""
+    decode, prefill = _state_description(0, 2, True), _state_description(0, 1, True)
+    assert decode.compat_hash == prefill.compat_hash
+    check_compatible(decode, prefill)
+    check_compatible(prefill, _state_description(1, 2, True))
 
 
 def test_state_groups_move_rank_to_rank_at_equal_tp_sizes():
