@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 
+from connector.metadata import LoadFailure
 from connector.params import KVTransferParams
 from layouts.errors import KVBridgeError
 
@@ -103,10 +104,12 @@ class LoadRecord:
     """A decode request whose KV lives (or lived) on a remote prefill."""
 
     __slots__ = (
+        "failure",
         "last_heartbeat",
         "num_computed_tokens",
         "num_load_tokens",
         "params",
+        "ranks_reported",
         "request_id",
         "state",
     )
@@ -115,6 +118,8 @@ class LoadRecord:
         self.request_id = request_id
         self.params = params
         self.state = LoadState.MATCHED
+        self.ranks_reported = 0  # worker ranks whose load of it ended (tensor parallelism)
+        self.failure: LoadFailure | None = None  # the first rank's failure, if any
         self.num_computed_tokens = 0  # the engine's local prefix hit
         self.num_load_tokens = 0  # tokens valid after the load (lcm-aligned)
         self.last_heartbeat = float("-inf")

@@ -37,8 +37,12 @@ class Loads:
         ignored: Counter[Ignored],
         *,
         clock: Callable[[], float],
+        tp_size: int = 1,
     ) -> None:
+        """``tp_size``: worker ranks that load every request; a load ends when each of
+        them has reported it (loaded only if none failed)."""
         self.config = config
+        self.tp_size = tp_size
         self._specs = tuple(specs)
         self._signer = signer
         self._clock = clock
@@ -204,20 +208,25 @@ class Loads:
         return out
 
     def fold(self, output: WorkerOutput) -> tuple[list[str], list[LoadFailure], list[LoadFailure]]:
-        """The workers' load reports: (loaded ids, failures to recompute, failed loads)."""
+        """One worker rank's load reports: (loaded ids, failures to recompute, failed
+        loads), each for loads every rank has now reported."""
         recompute: list[LoadFailure] = []
         failed: list[LoadFailure] = []
-        for failure in output.failed_loads:
-            outcome = self._reported(failure.request_id, Ignored.FAILED_LOAD, ok=False)
-            if outcome is LoadState.RECOMPUTED:
-                recompute.append(failure)
-            elif outcome is LoadState.FAILED:
-                failed.append(failure)
-        loaded = [
-            rid
-            for rid in output.finished_recving
-            if self._reported(rid, Ignored.FINISHED_RECVING, ok=True) is LoadState.LOADED
-        ]
+        loaded: list[str] = []
+        reports = [(f.request_id, f) for f in output.failed_loads]
+        reports += [(rid, None) for rid in output.finished_recving]
+        for rid, failure in reports:
+            kind = Ignored.FINISHED_RECVING if failure is None else Ignored.FAILED_LOAD
+            ended = self._reported(rid, kind, failure)
+            if ended is None:
+                continue
+            outcome, first = ended
+            if outcome is LoadState.LOADED:
+                loaded.append(rid)
+            elif first is not None and outcome is LoadState.RECOMPUTED:
+                recompute.append(first)
+            elif first is not None and outcome is LoadState.FAILED:
+                failed.append(first)
         return loaded, recompute, failed
 
     def take_freed(self) -> set[str]:
@@ -227,23 +236,31 @@ class Loads:
 
     # ------------------------------------------------------------------ internals
 
-    def _reported(self, rid: str, kind: Ignored, *, ok: bool) -> LoadState | None:
-        """The worker says a load ended; the outcome, or None when the report is ignored."""
+    def _reported(
+        self, rid: str, kind: Ignored, failure: LoadFailure | None
+    ) -> tuple[LoadState, LoadFailure | None] | None:
+        """A worker rank says a load ended (``failure`` None: loaded); once every rank has
+        said so, the outcome and the first rank's failure, else None (also when the report
+        is ignored)."""
         record = self._records.get(rid)
         if record is None or record.state not in (LoadState.LOADING, LoadState.ABORTING):
             self.ignored[kind] += 1
             return None
+        record.ranks_reported += 1
+        record.failure = record.failure or failure
+        if record.ranks_reported < self.tp_size:
+            return None  # another rank may still write into the request's blocks
         if record.state is LoadState.ABORTING:
             outcome = LoadState.ABORTED
             self._to_free.add(rid)
-        elif ok:
+        elif record.failure is None:
             outcome = LoadState.LOADED
         elif self.config.failure_policy is FailurePolicy.RECOMPUTE:
             outcome = LoadState.RECOMPUTED
         else:
             outcome = LoadState.FAILED
         self._finish(rid, outcome)
-        return outcome
+        return outcome, record.failure
 
     def _finish(self, rid: str, outcome: LoadState) -> None:
         self._records.pop(rid).advance(outcome)

@@ -103,7 +103,9 @@ class KVBridgeScheduler:
                 config.kv_role.value,
             )
         self.ignored: Counter[Ignored] = Counter()
-        self._loads = Loads(config, self._specs, self._signer, self.ignored, clock=clock)
+        self._loads = Loads(
+            config, self._specs, self._signer, self.ignored, clock=clock, tp_size=tp_size
+        )
         self._sends = Sends(config, self._specs, tp_size=tp_size)
         self.load_outcomes = self._loads.outcomes
         self.send_outcomes = self._sends.outcomes
@@ -194,7 +196,9 @@ class KVBridgeScheduler:
         )
 
     def update_connector_output(self, output: WorkerOutput) -> SchedulerEvents:
-        """Fold the workers' report in; unknown or repeated ids are counted in ``ignored``."""
+        """Fold one worker rank's report in (under tensor parallelism once per rank: a
+        load ends when every rank has reported it); unknown or repeated ids are counted
+        in ``ignored``."""
         now = self._clock()
         book = self._sends.book
         for rid in output.heartbeats:

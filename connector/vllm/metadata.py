@@ -23,22 +23,16 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step: the whole :class:`WorkerOutput` (failures with
-    their reasons, expired leases, heartbeats), not only vLLM's finished sets."""
+    their reasons, expired leases, heartbeats), not only vLLM's finished sets.
 
-    def __init__(self, output: WorkerOutput) -> None:
-        self.output = output
+    vLLM aggregates the TP ranks' metadata into one; each rank's output stays apart
+    (``outputs``), because a decode load ends only when every rank has reported it, and
+    a union of the ranks' sets would count a load two ranks report in one step once."""
+
+    def __init__(self, *outputs: WorkerOutput) -> None:
+        self.outputs = outputs
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBridgeWorkerMetadata:
         if not isinstance(other, KVBridgeWorkerMetadata):
             return self
-        a, b = self.output, other.output
-        return KVBridgeWorkerMetadata(
-            WorkerOutput(
-                finished_sending=a.finished_sending | b.finished_sending,
-                finished_recving=a.finished_recving | b.finished_recving,
-                failed_loads=a.failed_loads + b.failed_loads,
-                expired_leases=a.expired_leases | b.expired_leases,
-                notes={**a.notes, **b.notes},
-                heartbeats=a.heartbeats | b.heartbeats,
-            )
-        )
+        return KVBridgeWorkerMetadata(*self.outputs, *other.outputs)

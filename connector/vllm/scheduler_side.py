@@ -137,16 +137,18 @@ class VLLMSchedulerSide:
         return delay, None if params is None else params.to_dict()
 
     def update_connector_output(self, worker_meta: Any) -> None:
-        output = (
-            worker_meta.output
-            if isinstance(worker_meta, KVBridgeWorkerMetadata)
-            else WorkerOutput()
+        """Each TP rank's report in turn (a step with none still advances leases)."""
+        outputs = (
+            worker_meta.outputs
+            if isinstance(worker_meta, KVBridgeWorkerMetadata) and worker_meta.outputs
+            else (WorkerOutput(),)
         )
-        events = self.sched.update_connector_output(output)
-        for rid in events.free_request_ids:
-            self.sched.take_blocks_to_free(rid)
-        for failure in (*events.recompute, *events.failed):
-            logger.warning("KV load of %s failed: %s", failure.request_id, failure.reason)
+        for output in outputs:
+            events = self.sched.update_connector_output(output)
+            for rid in events.free_request_ids:
+                self.sched.take_blocks_to_free(rid)
+            for failure in (*events.recompute, *events.failed):
+                logger.warning("KV load of %s failed: %s", failure.request_id, failure.reason)
 
     # -- stats ----------------------------------------------------------------------------
 

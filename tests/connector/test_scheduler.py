@@ -85,6 +85,7 @@ class Engine:
         kinds: Sequence[KVCacheKind] = (FULL,),
         block_size: int = 16,
         clock: FakeClock | None = None,
+        tp_size: int = 1,
         **config_overrides,
     ) -> None:
         self.clock = clock or FakeClock()
@@ -94,6 +95,7 @@ class Engine:
             self.kv,
             clock=self.clock,
             wall_clock=self.clock,
+            tp_size=tp_size,
         )
         self.pool = BlockPool(NUM_BLOCKS)
         self.blocks: dict[str, list[list[int]]] = {}  # blocks the engine frees itself

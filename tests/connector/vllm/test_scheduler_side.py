@@ -47,3 +47,55 @@ def test_bad_params_are_counted_once_per_request_and_served_locally():
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again
     assert side.request_finished(req, [[1, 2]]) == (False, None)
     assert side.counters["bad_params"] == 1
+
+
+@dataclass
+class _Blocks:
+    ids: list[list[int]]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return self.ids
+
+
+def test_tp_ranks_reports_count_apart_and_one_failed_rank_recomputes_the_load():
+    """vLLM aggregates the TP ranks' worker metadata into one: rank 0's load finished,
+    rank 1's timed out, in the same step. The load is recomputed, not loaded."""
+    from connector.metadata import LoadFailure, WorkerOutput
+    from connector.params import KVTransferParams
+    from connector.vllm.metadata import KVBridgeWorkerMetadata
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=8
+    )
+    config = KVTransferConfig.from_dict(
+        {"kv_role": "kv_consumer", "engine_id": "d", "failure_policy": "recompute"}
+    )
+    side = VLLMSchedulerSide(config, kv, tp_size=2)
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="p",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_block_ids=[[3, 4, 5, 6]],
+        remote_block_size=32,
+        num_tokens=100,
+        resume_tokens=99,  # prefill's resume point: every prompt token but the last
+        remote_request_id="p-r1",
+    )
+    req = _Request("r1", params.to_dict())
+    assert side.get_num_new_matched_tokens(req, 0) == (99, True)
+    side.update_state_after_alloc(req, _Blocks([[0, 1, 2, 7]]), 99)
+    [spec_out] = side.build_connector_meta().meta.reqs_to_load
+    assert spec_out.request_id == "r1"
+    failure = LoadFailure(
+        request_id="r1", reason="timed out", invalid_block_ids=((0, 1, 2, 7),), num_valid_tokens=0
+    )
+    rank0 = KVBridgeWorkerMetadata(WorkerOutput(finished_recving=frozenset({"r1"})))
+    rank1 = KVBridgeWorkerMetadata(WorkerOutput(failed_loads=(failure,)))
+    both = rank0.aggregate(rank1)
+    assert len(both.outputs) == 2
+    side.update_connector_output(both)
+    stats = side.stats().data
+    assert stats.get("loads_recomputed") == 1
+    assert not stats.get("loads_loaded")
