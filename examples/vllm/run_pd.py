@@ -487,6 +487,7 @@ def run(cfg: RunConfig) -> int:
         print(f"RESULT: {'PASS' if passed else 'FAIL'}")
         print(
             f"SUMMARY prompts_matched={matched}/{len(prompts)} {figures.fmt()} "
+            f"{_loads(before, after, cfg.connector)} "
             f"max_logprob_diff={max_diff:.2e} start_s={pd.start_s:.1f} run_s={run_s:.1f} "
             f"connector={cfg.connector} model={cfg.model} "
             f"blocks={cfg.prefill_block_size}->{cfg.decode_block_size}",
@@ -504,6 +505,19 @@ def run(cfg: RunConfig) -> int:
                     f"(total {time.monotonic() - t0:.1f} s)",
                     flush=True,
                 )
+
+
+def _loads(before: dict[str, float], after: dict[str, float], connector: str) -> str:
+    """``loads_loaded=.. loads_recomputed=.. loads_failed=..`` from kvbridge's decode
+    counters (summed over ranks); NixlConnector exports no such counters (``n/a``)."""
+    parts = []
+    for kind in ("loaded", "recomputed", "failed"):
+        name = f"vllm:kvbridge_loads_{kind}_total"
+        if connector != "kvbridge" or name not in after:
+            parts.append(f"loads_{kind}=n/a")
+        else:
+            parts.append(f"loads_{kind}={after[name] - before.get(name, 0.0):.0f}")
+    return " ".join(parts)
 
 
 @contextmanager
