@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +65,7 @@ from handshake.client import ClientConfig, HandshakeClient  # noqa: E402
 from handshake.description import parse_description  # noqa: E402
 from handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
 from handshake.plan_model import GroupPlan  # noqa: E402
+from handshake.tp import rank_heads  # noqa: E402
 from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major  # noqa: E402
 from layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
 from layouts.layout import KVLayout, KVPacking  # noqa: E402
@@ -92,6 +93,11 @@ class Shape:
     @property
     def request_bytes(self) -> int:
         return self.tokens * self.layers * 2 * self.heads * self.head_size * 2  # fp16 K+V
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shape:
+        """From the flags :func:`add_common_args` adds (``--head-size`` -> ``head_size``)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def model(self) -> ModelInfo:
         return ModelInfo(
@@ -128,8 +134,14 @@ def fill(buffers: KVCacheBuffers, seed: int) -> None:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
 
 
-def kv_digest(buffers: KVCacheBuffers, block_ids: list[int]) -> str:
+def kv_digest(
+    buffers: KVCacheBuffers, block_ids: list[int], heads: tuple[int, int] | None = None
+) -> str:
+    """sha256 of the token-major KV of ``block_ids``; ``heads=(first, count)``: of those
+    (rank-local) heads only."""
     tm = read_group_token_major(buffers, 0, np.asarray(block_ids))
+    if heads is not None:  # (layers, parts, tokens, heads, head_size)
+        tm = tm[:, :, :, heads[0] : heads[0] + heads[1]]
     host = tm.contiguous().view(torch.uint8).cpu()  # explicit: the bytes leave the device
     return hashlib.sha256(host.numpy().tobytes()).hexdigest()
 
@@ -141,6 +153,7 @@ def _config(
     on_save: bool = False,
     staged: bool = False,
     warm: tuple[str, ...] = (),
+    kv_port: int = 0,
 ) -> KVTransferConfig:
     extra: dict[str, object] = {"transfer_mode": mode, "rewrite_on_save": on_save}
     if warm:
@@ -149,7 +162,7 @@ def _config(
         {
             "kv_role": role,
             "engine_id": engine_id,
-            "kv_port": 0,
+            "kv_port": kv_port,
             "kv_buffer_device": "cpu" if staged else "auto",
             "transfer_timeout_s": TIMEOUT_S,
             "extra": extra,
@@ -158,6 +171,24 @@ def _config(
 
 
 # -- the prefill child -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillRank:
+    """Which rank of a tensor-parallel prefill engine a child plays (the default: TP 1).
+
+    Rank ``rank`` holds its share of ``Shape.heads``, fills it with seed ``1 + rank`` and
+    listens on ``kv_port + rank`` (``kv_port`` 0: any free port, TP 1 only).
+    ``rewrites_in_place=False``: it never rewrites its blocks for a reader (read in place)."""
+
+    rank: int = 0
+    tp_size: int = 1
+    kv_port: int = 0
+    rewrites_in_place: bool = True
+
+    def cli(self) -> list[str]:
+        flags = [f"--rank={self.rank}", f"--tp-size={self.tp_size}", f"--kv-port={self.kv_port}"]
+        return flags + ([] if self.rewrites_in_place else ["--no-rewrites-in-place"])
 
 
 def serve(
@@ -169,6 +200,7 @@ def serve(
     on_save: bool,
     staged: bool,
     merge: MergeRuns,
+    tp: PrefillRank = PrefillRank(),
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
     engines: list[NixlTransferEngine] = []
@@ -181,11 +213,18 @@ def serve(
         sys.stdout.write("@@ " + json.dumps(event) + "\n")
         sys.stdout.flush()
 
-    buffers = shape.buffers(parse_format(fmt_code), device)
-    fill(buffers, seed=1)
-    config = _config("kv_producer", engine_id, mode, on_save, staged)
+    local = replace(shape, heads=rank_heads(tp.rank, tp.tp_size, shape.heads).count)
+    buffers = local.buffers(parse_format(fmt_code), device)
+    fill(buffers, seed=1 + tp.rank)
+    config = _config("kv_producer", engine_id, mode, on_save, staged, kv_port=tp.kv_port)
     with KVBridgeWorker(
-        config, shape.model(), host_staging=staged or None, engine_factory=factory
+        config,
+        shape.model(),  # the whole model's heads; this rank holds its share
+        rank=tp.rank,
+        tp_size=tp.tp_size,
+        rewrites_in_place=tp.rewrites_in_place,
+        host_staging=staged or None,
+        engine_factory=factory,
     ) as worker:
         worker.register_kv_caches(buffers)
         say(event="ready", port=worker.side_channel_port, agent=worker.agent_name)
@@ -214,7 +253,9 @@ def serve(
                 keep_ms = (time.perf_counter() - t0) * 1e3
                 say(event="kept", request_id=spec.request_id, keep_ms=keep_ms)
             elif cmd["cmd"] == "digest":
-                say(event="digest", sha256=kv_digest(buffers, cmd["block_ids"]))
+                heads = cmd.get("heads")  # [first, count] or absent: every head
+                digest = kv_digest(buffers, cmd["block_ids"], tuple(heads) if heads else None)
+                say(event="digest", sha256=digest)
             else:
                 return
 
@@ -229,8 +270,12 @@ class Child:
         on_save: bool = False,
         staged: bool = False,
         merge: MergeRuns = MergeRuns.OFF,
+        *,
+        tp: PrefillRank = PrefillRank(),
+        engine_id: str | None = None,
     ) -> None:
-        self.engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
+        """``engine_id``: shared by the ranks of one TP engine (default: a new one)."""
+        self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
             sys.executable,
             __file__,
@@ -243,12 +288,17 @@ class Child:
             *(["--rewrite-on-save"] if on_save else []),
             *(["--staged"] if staged else []),
             f"--merge={merge.value}",
+            *tp.cli(),
             *shape_args(shape),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._events: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        ready = self.wait("ready")
+        try:
+            ready = self.wait("ready")
+        except BaseException:  # never leave a child behind (timeout, Ctrl-C)
+            self.close()
+            raise
         self.port, self.agent = ready["port"], ready["agent"]
 
     def _read(self) -> None:
@@ -279,6 +329,17 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The shape flags :meth:`Shape.from_args` reads (:func:`shape_args` writes them) and
+    ``--iterations`` (timed runs per row, median)."""
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--iterations", type=int, default=7)
 
 
 def shape_args(shape: Shape) -> list[str]:
@@ -351,6 +412,53 @@ class Row:
     rows: int | str = ""  # rows (blocks x streams) asked for, before merging
 
 
+def load_spec(
+    child: Child,
+    shape: Shape,
+    request_id: str,
+    remote_ids: list[int],
+    local_ids: list[int],
+    *,
+    remote_tp_size: int = 1,
+) -> LoadSpec:
+    """Decode's LoadSpec for the whole prompt prefill keeps as ``request_id``; ``child``:
+    prefill's rank 0 (rank r listens on its port + r)."""
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=child.engine_id,
+        remote_host="127.0.0.1",
+        remote_port=child.port,
+        remote_tp_size=remote_tp_size,
+        remote_block_ids=[remote_ids],
+        remote_first_block=[0],
+        remote_block_size=shape.block_size,
+        num_tokens=shape.tokens,
+        remote_request_id=request_id,
+    )
+    return LoadSpec(
+        request_id=f"l-{request_id}",
+        params=params,
+        local_block_ids=(tuple(local_ids),),
+        start_token=0,
+        end_token=shape.tokens,
+    )
+
+
+def load(decode: KVBridgeWorker, spec: LoadSpec) -> None:
+    """Start ``spec`` and drive ``decode`` until it reports the load (at most TIMEOUT_S)."""
+    decode.bind_connector_metadata(ConnectorMetadata(reqs_to_load=(spec,)))
+    decode.start_load_kv()
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        out = decode.get_finished()
+        if out.failed_loads:
+            raise SystemExit(f"load failed: {out.failed_loads[0].reason}")
+        if spec.request_id in out.finished_recving:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"load {spec.request_id} not done within {TIMEOUT_S} s")
+
+
 def measure_connector(
     shape: Shape,
     pfmt: str,
@@ -404,37 +512,10 @@ def measure_connector(
         rid = f"r-{uuid.uuid4().hex[:8]}"
         child.command(cmd="send", request_id=rid, block_ids=rids)
         keep_ms.append(child.wait("kept")["keep_ms"])
-        params = KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=child.engine_id,
-            remote_host="127.0.0.1",
-            remote_port=child.port,
-            remote_block_ids=[rids],
-            remote_first_block=[0],
-            remote_block_size=shape.block_size,
-            num_tokens=shape.tokens,
-            remote_request_id=rid,
-        )
-        spec = LoadSpec(
-            request_id=f"l-{rid}",
-            params=params,
-            local_block_ids=(tuple(lids),),
-            start_token=0,
-            end_token=shape.tokens,
-        )
+        spec = load_spec(child, shape, rid, rids, lids)
         t0 = time.perf_counter()
-        decode.bind_connector_metadata(ConnectorMetadata(reqs_to_load=(spec,)))
-        decode.start_load_kv()
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            out = decode.get_finished()
-            if out.failed_loads:
-                raise SystemExit(f"load failed: {out.failed_loads[0].reason}")
-            if spec.request_id in out.finished_recving:
-                took = time.perf_counter() - t0
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"load {spec.request_id} not done within {TIMEOUT_S} s")
+        load(decode, spec)
+        took = time.perf_counter() - t0
         # Done reached prefill (its blocks are restored) - untimed
         sent = child.wait("sent")
         child_posted[:] = [sent["descriptors_posted"], sent["rows_posted"]]
@@ -472,10 +553,12 @@ def measure_connector(
 
 
 def measure_raw(
-    child: Child, decode: KVCacheBuffers, shape: Shape, iterations: int
+    child: Child, decode: KVCacheBuffers, shape: Shape, iterations: int, nbytes: int | None = None
 ) -> tuple[Row, Row, Row]:
     """One READ of one descriptor (the child's cross-layer buffer -> ours), then one WRITE
-    (ours -> the child's), same bytes. The WRITE overwrites the child's cache: run last."""
+    (ours -> the child's), same bytes. The WRITE overwrites the child's cache: run last.
+    ``nbytes``: how many bytes (default: the whole request, ``shape.request_bytes``); the
+    child must be rank 0 of its engine."""
     raw = NixlTransferEngine(NixlEngineConfig(agent_name=f"bench-raw-{uuid.uuid4().hex[:6]}"))
     try:
         dst = decode.tensors[0]
@@ -493,8 +576,10 @@ def measure_raw(
         finally:
             client.close()
         region = parse_description(desc).regions[0].region
-        nbytes = shape.request_bytes
-        assert region.block_bytes * shape.blocks_per_request == nbytes, "cross-layer region"
+        if nbytes is None:
+            nbytes = shape.request_bytes
+            assert region.block_bytes * shape.blocks_per_request == nbytes, "cross-layer region"
+        assert nbytes <= min(region.span_bytes, dst.numel() * dst.element_size()), nbytes
         peer = raw.add_peer(desc.nixl_metadata)
         remote = raw.prep_remote(peer, np.array([[region.base_addr, nbytes, region.device_id]]))
         device_id = dst.device.index or 0
@@ -541,12 +626,7 @@ def measure_raw(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-size", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--iterations", type=int, default=7)
+    add_common_args(ap)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both caches live")
     ap.add_argument("--modes", default="pull,push", help="transfer modes to run (comma list)")
     ap.add_argument("--mode", default="pull", help=argparse.SUPPRESS)
@@ -573,14 +653,12 @@ def main() -> None:
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
     ap.add_argument("--engine-id", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-rewrites-in-place", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    shape = Shape(
-        layers=args.layers,
-        heads=args.heads,
-        head_size=args.head_size,
-        block_size=args.block_size,
-        tokens=args.tokens,
-    )
+    shape = Shape.from_args(args)
     if args.serve:
         serve(
             shape,
@@ -591,6 +669,12 @@ def main() -> None:
             args.rewrite_on_save,
             args.staged,
             MergeRuns(args.merge),
+            PrefillRank(
+                rank=args.rank,
+                tp_size=args.tp_size,
+                kv_port=args.kv_port,
+                rewrites_in_place=not args.no_rewrites_in_place,
+            ),
         )
         return
     indices_s = time_indices()
