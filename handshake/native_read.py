@@ -20,20 +20,25 @@ from layouts.errors import LayoutError
 from layouts.specs import AttentionSpec
 
 
-def native_streams(
+def unless_rewritten(
     streams: tuple[PieceStream, ...],
     remote: PeerLayout,
     group_id: int,
     spec: AttentionSpec,
-    rewrite: Rewrite,
+    sender: Rewrite | None,
     chunks: int,
     min_piece_bytes: int,
-) -> tuple[PieceStream, ...]:
-    """Every stream of a group re-cut by :func:`native_stream` for ``remote``'s blocks."""
+) -> tuple[tuple[PieceStream, ...], Rewrite | None, bool]:
+    """(streams, sender rewrite, read natively): as planned, unless the plan needs
+    ``remote`` to rewrite its blocks and it may not; then every stream re-cut by
+    :func:`native_stream` to read its blocks as they are, and no sender rewrite."""
+    if sender is None or remote.rewrites_in_place:
+        return streams, sender, False
     geometry = geometries(remote, group_id, spec)[0]
-    return tuple(
-        native_stream(s, geometry, rewrite, chunks, group_id, min_piece_bytes) for s in streams
+    native = tuple(
+        native_stream(s, geometry, sender, chunks, group_id, min_piece_bytes) for s in streams
     )
+    return native, None, True
 
 
 def native_stream(

@@ -37,7 +37,7 @@ import math
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
 from handshake.modes import TransferMode
-from handshake.native_read import native_streams
+from handshake.native_read import unless_rewritten
 from handshake.packed_plan import check_block_packing, packed_plan
 from handshake.pieces import (
     granularity,
@@ -188,13 +188,9 @@ def _attention_plan(
     )
     sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
     streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
-    native_read = sender is not None and not remote.rewrites_in_place
-    if native_read:
-        assert sender is not None
-        streams = native_streams(
-            streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
-        )
-        sender = None
+    streams, sender, native_read = unless_rewritten(
+        streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
+    )
     return GroupPlan(
         group_id=lg.group_id,
         kind=lg.kind,

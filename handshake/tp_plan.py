@@ -31,7 +31,7 @@ from collections.abc import Collection, Sequence
 from handshake import tp
 from handshake.description import PeerLayout
 from handshake.errors import IncompatiblePeerError
-from handshake.native_read import native_streams
+from handshake.native_read import unless_rewritten
 from handshake.pieces import (
     PieceMap,
     granularity,
@@ -200,15 +200,11 @@ def tp_attention_plan(
         _shifted(rp, hs.remote_head * per_head),
         hs.num_heads * per_head,
     )
-    native_read = sender is not None and not remote.rewrites_in_place
-    if native_read:
-        # The sender's engine may read these blocks meanwhile: read its head slice where
-        # it lies (HND: one run per head slice of a (layer, K|V) block part).
-        assert sender is not None
-        streams = native_streams(
-            streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
-        )
-        sender = None
+    # A sender whose engine may read these blocks meanwhile: its head slice read where it
+    # lies (HND: one run per head slice of a (layer, K|V) block part).
+    streams, sender, native_read = unless_rewritten(
+        streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
+    )
     return GroupPlan(
         group_id=lg.group_id,
         kind=lg.kind,

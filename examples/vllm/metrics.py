@@ -38,6 +38,7 @@ FAILURES: dict[str, tuple[str, ...]] = {
     "nixl": ("vllm:nixl_num_failed_transfers_total",),
 }
 EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+KVBRIDGE = "vllm:kvbridge_"  # prefix of kvbridge's samples
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _SOURCE = re.compile(r'source="([^"]*)"')
@@ -73,6 +74,21 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     if status != 200:
         return {}
     return parse_metrics(body.decode(errors="replace"))
+
+
+def kvbridge_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much kvbridge's counter ``name`` (e.g. ``loads_loaded``) grew between scrapes."""
+    key = KVBRIDGE + name + "_total"
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def kvbridge_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Every kvbridge counter that moved, by short name (for assertion messages)."""
+    return {
+        k.removeprefix(KVBRIDGE): v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k.startswith(KVBRIDGE) and k.endswith("_total") and v != before.get(k, 0.0)
+    }
 
 
 def connector_names(metrics: dict[str, float]) -> list[str]:

@@ -36,6 +36,9 @@ import pytest
 
 from connector.receiver import CLAIM_MARGIN_S
 from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
+from examples.vllm.metrics import KVBRIDGE as M
+from examples.vllm.metrics import kvbridge_delta as _delta
+from examples.vllm.metrics import kvbridge_deltas as _deltas
 from examples.vllm.metrics import scrape
 from examples.vllm.models import ensure_model
 from examples.vllm.procs import Service, start_all, stop_all
@@ -48,7 +51,6 @@ LOGPROB_TOL = 1e-4
 TIMEOUT_S = 120.0
 LEASE = {"lease_s": 15, "heartbeat_s": 3}
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama: layers x K,V x kv heads x head dim x fp32
-M = "vllm:kvbridge_"
 
 
 @dataclass
@@ -194,19 +196,6 @@ def _assert_same(reference: Completion, got: Completion) -> None:
     cmp = compare(reference, got)
     assert cmp.first_mismatch is None, f"tokens differ at {cmp.first_mismatch}"
     assert cmp.max_logprob_diff <= LOGPROB_TOL, cmp
-
-
-def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(M + name + "_total", 0.0) - before.get(M + name + "_total", 0.0)
-
-
-def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Every kvbridge counter that moved (for assertion messages)."""
-    return {
-        k.removeprefix(M): v - before.get(k, 0.0)
-        for k, v in after.items()
-        if k.startswith(M) and k.endswith("_total") and v != before.get(k, 0.0)
-    }
 
 
 def _wait_for(what: str, predicate, timeout_s: float = 60.0) -> None:

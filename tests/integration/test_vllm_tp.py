@@ -38,6 +38,8 @@ from typing import Any
 import pytest
 
 from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
+from examples.vllm.metrics import kvbridge_delta as _delta
+from examples.vllm.metrics import kvbridge_deltas as _deltas
 from examples.vllm.metrics import scrape
 from examples.vllm.models import ensure_model
 from examples.vllm.procs import Service, start_all, stop_all
@@ -61,7 +63,6 @@ TIMEOUT_S = 120.0
 LEASE = {"lease_s": 120, "heartbeat_s": 3, "transfer_timeout_s": 60}
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama: layers x K,V x kv heads x head dim x fp32
 LAYERS = 4
-M = "vllm:kvbridge_"
 WITH_TP21 = os.environ.get("KVBRIDGE_VLLM_TP21") == "1"
 
 
@@ -185,19 +186,6 @@ def _warm_up(cluster: Cluster) -> None:
             if _delta(before, cluster.metrics(decode), "loads_loaded") >= 1:
                 break
             print(f"warm-up {prefill} -> {decode}: try {attempt + 1} did not load")
-
-
-def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(M + name + "_total", 0.0) - before.get(M + name + "_total", 0.0)
-
-
-def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Every kvbridge counter that moved (for assertion messages)."""
-    return {
-        k.removeprefix(M): v - before.get(k, 0.0)
-        for k, v in after.items()
-        if k.startswith(M) and k.endswith("_total") and v != before.get(k, 0.0)
-    }
 
 
 def _assert_same(reference: Completion, got: Completion) -> None:
