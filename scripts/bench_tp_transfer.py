@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from connector.worker import KVBridgeWorker  # noqa: E402
+from examples.vllm.procs import free_port  # noqa: E402
 from handshake import tp  # noqa: E402
 from layouts.allocation import KVCacheBuffers  # noqa: E402
 from scripts.bench_transfer import (  # noqa: E402
@@ -65,7 +66,6 @@ from scripts.bench_transfer import (  # noqa: E402
     median_s,
     parse_format,
 )
-from tests.connector.tp_cluster import free_port_range  # noqa: E402
 
 # -- pure helpers (tests/scripts/test_bench_tp_transfer.py) ---------------------------------
 
@@ -170,7 +170,7 @@ def start_prefill(
 ) -> list[Child]:
     """One child per prefill rank, each closed (killed) when ``stack`` unwinds."""
     engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
-    base = free_port_range(prefill_tp) if prefill_tp > 1 else 0
+    base = free_port(span=prefill_tp) if prefill_tp > 1 else 0  # ranks: base + rank
     children = []
     for r in range(prefill_tp):
         rank = PrefillRank(
