@@ -20,7 +20,8 @@ show no prompt token taken from the connector (decode recomputed everything).
 
 Prints one line per prompt, ``RESULT: PASS`` or ``RESULT: FAIL`` and a ``SUMMARY`` line;
 exits 0 iff PASS. Every server is torn down on the way out (also on Ctrl-C / SIGTERM).
-:func:`start_pd` gives the same set of servers to tests and benchmarks.
+:func:`examples.vllm.pd_servers.start_pd` gives the same set of servers to tests and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,177 +46,12 @@ from examples.vllm.client import (
     make_prompts,
 )
 from examples.vllm.metrics import connector_names, scrape, transfer_figures
-from examples.vllm.models import DTYPE, MAX_POSITIONS, MODELS, REPO_ROOT, ensure_model
-from examples.vllm.procs import Service, ServiceError, start_all, stop_all
+from examples.vllm.models import MAX_POSITIONS, MODELS
+from examples.vllm.pd_servers import PDServers, start_pd
+from examples.vllm.procs import ServiceError
 from examples.vllm.servers import (
     CONNECTORS,
-    ServerSpec,
-    proxy_service,
-    vllm_service,
-    with_engine_nice,
 )
-
-
-@dataclass
-class PDServers:
-    """A running reference server (optional), prefill, decode and proxy."""
-
-    model_name: str
-    connector: str
-    prefill: Service
-    decode: Service
-    proxy: Service | None
-    reference: Service | None
-    log_dir: Path
-    start_s: float = 0.0  # wall time until everything was healthy
-    ready_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def services(self) -> list[Service]:
-        return [s for s in (self.proxy, self.prefill, self.decode, self.reference) if s]
-
-    @property
-    def proxy_url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
-
-    @property
-    def prefill_url(self) -> str:
-        return self.prefill.url
-
-    @property
-    def decode_url(self) -> str:
-        return self.decode.url
-
-    @property
-    def reference_url(self) -> str | None:
-        return self.reference.url if self.reference else None
-
-    def dead(self) -> list[str]:
-        """Names of services whose process has exited."""
-        return [s.name for s in self.services if s.proc is not None and not s.alive()]
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        stop_all(self.services, timeout_s)
-
-    def __enter__(self) -> PDServers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def default_log_dir(tag: str) -> Path:
-    return REPO_ROOT / "out" / "vllm-pd" / f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
-
-
-def start_pd(
-    *,
-    connector: str = "kvbridge",
-    model: str = "tiny-llama",
-    prefill_block_size: int = 32,
-    decode_block_size: int = 32,
-    prefill_tp: int = 1,
-    decode_tp: int = 1,
-    kv_extra: dict[str, Any] | None = None,
-    with_reference: bool = True,
-    max_model_len: int = MAX_POSITIONS,
-    enforce_eager: bool = False,
-    start_timeout_s: float = 600.0,
-    proxy_timeout_s: float = 120.0,
-    log_dir: Path | None = None,
-    model_root: Path | None = None,
-    extra_args: tuple[str, ...] = (),
-    progress: bool = True,
-    failure_policy: str = "recompute",
-) -> PDServers:
-    """Start prefill, decode (and a reference server) together, then the proxy.
-
-    The reference server has no connector and decode's block size. ``failure_policy`` is
-    vLLM's ``kv_load_failure_policy`` on prefill and decode (vLLM's default is "fail").
-    Raises
-    :class:`~examples.vllm.procs.ServiceError` (after stopping everything) when a server
-    does not come up within ``start_timeout_s``.
-    """
-    if connector not in CONNECTORS:
-        raise ValueError(f"CONNECTOR must be one of {CONNECTORS}, not {connector!r}")
-    model_dir = ensure_model(model, model_root)
-    tag = f"{connector}-{model}-{prefill_block_size}to{decode_block_size}"
-    if (prefill_tp, decode_tp) != (1, 1):
-        tag += f"-tp{prefill_tp}to{decode_tp}"
-    log_dir = Path(log_dir) if log_dir else default_log_dir(tag)
-    given = kv_extra
-    kv_extra = with_engine_nice(kv_extra, connector, prefill_tp + decode_tp + with_reference)
-    if progress and kv_extra is not given:
-        print("  more busy engine threads than cores: extra.engine_thread_nice=19", flush=True)
-    common = dict(
-        model=model_dir,
-        dtype=DTYPE,
-        max_model_len=max_model_len,
-        served_model_name=model,
-        enforce_eager=enforce_eager,
-        extra_args=extra_args,
-    )
-    specs = [
-        ServerSpec(
-            "prefill",
-            block_size=prefill_block_size,
-            tensor_parallel_size=prefill_tp,
-            connector=connector,
-            role="prefill",
-            kv_extra=kv_extra,
-            failure_policy=failure_policy,
-            **common,
-        ),
-        ServerSpec(
-            "decode",
-            block_size=decode_block_size,
-            tensor_parallel_size=decode_tp,
-            connector=connector,
-            role="decode",
-            kv_extra=kv_extra,
-            failure_policy=failure_policy,
-            **common,
-        ),
-    ]
-    if with_reference:
-        specs.append(ServerSpec("reference", block_size=decode_block_size, **common))
-    services = [vllm_service(spec, log_dir, slot=i) for i, spec in enumerate(specs)]
-    by_name = {s.name: s for s in services}
-    proxy: Service | None = None
-    t0 = time.monotonic()
-
-    def report(svc: Service) -> None:
-        if progress:
-            print(f"  {svc.name} healthy at {svc.url} after {svc.ready_s:.1f} s", flush=True)
-
-    try:
-        if progress:
-            print(f"starting {', '.join(by_name)} (logs in {log_dir})", flush=True)
-        start_all(services, start_timeout_s, on_ready=report)
-        proxy = proxy_service(
-            [by_name["prefill"].url], [by_name["decode"].url], log_dir, timeout_s=proxy_timeout_s
-        )
-        start_all([proxy], 30.0, on_ready=report)
-    except BaseException:
-        # engines still starting up may take a while to honour SIGTERM: short grace
-        stop_all([*services, *([proxy] if proxy else [])], timeout_s=5.0)
-        raise
-    pd = PDServers(
-        model_name=model,
-        connector=connector,
-        prefill=by_name["prefill"],
-        decode=by_name["decode"],
-        proxy=proxy,
-        reference=by_name.get("reference"),
-        log_dir=log_dir,
-    )
-    pd.start_s = time.monotonic() - t0
-    pd.ready_s = {s.name: s.ready_s or 0.0 for s in pd.services}
-    return pd
-
-
-# -- the check ---------------------------------------------------------------------------
 
 
 @dataclass
