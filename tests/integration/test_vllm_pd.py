@@ -276,15 +276,25 @@ def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
     prompts = make_prompts(2, 300, seed=77 + ord(prefill[-1]))
     before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
-    after, p_after = cluster.metrics(decode), cluster.metrics(prefill)
+    after = cluster.metrics(decode)
     moved = _deltas(before, after)
+    # prefill publishes its worker counters with its engine's steps (CI once scraped it a
+    # step early): the reference runs step it, then its bytes written must show
+    want = [cluster.run(prefill, p) for p in prompts]
+    read = _delta(before, after, "bytes_read")
+    _wait_for(
+        f"{prefill}'s bytes_written to reach decode's bytes_read ({read:.0f})",
+        lambda: _delta(p_before, cluster.metrics(prefill), "bytes_written") >= read,
+        timeout_s=30,
+    )
+    p_after = cluster.metrics(prefill)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     pushed = _delta(p_before, p_after, "bytes_written")
     assert _delta(before, after, "bytes_read") == pushed > 0, (moved, pushed)
     assert _delta(before, after, "descriptors_posted") == 0, moved  # decode posted nothing
     assert _delta(p_before, p_after, "pushes_written") == len(prompts)
-    for p, g in zip(prompts, got, strict=True):
-        _assert_same(cluster.run(prefill, p), g)
+    for w, g in zip(want, got, strict=True):
+        _assert_same(w, g)
 
 
 def test_push_writes_larger_prefill_pages_into_decode_staging_slots(cluster):
