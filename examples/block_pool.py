@@ -24,10 +24,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from layouts.errors import KVBridgeError
-from layouts.groups import KVCacheConfig
-from layouts.prefix_hit import GroupHitQuery, PrefixHit, longest_prefix_hit
-from layouts.specs import KVCacheKind
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.prefix_hit import GroupHitQuery, PrefixHit, longest_prefix_hit
+from kvbridge.layouts.specs import KVCacheKind
 
 BlockHash = bytes
 _ROOT_HASH: BlockHash = b"kvbridge-prefix-root"
@@ -216,7 +216,7 @@ def local_prefix_hit(
     pool: BlockPool, kv_cache_config: KVCacheConfig, token_ids: Sequence[int]
 ) -> PrefixHit:
     """The engine's local prefix hit for a prompt: the longest prefix every group's cache
-    serves (``layouts.prefix_hit``), leaving at least the last token to compute."""
+    serves (``kvbridge.layouts.prefix_hit``), leaving at least the last token to compute."""
     queries = []
     for group in kv_cache_config.groups:
         spec = group.spec

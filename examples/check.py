@@ -2,13 +2,14 @@
 
 ::
 
-    python -m examples.check wait --timeout 60 --url http://127.0.0.1:8100/health --pid 4242
-    python -m examples.check run --proxy http://127.0.0.1:8000 \\
+    python -m kvbridge.examples.check wait --timeout 60 \\
+        --url http://127.0.0.1:8100/health --pid 4242
+    python -m kvbridge.examples.check run --proxy http://127.0.0.1:8000 \\
         --decode http://127.0.0.1:8200 --model tiny-hybrid --num-prompts 8 --max-tokens 16
 
 ``run`` sends prompts through the proxy in two waves (the second extends prompts of the
 first, so both workers see local prefix hits and decode loads only the rest), runs the
-same prompts through :mod:`examples.reference` on ``--device`` (the workers' own), and
+same prompts through :mod:`kvbridge.examples.reference` on ``--device`` (the workers' own), and
 exits 0 only when every generated token matches and every per-step logit agrees within
 ``--atol``. It prints a summary read from decode's ``/metrics`` and a final
 machine-readable ``SUMMARY`` line.
@@ -183,9 +184,9 @@ def wait_ready(urls: list[str], pids: list[int], timeout_s: float) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from examples.device import DeviceError, parse_device
-    from examples.reference import load_model, reference_generate
-    from examples.tokenizer import ByteTokenizer
+    from kvbridge.examples.device import DeviceError, parse_device
+    from kvbridge.examples.reference import load_model, reference_generate
+    from kvbridge.examples.tokenizer import ByteTokenizer
 
     torch.set_num_threads(1)
     try:

@@ -12,10 +12,10 @@ import msgspec
 import numpy as np
 import torch
 
-from connector.params import KVTransferParams
-from examples.request import Request, RequestOutput, SamplingParams
-from examples.tokenizer import ByteTokenizer
-from layouts.errors import KVBridgeError
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.examples.request import Request, RequestOutput, SamplingParams
+from kvbridge.examples.tokenizer import ByteTokenizer
+from kvbridge.layouts.errors import KVBridgeError
 
 
 class CompletionBody(msgspec.Struct, kw_only=True):

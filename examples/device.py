@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from layouts.errors import KVBridgeError
+from kvbridge.layouts.errors import KVBridgeError
 
 DEFAULT_DEVICE = "cpu"
 CPU = torch.device("cpu")

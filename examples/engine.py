@@ -1,6 +1,6 @@
 """A minimal continuous-batching engine around :class:`ModelRunner` and the connector.
 
-One :meth:`Engine.step` follows the connector API's order (``connector/api.py``)::
+One :meth:`Engine.step` follows the connector API's order (``connector/common/api.py``)::
 
     admit waiting requests    local prefix hit -> get_num_new_matched_tokens -> allocate
                               -> update_state_after_alloc   (remote KV: wait for the load)
@@ -36,21 +36,21 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.api import WorkerConnector
-from connector.scheduler import KVBridgeScheduler
-from examples.block_pool import BlockPool
-from examples.model import SeqInput
-from examples.prefix_cache import PrefixCache
-from examples.request import (
+from kvbridge.connector.common.api import WorkerConnector
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.examples.block_pool import BlockPool
+from kvbridge.examples.model import SeqInput
+from kvbridge.examples.prefix_cache import PrefixCache
+from kvbridge.examples.request import (
     EngineError,
     FinishReason,
     Request,
     RequestOutput,
     RequestStatus,
 )
-from examples.runner import ModelRunner
-from layouts.errors import KVBridgeError
-from layouts.specs import KVCacheKind
+from kvbridge.examples.runner import ModelRunner
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.specs import KVCacheKind
 
 logger = logging.getLogger(__name__)
 

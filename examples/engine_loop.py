@@ -16,10 +16,10 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from connector.api import WorkerConnector
-from examples.completions import HTTPFailure
-from examples.engine import Engine
-from examples.request import EngineError, Request, RequestOutput
+from kvbridge.connector.common.api import WorkerConnector
+from kvbridge.examples.completions import HTTPFailure
+from kvbridge.examples.engine import Engine
+from kvbridge.examples.request import EngineError, Request, RequestOutput
 
 logger = logging.getLogger("kvbridge.server")
 

@@ -13,9 +13,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from connector.notifications import Done
-from examples.engine import Engine
-from examples.request import Request
+from kvbridge.connector.common.notifications import Done
+from kvbridge.examples.engine import Engine
+from kvbridge.examples.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from examples.check import complete, http_get, parse_metrics
+from kvbridge.examples.check import complete, http_get, parse_metrics
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +106,7 @@ def worker_args(
     model: str = MODEL,
     device: str | torch.device = "cpu",
 ) -> list[str]:
-    """``examples.server`` arguments of a tiny-model worker with a KV connector; ``device``
+    """``kvbridge.examples.server`` arguments of a tiny-model worker with a KV connector; ``device``
     is passed on as ``--device`` (the server checks it)."""
     return [
         "--role",
@@ -179,7 +179,7 @@ class Cluster:
                 [
                     sys.executable,
                     "-m",
-                    "examples.proxy",
+                    "kvbridge.examples.proxy",
                     "--port",
                     str(x_port),
                     "--prefill",
@@ -197,7 +197,7 @@ class Cluster:
     def _worker_argv(
         self, role: str, port: int, kv: dict, block_size: int, extra: list[str]
     ) -> list[str]:
-        server = [sys.executable, "-m", "examples.server", "--port", str(port)]
+        server = [sys.executable, "-m", "kvbridge.examples.server", "--port", str(port)]
         args = worker_args(role, kv, block_size, model=self.model, device=self.device)
         return server + args + extra
 

@@ -27,19 +27,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from examples import state_layer
-from examples.paged_attention import (
+from kvbridge.examples import state_layer
+from kvbridge.examples.paged_attention import (
     AttentionCache,
     AttentionWeights,
     KVLayout,
     attend,
     paged_attention,
 )
-from examples.state_layer import StateCache, StateLayerWeights
-from examples.tokenizer import VOCAB_SIZE
-from layouts.errors import KVBridgeError, LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.specs import FullAttentionSpec, KVCacheKind, KVCacheSpec, SlidingWindowSpec, StateSpec
+from kvbridge.examples.state_layer import StateCache, StateLayerWeights
+from kvbridge.examples.tokenizer import VOCAB_SIZE
+from kvbridge.layouts.errors import KVBridgeError, LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.specs import (
+    FullAttentionSpec,
+    KVCacheKind,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 
 FULL, SLIDING, STATE = (
     KVCacheKind.FULL_ATTENTION,

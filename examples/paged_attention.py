@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layouts.block_table import kernel_ratio, to_kernel_block_ids
-from layouts.errors import BlockIdError, LayoutError
-from layouts.layout import KVLayout
+from kvbridge.layouts.block_table import kernel_ratio, to_kernel_block_ids
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.layout import KVLayout
 
 __all__ = [
     "AttentionCache",

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from examples.block_pool import BlockPool, block_hashes
-from examples.request import Request
-from layouts.prefix_hit import GroupHitQuery, longest_prefix_hit
-from layouts.specs import KVCacheKind, KVCacheSpec
+from kvbridge.examples.block_pool import BlockPool, block_hashes
+from kvbridge.examples.request import Request
+from kvbridge.layouts.prefix_hit import GroupHitQuery, longest_prefix_hit
+from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec
 
 
 class PrefixCache:

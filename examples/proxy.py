@@ -2,7 +2,7 @@
 
 ::
 
-    python -m examples.proxy --port 8000 --prefill http://127.0.0.1:8100 \\
+    python -m kvbridge.examples.proxy --port 8000 --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200,http://127.0.0.1:8201
 
 ``POST /v1/completions``::

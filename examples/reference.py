@@ -4,7 +4,7 @@ Every step runs the model's dense forward (``TinyModel.reference_logits``) over 
 sequence so far; step ``i``'s logits are the last row, and its token is their argmax. The
 engine, the servers and the prefill/decode pair must reproduce both, on the same device::
 
-    python -m examples.reference --model tiny-hybrid --prompt "Hello" --max-tokens 8 \\
+    python -m kvbridge.examples.reference --model tiny-hybrid --prompt "Hello" --max-tokens 8 \\
         --device cuda
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from examples.device import DeviceError, add_device_argument, parse_device
-from examples.model import TinyModel
-from examples.tokenizer import EOS_ID, ByteTokenizer
+from kvbridge.examples.device import DeviceError, add_device_argument, parse_device
+from kvbridge.examples.model import TinyModel
+from kvbridge.examples.tokenizer import EOS_ID, ByteTokenizer
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from connector.params import KVTransferParams
-from examples.tokenizer import EOS_ID
-from layouts.errors import KVBridgeError
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.examples.tokenizer import EOS_ID
+from kvbridge.layouts.errors import KVBridgeError
 
 
 class EngineError(KVBridgeError, ValueError):
@@ -71,7 +71,8 @@ class RequestOutput:
 
 
 class Request:
-    """One completion request; implements :class:`connector.api.ConnectorRequest`."""
+    """One completion request; implements
+    :class:`kvbridge.connector.common.api.ConnectorRequest`."""
 
     def __init__(
         self,

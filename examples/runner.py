@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from examples.device import CPU, add_device_argument, parse_device
-from examples.model import ModelCaches, ModelConfig, SeqInput, TinyModel
-from examples.paged_attention import AttentionCache
-from examples.state_layer import StateCache
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.block_table import kernel_ratio, to_kernel_block_ids
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheConfig
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import KVCacheKind
+from kvbridge.examples.device import CPU, add_device_argument, parse_device
+from kvbridge.examples.model import ModelCaches, ModelConfig, SeqInput, TinyModel
+from kvbridge.examples.paged_attention import AttentionCache
+from kvbridge.examples.state_layer import StateCache
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.block_table import kernel_ratio, to_kernel_block_ids
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import KVCacheKind
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m examples.server --model tiny-hybrid --role prefill --port 8100 \\
+    python -m kvbridge.examples.server --model tiny-hybrid --role prefill --port 8100 \\
         --block-size 64 --kv-layout NHD --cross-layers --device cuda \\
         --kv-transfer-config '{"kv_role": "kv_producer", "engine_id": "prefill-0"}'
 
@@ -29,17 +29,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from examples.completions import (
+from kvbridge.examples.completions import (
     CompletionBody,
     HTTPFailure,
     parse_body,
     response_body,
     to_request,
 )
-from examples.engine_loop import EngineLoop
-from examples.request import Request, RequestOutput
-from examples.worker_setup import build, make_parser
-from layouts.errors import KVBridgeError
+from kvbridge.examples.engine_loop import EngineLoop
+from kvbridge.examples.request import Request, RequestOutput
+from kvbridge.examples.worker_setup import build, make_parser
+from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger("kvbridge.server")
 MAX_BODY_BYTES = 1 << 20

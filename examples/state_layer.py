@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.errors import BlockIdError, LayoutError
 
 States = tuple[torch.Tensor, ...]
 

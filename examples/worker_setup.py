@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from connector.config import ConfigError, KVRole, KVTransferConfig
-from examples.engine import Engine, EngineConfig
-from examples.engine_loop import EngineLoop
-from examples.faults import FAULTS, inject
-from examples.runner import ModelRunner, RunnerConfig
-from layouts.specs import dtype_name
+from kvbridge.connector.common.config import ConfigError, KVRole, KVTransferConfig
+from kvbridge.examples.engine import Engine, EngineConfig
+from kvbridge.examples.engine_loop import EngineLoop
+from kvbridge.examples.faults import FAULTS, inject
+from kvbridge.examples.runner import ModelRunner, RunnerConfig
+from kvbridge.layouts.specs import dtype_name
 
 ROLE_KV = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER, "both": KVRole.BOTH}
 
@@ -100,8 +100,8 @@ def _given_keys(text_or_path: str) -> set[str]:
 
 def _connector(config: KVTransferConfig, runner: ModelRunner, info: dict):
     # Imported here: role "both" without a connector needs neither NIXL nor ZMQ.
-    from connector.scheduler import KVBridgeScheduler
-    from connector.worker import KVBridgeWorker, ModelInfo
+    from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+    from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 
     mc = runner.model_config
     model = ModelInfo(

@@ -5,8 +5,8 @@ Negotiation (description <-> layouts specs, compatibility, transfer plan) builds
 
 from __future__ import annotations
 
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.errors import (
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     HandshakeTimeoutError,
@@ -18,9 +18,14 @@ from handshake.errors import (
     UnknownRequestError,
     UnsupportedVersionError,
 )
-from handshake.framing import FrameCodec, HandshakeSecurity
-from handshake.listener import HandshakeListener, ListenerConfig, ListenerStats, default_port
-from handshake.messages import (
+from kvbridge.handshake.framing import FrameCodec, HandshakeSecurity
+from kvbridge.handshake.listener import (
+    HandshakeListener,
+    ListenerConfig,
+    ListenerStats,
+    default_port,
+)
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,

@@ -19,15 +19,15 @@ from types import TracebackType
 
 import zmq
 
-from handshake.errors import (
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     HandshakeTimeoutError,
     PeerAuthenticationError,
     PeerError,
 )
-from handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
-from handshake.messages import (
+from kvbridge.handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,

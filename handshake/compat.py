@@ -14,12 +14,12 @@ import hashlib
 
 import msgspec
 
-from handshake.description import WorkerIdentity
-from handshake.errors import IncompatiblePeerError
-from handshake.messages import PROTOCOL_VERSION, WireSpec, WorkerDescription
-from handshake.tp_plan import check_groups_across_tp
-from layouts.groups import KVCacheConfig
-from layouts.specs import KVCacheKind, StateSpec, dtype_name
+from kvbridge.handshake.description import WorkerIdentity
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.messages import PROTOCOL_VERSION, WireSpec, WorkerDescription
+from kvbridge.handshake.tp_plan import check_groups_across_tp
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.specs import KVCacheKind, StateSpec, dtype_name
 
 
 class _HashInput(msgspec.Struct, array_like=True):

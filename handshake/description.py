@@ -1,6 +1,6 @@
 """A worker's self-description: built from its buffers, parsed back into layout objects.
 
-``describe`` turns a side's :class:`~layouts.allocation.KVCacheBuffers` (plus identity
+``describe`` turns a side's :class:`~kvbridge.layouts.allocation.KVCacheBuffers` (plus identity
 and NIXL metadata) into the :class:`WorkerDescription` the listener publishes;
 ``parse_description`` turns any description, local or remote, into a :class:`PeerLayout`
 that negotiation reads. Both sides therefore go through the same parser.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from handshake.errors import ProtocolError
-from handshake.messages import (
+from kvbridge.handshake.errors import ProtocolError
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     WireGroup,
     WireRegion,
@@ -19,13 +19,13 @@ from handshake.messages import (
     WireStateSharding,
     WorkerDescription,
 )
-from handshake.modes import TransferMode
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.region import KVRegion, MemoryKind
-from layouts.specs import (
+from kvbridge.handshake.modes import TransferMode
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.region import KVRegion, MemoryKind
+from kvbridge.layouts.specs import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheKind,

@@ -17,13 +17,21 @@ came back, so that a log line alone says which process to look at and what to ch
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from layouts.errors import KVBridgeError
+from kvbridge.layouts.errors import KVBridgeError
 
-if TYPE_CHECKING:
-    from handshake.messages import ErrorCode
+
+class ErrorCode(enum.Enum):
+    """Why a listener refused a request; travels as its string value."""
+
+    MALFORMED = "malformed"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_REQUEST = "unknown_request"
+    TOO_LARGE = "too_large"
+    UNAUTHENTICATED = "unauthenticated"
+    INTERNAL = "internal"
 
 
 class HandshakeError(KVBridgeError):

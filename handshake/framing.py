@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from handshake.errors import (
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     MessageTooLargeError,

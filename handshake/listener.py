@@ -22,8 +22,8 @@ from types import MappingProxyType, TracebackType
 
 import zmq
 
-from handshake.affinity import unpinned
-from handshake.errors import (
+from kvbridge.handshake.affinity import unpinned
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     MessageTooLargeError,
@@ -31,8 +31,8 @@ from handshake.errors import (
     UnknownRequestError,
     UnsupportedVersionError,
 )
-from handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
-from handshake.messages import (
+from kvbridge.handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.messages import (
     ErrorCode,
     ErrorReply,
     MetadataRequest,

@@ -29,25 +29,18 @@ Protocol history:
 
 from __future__ import annotations
 
-import enum
 from typing import TypeAlias
 
 import msgspec
 
-from handshake.errors import ProtocolError, UnknownRequestError, UnsupportedVersionError
+from kvbridge.handshake.errors import (
+    ErrorCode,
+    ProtocolError,
+    UnknownRequestError,
+    UnsupportedVersionError,
+)
 
 PROTOCOL_VERSION = 1
-
-
-class ErrorCode(enum.Enum):
-    """Why a listener refused a request; travels as its string value."""
-
-    MALFORMED = "malformed"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    UNKNOWN_REQUEST = "unknown_request"
-    TOO_LARGE = "too_large"
-    UNAUTHENTICATED = "unauthenticated"
-    INTERNAL = "internal"
 
 
 class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
@@ -63,7 +56,7 @@ class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
 
 
 class WireStateSharding(msgspec.Struct, frozen=True):
-    """How one state tensor is split over TP ranks (``layouts.specs.StateSharding``):
+    """How one state tensor is split over TP ranks (``kvbridge.layouts.specs.StateSharding``):
     ``dim`` -1 for a tensor replicated on every rank."""
 
     dim: int
@@ -71,7 +64,7 @@ class WireStateSharding(msgspec.Struct, frozen=True):
 
 
 class WireSpec(msgspec.Struct, frozen=True):
-    """A KV-cache spec on the wire (``kind`` is a ``layouts.specs.KVCacheKind`` value)."""
+    """A KV-cache spec on the wire (``kind`` is a ``kvbridge.layouts.specs.KVCacheKind`` value)."""
 
     kind: str
     block_size: int
@@ -150,7 +143,7 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # non-empty: the engine's private element order inside a page (CacheFormat.block_packing)
     block_packing: str = ""
     packed_heads_major: bool = False  # CacheFormat.packed_heads_major
-    transfer_mode: str = "pull"  # handshake.modes.TransferMode: both sides must agree
+    transfer_mode: str = "pull"  # kvbridge.handshake.modes.TransferMode: both sides must agree
     # the engine rebuilds its packed pages from remote ones after a load (a push writer
     # must plan exactly as this reader does)
     can_repack: bool = False
@@ -158,7 +151,8 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # a reader that needs no rewrite must claim them (an empty Prepare) before reading
     rewrites_on_save: bool = False
     # push mode, engine-packed pages: the registered staging arena (one block of its whole
-    # size) whose slots a prefill with larger pages writes into (connector.staging)
+    # size) whose slots a prefill with larger pages writes into
+    # (kvbridge.connector.worker.staging.staging)
     staging: WireRegion | None = None
 
 

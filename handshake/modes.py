@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 class TransferMode(enum.Enum):

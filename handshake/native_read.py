@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from handshake.description import PeerLayout
-from handshake.pieces import geometries
-from handshake.plan_model import PieceStream, Rewrite
-from layouts.arrangement import UnitGeometry, element_offsets
-from layouts.errors import LayoutError
-from layouts.specs import AttentionSpec
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.pieces import geometries
+from kvbridge.handshake.plan_model import PieceStream, Rewrite
+from kvbridge.layouts.arrangement import UnitGeometry, element_offsets
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.specs import AttentionSpec
 
 
 def unless_rewritten(

@@ -10,13 +10,13 @@ engine writes the tokens it loads into its own blocks, token by token.
 
 from __future__ import annotations
 
-from handshake.description import PeerLayout
-from handshake.errors import IncompatiblePeerError
-from handshake.plan_model import GroupPlan, PieceStream
-from handshake.tp import HeadSlice
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.specs import AttentionSpec
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.plan_model import GroupPlan, PieceStream
+from kvbridge.handshake.tp import HeadSlice
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.specs import AttentionSpec
 
 
 def check_block_packing(local: PeerLayout, remote: PeerLayout, peer: str, can_repack: bool) -> bool:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from handshake.description import PeerLayout
-from handshake.plan_model import Granularity, PieceStream, Rewrite
-from layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.layout import KVPacking
-from layouts.specs import AttentionSpec
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.plan_model import Granularity, PieceStream, Rewrite
+from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.layout import KVPacking
+from kvbridge.layouts.specs import AttentionSpec
 
 PieceMap = dict[tuple[int, int], tuple[int, int, int]]
 

@@ -20,9 +20,10 @@ prefix cache lets running requests read a block while a reader holds it) is read
 native arrangement instead: every piece is cut where its bytes stop being contiguous there
 (e.g. one piece per head when an HND 128-token block feeds 32-token chunks). That costs
 descriptors, so pieces smaller than ``MIN_NATIVE_PIECE_BYTES`` are refused by name
-(``handshake.native_read``). Engine-packed pages move whole (``handshake.packed_plan``);
-those the reader must stage go, in push mode, into the staging arena it advertises, which
-must hold a slot of each such group. The plan objects live in ``handshake.plan_model``.
+(``kvbridge.handshake.native_read``). Engine-packed pages move whole
+(``kvbridge.handshake.packed_plan``); those the reader must stage go, in push mode, into the staging
+arena it advertises, which must hold a slot of each such group. The plan objects live in
+``kvbridge.handshake.plan_model``.
 
 Token chunk ``q`` (tokens ``q*u .. q*u+u-1``) lives in local block ``q // r_local`` at
 chunk ``q % r_local`` and in remote block ``q // r_remote`` at chunk ``q % r_remote``.
@@ -34,30 +35,30 @@ from __future__ import annotations
 
 import math
 
-from handshake.description import PeerLayout
-from handshake.errors import IncompatiblePeerError
-from handshake.modes import TransferMode
-from handshake.native_read import unless_rewritten
-from handshake.packed_plan import check_block_packing, packed_plan
-from handshake.pieces import (
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.modes import TransferMode
+from kvbridge.handshake.native_read import unless_rewritten
+from kvbridge.handshake.packed_plan import check_block_packing, packed_plan
+from kvbridge.handshake.pieces import (
     granularity,
     group_streams,
     pieces,
     rewrites,
     wire_chunk,
 )
-from handshake.plan_model import (
+from kvbridge.handshake.plan_model import (
     Granularity,
     GroupPlan,
     PieceStream,
     TransferPlan,
 )
-from handshake.tp_plan import head_slice, tp_attention_plan
-from handshake.tp_state import state_layers, tp_state_plan
-from layouts.arrangement import BlockArrangement
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.specs import AttentionSpec, StateSpec
+from kvbridge.handshake.tp_plan import head_slice, tp_attention_plan
+from kvbridge.handshake.tp_state import state_layers, tp_state_plan
+from kvbridge.layouts.arrangement import BlockArrangement
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.specs import AttentionSpec, StateSpec
 
 MIN_NATIVE_PIECE_BYTES = 512  # smallest piece worth a descriptor when reading natively
 

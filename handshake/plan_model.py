@@ -1,7 +1,7 @@
 """What a negotiated plan is: per KV-cache group, wire chunks cut into piece streams.
 
-``handshake.plan`` builds these; the receiver turns them into descriptor rows. See
-``handshake.plan`` for how the chunk, the transforms and the pieces are chosen.
+``kvbridge.handshake.plan`` builds these; the receiver turns them into descriptor rows. See
+``kvbridge.handshake.plan`` for how the chunk, the transforms and the pieces are chosen.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layouts.arrangement import BlockArrangement
-from layouts.errors import LayoutError
-from layouts.specs import KVCacheKind
+from kvbridge.layouts.arrangement import BlockArrangement
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.specs import KVCacheKind
 
 
 class Granularity(enum.IntEnum):

@@ -20,14 +20,14 @@ blocks: local rank ``remote_rank % local_tp`` sends it (:func:`releaser`). :func
 and :func:`expected_done` give both ends of that bookkeeping.
 
 Everything here is pure arithmetic on small integers; bad sizes raise
-:class:`~layouts.errors.LayoutError` naming the numbers.
+:class:`~kvbridge.layouts.errors.LayoutError` naming the numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Plans between ranks of different tensor-parallel sizes: a slice of the KV heads.
 
 Under tensor parallelism a rank's cache holds only some of the model's KV heads
-(:mod:`handshake.tp`). A decode rank reads from a prefill rank exactly the heads they
+(:mod:`kvbridge.handshake.tp`). A decode rank reads from a prefill rank exactly the heads they
 share, and nothing else. To make that slice cheap to address, the wire chunk is
 *head-major*: the sender rewrites its blocks after save so that inside every piece the
 heads are outermost, and the shared heads are one contiguous byte range::
@@ -19,7 +19,7 @@ State (Mamba-like) groups: an engine shards each state tensor over its ranks alo
 own dimensions (vLLM's Mamba2 conv state even concatenates three differently sharded
 parts). Where both sides describe that sharding (``StateSpec.sharding``), a decode rank
 reads exactly its shard of every state tensor from the prefill ranks holding it
-(:mod:`handshake.tp_state`); where either side does not, a state spec carries only a
+(:mod:`kvbridge.handshake.tp_state`); where either side does not, a state spec carries only a
 rank's shapes, no byte range of one rank's state is known to be another's, and
 :func:`check_groups_across_tp` refuses different TP sizes by name.
 """
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from handshake import tp
-from handshake.description import PeerLayout
-from handshake.errors import IncompatiblePeerError
-from handshake.native_read import unless_rewritten
-from handshake.pieces import (
+from kvbridge.handshake import tp
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.native_read import unless_rewritten
+from kvbridge.handshake.pieces import (
     PieceMap,
     granularity,
     group_streams,
@@ -40,12 +40,12 @@ from handshake.pieces import (
     rewrites,
     wire_chunk,
 )
-from handshake.plan_model import Granularity, GroupPlan
-from layouts.arrangement import BlockArrangement, HeadOrder
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec, KVCacheKind, StateSpec
+from kvbridge.handshake.plan_model import Granularity, GroupPlan
+from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, StateSpec
 
 
 def reads_from(local: PeerLayout, remote: PeerLayout) -> bool:
@@ -71,7 +71,7 @@ def check_groups_across_tp(
     (in group-id order) cannot move between ``local_tp`` and ``remote_tp`` ranks: a state
     group can only when the sizes are equal (rank ``r`` reads rank ``r``) or when it is in
     ``described``, the groups whose state sharding both sides describe
-    (:mod:`handshake.tp_state` maps those)."""
+    (:mod:`kvbridge.handshake.tp_state` maps those)."""
     if local_tp == remote_tp:
         return
     state = [g for g, kind in enumerate(kinds) if kind is KVCacheKind.STATE and g not in described]
@@ -132,7 +132,7 @@ def head_slice(local: PeerLayout, remote: PeerLayout, peer: str) -> tp.HeadSlice
             peer=peer,
             hint=f"prefill rank {ri.rank} of {ri.tp_size} holds none of the KV heads decode "
             f"rank {li.rank} of {li.tp_size} reads ({total} KV heads); read the ranks "
-            f"connector.routing names",
+            f"kvbridge.connector.worker.routing names",
         )
     (s,) = mine
     if s.num_heads == local_count == remote_count:

@@ -2,7 +2,7 @@
 state a decode rank needs, and where they land in its own.
 
 An engine shards each state tensor over its TP ranks along one dimension (or keeps it
-whole on every rank), as its :class:`~layouts.specs.StateSharding` says; a dimension
+whole on every rank), as its :class:`~kvbridge.layouts.specs.StateSharding` says; a dimension
 may concatenate sections that are each split on their own (vLLM's Mamba2 conv state:
 x, B and C). Rank ``r`` of ``tp`` holds the ``r``-th ``tp``-th of every section, so a
 decode rank and a prefill rank share the overlap of their fractions of each section.
@@ -16,12 +16,12 @@ A slice ``[i, i + n)`` along dimension ``d`` of a C-contiguous tensor is one run
          remote row k [ x1 | B1 | C1 ]            K x 3 pieces from prefill rank 1
 
 A replicated tensor is read whole, once per decode rank, from the first prefill rank
-it reads KV heads from (:func:`handshake.tp.sources`), so reads spread over prefill
+it reads KV heads from (:func:`kvbridge.handshake.tp.sources`), so reads spread over prefill
 ranks as head replicas do. Sharded state is read only from prefill ranks the decode
 rank reads heads from anyway: the ranks it talks to, and the ``Done`` bookkeeping that
 frees prefill blocks (every prefill rank hears from its head readers, or the one decode
-rank that releases an unread replica: :mod:`connector.routing`), stay exactly those of
-the KV heads. Where a decode rank's state shards lie on a prefill rank it reads no
+rank that releases an unread replica: :mod:`kvbridge.connector.worker.routing`), stay exactly those
+of the KV heads. Where a decode rank's state shards lie on a prefill rank it reads no
 heads from (prefill KV heads replicated: prefill TP above the KV head count), the plan
 is refused by name.
 """
@@ -31,13 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from handshake import tp
-from handshake.description import PeerLayout
-from handshake.errors import IncompatiblePeerError
-from handshake.plan_model import GroupPlan, PieceStream
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheGroup
-from layouts.specs import StateSharding, StateSpec
+from kvbridge.handshake import tp
+from kvbridge.handshake.description import PeerLayout
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.plan_model import GroupPlan, PieceStream
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheGroup
+from kvbridge.layouts.specs import StateSharding, StateSpec
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layouts.arrangement import BlockArrangement, UnitGeometry
-from layouts.block_table import kernel_ratio
-from layouts.errors import BlockIdError, LayoutError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.region import KVRegion, MemoryKind
-from layouts.specs import AttentionSpec, StateSpec
+from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry
+from kvbridge.layouts.block_table import kernel_ratio
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.region import KVRegion, MemoryKind
+from kvbridge.layouts.specs import AttentionSpec, StateSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +125,7 @@ class KVCacheBuffers:
         *,
         device: torch.device,
     ) -> KVCacheBuffers:
-        """Buffers over memory someone else allocated (see ``layouts.external``, which
+        """Buffers over memory someone else allocated (see ``kvbridge.layouts.external``, which
         checks shapes and strides): ``tensors`` are what NIXL registers, ``layer_bytes``
         each layer's ``(num_blocks, page_bytes)`` uint8 rows."""
         self = cls.__new__(cls)
@@ -304,7 +304,7 @@ def read_group_token_major(
 ) -> torch.Tensor:
     """Copy a group's blocks out as ``(layers, parts, tokens, heads, head_size)`` in the
     element dtype's integer twin (exact bytes). Attention groups only."""
-    from layouts.arrangement import token_major
+    from kvbridge.layouts.arrangement import token_major
 
     ids = torch.as_tensor(buffers.check_block_ids(block_ids), device=buffers.device)
     group = buffers._group(group_id)

@@ -48,8 +48,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from layouts.errors import LayoutError
-from layouts.layout import KVLayout
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.layout import KVLayout
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -129,7 +129,7 @@ class BlockArrangement:
     @classmethod
     def native(cls, layout: KVLayout, block_size: int, kernel_block_size: int) -> BlockArrangement:
         """A side's own arrangement: one chunk of kernel-sized sub-blocks."""
-        from layouts.block_table import kernel_ratio
+        from kvbridge.layouts.block_table import kernel_ratio
 
         return cls(layout=layout, sub_blocks_per_chunk=kernel_ratio(block_size, kernel_block_size))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 def kernel_ratio(block_size: int, kernel_block_size: int) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from layouts.errors import BlockIdError, LayoutError
-from layouts.region import KVRegion
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.region import KVRegion
 
 
 def piece_offsets(region: KVRegion, num_pieces: int) -> np.ndarray:

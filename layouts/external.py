@@ -25,11 +25,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheConfig
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import AttentionSpec, KVCacheKind
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind
 
 
 class ExternalLayoutError(LayoutError):

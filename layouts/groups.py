@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from layouts.errors import LayoutError, NonUniformPageError
-from layouts.specs import AttentionSpec, KVCacheKind, KVCacheSpec, StateSpec
+from kvbridge.layouts.errors import LayoutError, NonUniformPageError
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, KVCacheSpec, StateSpec
 
 
 @dataclass(frozen=True, kw_only=True)

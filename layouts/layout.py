@@ -19,7 +19,7 @@ import enum
 
 import numpy as np
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 class KVLayout(enum.Enum):

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layouts.errors import LayoutError
-from layouts.specs import KVCacheKind
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.specs import KVCacheKind
 
 
 class PrefixHitError(LayoutError):

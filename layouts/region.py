@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 class MemoryKind(enum.Enum):
@@ -62,7 +62,7 @@ class KVRegion:
 
     def block_addr(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
-            from layouts.errors import BlockIdError
+            from kvbridge.layouts.errors import BlockIdError
 
             raise BlockIdError(
                 f"region {self.name!r}: block id {block_id} outside [0, {self.num_blocks})"

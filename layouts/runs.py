@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 def next_adjacent(table: np.ndarray, segments: np.ndarray | None = None) -> np.ndarray:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

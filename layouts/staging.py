@@ -49,7 +49,7 @@ from enum import Enum
 import numpy as np
 import torch
 
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 BATCHED_SCRATCH_BUDGET_BYTES = 64 << 20
 _ROW_GATHER_MIN_BYTES = 256 << 10  # small-scratch path: units this large are gathered per row

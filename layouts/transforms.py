@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layouts.allocation import KVCacheBuffers
-from layouts.arrangement import BlockArrangement, UnitGeometry, run_permutation, same_bytes
-from layouts.errors import BlockIdError, LayoutError
-from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec
-from layouts.staging import RewriteStrategy, allocate_scratch, rewrite_rows
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry, run_permutation, same_bytes
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import AttentionSpec
+from kvbridge.layouts.staging import RewriteStrategy, allocate_scratch, rewrite_rows
 
 
 @dataclass(frozen=True, kw_only=True)

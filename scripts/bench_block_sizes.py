@@ -24,15 +24,15 @@ import time
 import numpy as np
 import torch
 
-from handshake.compat import compat_hash
-from handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
-from handshake.plan import negotiate
-from handshake.plan_model import Rewrite
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout
-from layouts.specs import FullAttentionSpec
-from layouts.transforms import rewrite_group
+from kvbridge.handshake.compat import compat_hash
+from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
+from kvbridge.handshake.plan import negotiate
+from kvbridge.handshake.plan_model import Rewrite
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import FullAttentionSpec
+from kvbridge.layouts.transforms import rewrite_group
 
 PAIRS = [(64, 64), (64, 32), (80, 32), (96, 64), (528, 64), (48, 32), (32, 48)]
 

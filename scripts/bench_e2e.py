@@ -1,7 +1,7 @@
 """End-to-end benchmark: paired prefill/decode servers (pull and push) vs the same engine
 in one process, through real HTTP and real NIXL.
 
-For each configuration this starts real server processes (``examples.launch``: prefill
+For each configuration this starts real server processes (``kvbridge.examples.launch``: prefill
 block 32, decode block 16, and the proxy; or one server with no connector) and sends
 requests of ``--lengths`` prompt tokens at each ``--concurrency``, every prompt unique
 (no prefix-cache hits), ``max_tokens=1``: the answer is the first token, so the client's
@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
-from examples.launch import Cluster, Proc, free_port  # noqa: E402
+from kvbridge.examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
+from kvbridge.examples.launch import Cluster, Proc, free_port  # noqa: E402
 
 TIMEOUT_S = 120.0
 PHASES = ("peer", "prepare", "data", "finish")
@@ -52,7 +52,7 @@ class Point:
     transfer_ms: float = 0.0  # mean per load (decode's transfer_seconds / transfers)
     bytes_per_req: float = 0.0
     descs_per_req: float = 0.0
-    # decode's mean ms per load in each phase (connector.load_timeline)
+    # decode's mean ms per load in each phase (kvbridge.connector.worker.decode.load_timeline)
     phases_ms: dict[str, float] = field(default_factory=dict)
 
     def p(self, q: float) -> float:
@@ -109,7 +109,7 @@ def start_single(model: str, num_blocks: int, device: torch.device, logs: Path) 
     argv = [
         sys.executable,
         "-m",
-        "examples.server",
+        "kvbridge.examples.server",
         "--port",
         str(port),
         "--role",
@@ -137,7 +137,7 @@ def start_single(model: str, num_blocks: int, device: torch.device, logs: Path) 
 
 
 def one(url: str, prompt: list[int]) -> float:
-    from examples.check import complete
+    from kvbridge.examples.check import complete
 
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}
     t0 = time.perf_counter()
@@ -238,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             assert last is not None
             cells.append(f"{last.bytes_per_req / 1024:8.0f} {last.descs_per_req:8.0f}")
             print(" ".join(cells))
-    print("\ndecode's load, phase by phase (mean ms per load; connector/load_timeline.py):")
+    print(
+        "\ndecode's load, phase by phase"
+        " (mean ms per load; connector/worker/decode/load_timeline.py):"
+    )
     header = f"{'tokens':>6} {'conc':>4} " + " ".join(
         f"{m + ' ' + '/'.join(PHASES):>30}" for m in modes
     )

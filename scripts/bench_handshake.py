@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nixl._api import nixl_agent, nixl_agent_config
 
-from handshake import (
+from kvbridge.handshake import (
     PROTOCOL_VERSION,
     ClientConfig,
     HandshakeClient,

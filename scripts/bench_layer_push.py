@@ -68,16 +68,16 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine  # noqa: E402
-from connector.transport import DescList, XferHandle, wait_done  # noqa: E402
-from examples.model import FULL, ModelCaches, ModelConfig, TinyModel  # noqa: E402
-from examples.model import SeqInput as ModelInput  # noqa: E402
-from examples.paged_attention import AttentionCache, write_kv  # noqa: E402
-from layouts.allocation import CacheFormat, KVCacheBuffers  # noqa: E402
-from layouts.descriptors import descriptor_table, piece_indices, piece_offsets  # noqa: E402
-from layouts.groups import KVCacheConfig  # noqa: E402
-from layouts.layout import KVLayout  # noqa: E402
-from layouts.region import KVRegion, MemoryKind  # noqa: E402
+from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine  # noqa: E402
+from kvbridge.connector.transfer.transport import DescList, XferHandle, wait_done  # noqa: E402
+from kvbridge.examples.model import FULL, ModelCaches, ModelConfig, TinyModel  # noqa: E402
+from kvbridge.examples.model import SeqInput as ModelInput  # noqa: E402
+from kvbridge.examples.paged_attention import AttentionCache, write_kv  # noqa: E402
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers  # noqa: E402
+from kvbridge.layouts.descriptors import descriptor_table, piece_indices, piece_offsets  # noqa: E402
+from kvbridge.layouts.groups import KVCacheConfig  # noqa: E402
+from kvbridge.layouts.layout import KVLayout  # noqa: E402
+from kvbridge.layouts.region import KVRegion, MemoryKind  # noqa: E402
 from scripts.bench_transfer import TIMEOUT_S, Child, kv_digest  # noqa: E402
 
 POLL_S = 0.0002  # decode's notification poll: the resolution of "in place"

@@ -34,14 +34,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout
-from layouts.region import KVRegion, MemoryKind
-from layouts.specs import FullAttentionSpec
-from layouts.staging import RewriteStrategy
-from layouts.transforms import merge_blocks, permute_layout, split_blocks
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.region import KVRegion, MemoryKind
+from kvbridge.layouts.specs import FullAttentionSpec
+from kvbridge.layouts.staging import RewriteStrategy
+from kvbridge.layouts.transforms import merge_blocks, permute_layout, split_blocks
 
 TARGET_RATIO = 0.5
 TARGET_DESCRIPTOR_MS = 10.0

@@ -1,7 +1,7 @@
 """Whether posting adjacent runs as one descriptor each pays: the cost of one engine.read()
 by index (MergeRuns.OFF) against by runs (MergeRuns.ON), for transfers of ``rows`` rows
 in ``runs`` runs. The measurement behind the default ``MergeRuns.OFF``
-(connector.nixl_config).
+(kvbridge.connector.transfer.nixl_config).
 
 Two NixlTransferEngines in this process; 64-byte descriptors so that the copy itself is
 small next to the post. Each figure is the median of ``--iterations`` read() calls (the
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
-from connector.transport import DescList, XferState
+from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.transfer.transport import DescList, XferState
 
 DESC_BYTES = 64
 TIMEOUT_S = 10.0

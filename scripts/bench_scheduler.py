@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.config import KVRole, KVTransferConfig
-from connector.metadata import WorkerOutput
-from connector.params import KVTransferParams
-from connector.scheduler import KVBridgeScheduler
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from kvbridge.connector.common.config import KVRole, KVTransferConfig
+from kvbridge.connector.common.metadata import WorkerOutput
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
 
 BLOCK_SIZE = 16
 

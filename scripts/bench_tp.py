@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_tp.py [--tokens 4096] [--layers 32] [--heads 8]
 
 For each (decode TP, prefill TP) pair and cache format, negotiates the real plans of every
-decode rank with every prefill rank it reads (``handshake.tp.sources``) and counts the
+decode rank with every prefill rank it reads (``kvbridge.handshake.tp.sources``) and counts the
 descriptors one request moves, summed over decode ranks. Beside it, what reading the same
 head slices costs without kvbridge's head-major rewrite after save:
 
@@ -26,14 +26,14 @@ import argparse
 
 import torch
 
-from handshake import tp
-from handshake.compat import compat_hash
-from handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
-from handshake.plan import negotiate
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout
-from layouts.specs import FullAttentionSpec
+from kvbridge.handshake import tp
+from kvbridge.handshake.compat import compat_hash
+from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
+from kvbridge.handshake.plan import negotiate
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import FullAttentionSpec
 
 # name -> (format on both sides, whether prefill may rewrite its blocks after save)
 FORMATS = {

@@ -24,7 +24,7 @@ restores its blocks before the next request. Rows (cache formats, both sides ali
 Baselines from the same children: one raw NIXL READ (and WRITE) of one descriptor of
 decode rank 0's share of the bytes, and a torch copy of those bytes. ``x raw`` = raw time /
 connector time for the same bytes. After each row, every decode rank's heads are compared
-(sha256 of token-major slices) with the prefill heads ``handshake.tp.sources`` assigns it.
+(sha256 of token-major slices) with the prefill heads ``kvbridge.handshake.tp.sources`` assigns it.
 
 Run:  .venv/bin/python scripts/bench_tp_transfer.py [--pairs 1:2,2:1] [--iterations 7]
           [--tokens 2048] [--layers 32] [--push]
@@ -48,10 +48,10 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from connector.worker import KVBridgeWorker  # noqa: E402
-from examples.vllm.procs import free_port  # noqa: E402
-from handshake import tp  # noqa: E402
-from layouts.allocation import KVCacheBuffers  # noqa: E402
+from kvbridge.connector.worker.worker import KVBridgeWorker  # noqa: E402
+from kvbridge.examples.vllm.procs import free_port  # noqa: E402
+from kvbridge.handshake import tp  # noqa: E402
+from kvbridge.layouts.allocation import KVCacheBuffers  # noqa: E402
 from scripts.bench_transfer import (  # noqa: E402
     Child,
     PrefillRank,
@@ -141,7 +141,8 @@ def head_mismatches(
 
 # -- one row: prefill children and decode workers ------------------------------------------
 
-PHASES = ("prepare", "data", "finish")  # connector.load_timeline: where a load's time goes
+# kvbridge.connector.worker.decode.load_timeline: where a load's time goes
+PHASES = ("prepare", "data", "finish")
 
 
 def phase_seconds(worker: KVBridgeWorker) -> np.ndarray:
@@ -358,9 +359,11 @@ def main() -> None:
         "per request (* push: prefill's WRITEs for every decode rank together). keep ms:\n"
         "prefill's handover (its rewrite on save), before the timed load. 1st ms: the first\n"
         "load (handshakes, descriptor lists, UCX connections), not in the median. bytes:\n"
-        "every decode rank's heads equal the prefill heads handshake.tp.sources assigns it.\n"
+        "every decode rank's heads equal the prefill heads kvbridge.handshake.tp.sources\n"
+        "assigns it.\n"
         "load: the 1-minute load average as the row started (the raw rows: with row 1).\n"
-        "prep/data/fin ms: decode rank 0's mean load phases (connector.load_timeline): the\n"
+        "prep/data/fin ms: decode rank 0's mean load phases\n"
+        "(kvbridge.connector.worker.decode.load_timeline): the\n"
         "Prepare round trip (prefill's rewrite on demand), the READs / WRITEs, decode's own\n"
         "rewrite once every source rank's heads are in.\n"
         f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"

@@ -55,21 +55,21 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from connector.config import KVTransferConfig  # noqa: E402
-from connector.metadata import ConnectorMetadata, LoadSpec, SendSpec  # noqa: E402
-from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine  # noqa: E402
-from connector.params import KVTransferParams  # noqa: E402
-from connector.transport import wait_done  # noqa: E402
-from connector.worker import KVBridgeWorker, ModelInfo  # noqa: E402
-from handshake.client import ClientConfig, HandshakeClient  # noqa: E402
-from handshake.description import parse_description  # noqa: E402
-from handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
-from handshake.plan_model import GroupPlan  # noqa: E402
-from handshake.tp import rank_heads  # noqa: E402
-from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major  # noqa: E402
-from layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
-from layouts.layout import KVLayout, KVPacking  # noqa: E402
-from layouts.specs import FullAttentionSpec  # noqa: E402
+from kvbridge.connector.common.config import KVTransferConfig  # noqa: E402
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec, SendSpec  # noqa: E402
+from kvbridge.connector.common.params import KVTransferParams  # noqa: E402
+from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine  # noqa: E402
+from kvbridge.connector.transfer.transport import wait_done  # noqa: E402
+from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo  # noqa: E402
+from kvbridge.handshake.client import ClientConfig, HandshakeClient  # noqa: E402
+from kvbridge.handshake.description import parse_description  # noqa: E402
+from kvbridge.handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
+from kvbridge.handshake.plan_model import GroupPlan  # noqa: E402
+from kvbridge.handshake.tp import rank_heads  # noqa: E402
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major  # noqa: E402
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
+from kvbridge.layouts.layout import KVLayout, KVPacking  # noqa: E402
+from kvbridge.layouts.specs import FullAttentionSpec  # noqa: E402
 
 TIMEOUT_S = 120.0
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.vllm.client import RequestError, compare, complete, make_prompts
-from examples.vllm.metrics import scrape
-from examples.vllm.pd_servers import PDServers, start_pd
+from kvbridge.examples.vllm.client import RequestError, compare, complete, make_prompts
+from kvbridge.examples.vllm.metrics import scrape
+from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
 
 # Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors sum)
 LOAD_METRICS = {

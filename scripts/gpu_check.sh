@@ -41,7 +41,15 @@ if ! "$PYTHON" -c "import nixl._api, msgspec, zmq" 2>/dev/null; then
         --target "$SITE" "$WHEELS"/*.whl || exit 2
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# kvbridge is not pip-installed on the lent machine (no network, no build backend there):
+# a kvbridge/ namespace folder of links to the checkout's packages gives the same import
+# root as an install (kvbridge.layouts, kvbridge.connector, ...); "." keeps tests importable.
+ROOT_LINKS="$(mktemp -d)"
+mkdir "$ROOT_LINKS/kvbridge"
+for pkg in layouts handshake connector examples; do
+    ln -s "$PWD/$pkg" "$ROOT_LINKS/kvbridge/$pkg"
+done
+export PYTHONPATH=".:$ROOT_LINKS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 "$PYTHON" - <<'EOF' | tee "$OUT/device.txt"

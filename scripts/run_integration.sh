@@ -91,19 +91,19 @@ case "$FAULT_INJECT" in
     *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
 esac
 
-"$PY" -m examples.server --role prefill --model "$MODEL" --port "$P_PORT" --device "$DEVICE" \
+"$PY" -m kvbridge.examples.server --role prefill --model "$MODEL" --port "$P_PORT" --device "$DEVICE" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
     --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
     --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV, $EXTRA}" \
     >"$LOG_DIR/prefill.log" 2>&1 &
 PIDS+=($!)
-"$PY" -m examples.server --role decode --model "$MODEL" --port "$D_PORT" --device "$DEVICE" \
+"$PY" -m kvbridge.examples.server --role decode --model "$MODEL" --port "$D_PORT" --device "$DEVICE" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
     --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV, $EXTRA}" \
     "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
 PIDS+=($!)
-"$PY" -m examples.proxy --port "$X_PORT" \
+"$PY" -m kvbridge.examples.proxy --port "$X_PORT" \
     --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
     >"$LOG_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
@@ -120,13 +120,13 @@ step() {
     PIDS+=($!)
     wait "$!"
 }
-step "$PY" -m examples.check wait --timeout "$STARTUP_TIMEOUT" \
+step "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "http://127.0.0.1:$P_PORT/health" --url "http://127.0.0.1:$D_PORT/health" \
     --url "http://127.0.0.1:$X_PORT/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
-step "$PY" -m examples.check run --proxy "http://127.0.0.1:$X_PORT" \
+step "$PY" -m kvbridge.examples.check run --proxy "http://127.0.0.1:$X_PORT" \
     --decode "http://127.0.0.1:$D_PORT" --prefill "http://127.0.0.1:$P_PORT" --model "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \
     "${SHOW[@]}"

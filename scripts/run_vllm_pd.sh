@@ -11,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
     echo "no .venv: run scripts/setup_vllm.sh first" >&2
     exit 2
 fi
-exec .venv/bin/python -m examples.vllm.run_pd "$@"
+exec .venv/bin/python -m kvbridge.examples.vllm.run_pd "$@"

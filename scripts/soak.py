@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.check import CORPUS
-from examples.launch import MODEL, Cluster, Proc
-from examples.reference import load_model, reference_generate
-from examples.tokenizer import ByteTokenizer
+from kvbridge.examples.check import CORPUS
+from kvbridge.examples.launch import MODEL, Cluster, Proc
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.tokenizer import ByteTokenizer
 
 MAX_TOKENS = 6
 LEASE_S = 5.0

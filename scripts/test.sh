@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run kvbridge's checks: ruff, then pytest (vLLM tests included,
-# so the venv gets the vllm extra). Idempotent: a second run skips the installs.
+# Set up (if needed) and run kvbridge's checks: ruff, the import contracts (lint-imports),
+# then pytest (vLLM tests included, so the venv gets the vllm extra). Idempotent: a second
+# run skips the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm}"
 source scripts/setup_env.sh
 
 .venv/bin/ruff check .
+.venv/bin/lint-imports --no-cache
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -1,8 +1,8 @@
-"""kvbridge inside vLLM: ``KVBridgeConnector`` (import path ``connector.vllm``).
+"""kvbridge inside vLLM: ``KVBridgeConnector`` (import path ``kvbridge.connector.vllm``).
 
 Only vLLM imports this package; the rest of kvbridge never imports vllm.
 """
 
-from connector.vllm.connector import KVBridgeConnector
+from kvbridge.connector.vllm.connector import KVBridgeConnector
 
 __all__ = ["KVBridgeConnector"]

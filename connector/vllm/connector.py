@@ -3,7 +3,7 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
-                           "kv_connector_module_path": "connector.vllm",
+                           "kv_connector_module_path": "kvbridge.connector.vllm",
                            "kv_role": "kv_producer", "engine_id": "prefill-0",
                            "kv_port": 5600, "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"kv_ip": "127.0.0.1",
@@ -28,14 +28,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.vllm import translate
-from connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.connector.vllm import translate
+from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 
 if TYPE_CHECKING:
     import torch
 
-    from connector.vllm.scheduler_side import VLLMSchedulerSide
-    from connector.vllm.worker_side import VLLMWorkerSide
+    from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
+    from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 
 
 def _log_through_vllm() -> None:
@@ -58,7 +58,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: VLLMSchedulerSide | None = None
         self._worker: VLLMWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from connector.vllm.scheduler_side import VLLMSchedulerSide
+            from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 
             self._scheduler = VLLMSchedulerSide(
                 config, kv_config, tp_size=vllm_config.parallel_config.tensor_parallel_size
@@ -69,7 +69,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_world_size,
             )
 
-            from connector.vllm.worker_side import VLLMWorkerSide
+            from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 
             layout, _ = translate.kv_layout(kv_cache_config)
             self._worker = VLLMWorkerSide(

@@ -1,7 +1,7 @@
 """What crosses vLLM's scheduler <-> worker boundary for kvbridge.
 
 vLLM pickles these between its engine-core and worker processes; they only wrap
-kvbridge's own frozen metadata (``connector.metadata``).
+kvbridge's own frozen metadata (``kvbridge.connector.common.metadata``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from connector.metadata import ConnectorMetadata, WorkerOutput
+from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 
 
 class KVBridgeMetadata(KVConnectorMetadata):

@@ -25,8 +25,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from layouts.errors import KVBridgeError
-from layouts.groups import KVCacheConfig
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.groups import KVCacheConfig
 
 _DIGIT_BASE = 64  # small integers are exact in every float dtype the kernel accepts
 
@@ -86,7 +86,7 @@ def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int
 
 class CpuAttnRepacker:
     """Rebuilds vLLM CPU attention pages from whole remote pages, layer by layer
-    (:class:`connector.staged_reads.Repacker`)."""
+    (:class:`kvbridge.connector.worker.staging.staged_reads.Repacker`)."""
 
     def __init__(self, kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> None:
         self._layers = {g.group_id: g.layer_names for g in kv_config.groups}

@@ -14,16 +14,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from connector.config import KVTransferConfig
-from connector.lifecycle import LoadState, SendState
-from connector.metadata import WorkerOutput
-from connector.params import KVTransferParams
-from connector.scheduler import KVBridgeScheduler
-from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
-from connector.vllm.stats import CounterDelta, KVBridgeStats
-from connector.vllm.translate import engine_block_ids, parse_params
-from layouts.errors import KVBridgeError
-from layouts.groups import KVCacheConfig
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import WorkerOutput
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.lifecycle import LoadState, SendState
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
+from kvbridge.connector.vllm.translate import engine_block_ids, parse_params
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.groups import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ _HANDOVER_STATES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
 class RequestView:
-    """A vLLM ``Request`` as :class:`connector.api.ConnectorRequest` (params parsed once)."""
+    """A vLLM ``Request`` as :class:`kvbridge.connector.common.api.ConnectorRequest` (params parsed
+    once)."""
 
     __slots__ = ("kv_transfer_params", "prompt_token_ids", "request_id")
 

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from connector.metrics import ConnectorMetrics
+from kvbridge.connector.common.metrics import ConnectorMetrics
 
 # Scheduler-side figures; the worker side reports every ConnectorMetrics field.
 SCHEDULER_COUNTERS = (

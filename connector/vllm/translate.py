@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from connector.config import ConfigError, KVTransferConfig
-from connector.params import KVTransferParams
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout
-from layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
 
 # vLLM's --kv-transfer-config keys that kvbridge reads from the top level (vLLM 0.32 has
 # no kv_ip: the side-channel host goes in kv_connector_extra_config).

@@ -1,6 +1,6 @@
 """vLLM's worker-side connector calls, mapped onto :class:`KVBridgeWorker`.
 
-vLLM allocates the KV tensors; ``layouts.external`` describes them (or refuses them with
+vLLM allocates the KV tensors; ``kvbridge.layouts.external`` describes them (or refuses them with
 the layer, shape and strides at fault) and kvbridge registers that memory with NIXL as it
 is. Loads are asynchronous (decode requests wait in ``WAITING_FOR_REMOTE_KVS``), so the
 per-layer hooks have nothing to do; the forward pass itself is the "save".
@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.config import KVTransferConfig
-from connector.engine_thread import lower_calling_thread_priority
-from connector.metadata import WorkerOutput
-from connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
-from connector.vllm.packing import CpuAttnRepacker
-from connector.vllm.stats import CounterDelta, KVBridgeStats
-from connector.worker import KVBridgeWorker, ModelInfo
-from connector.worker_setup import engine_thread_nice
-from layouts.external import adopt_kv_caches
-from layouts.groups import KVCacheConfig
-from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec, dtype_name
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import WorkerOutput
+from kvbridge.connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from kvbridge.connector.vllm.packing import CpuAttnRepacker
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
+from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
+from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
+from kvbridge.connector.worker.worker_setup import engine_thread_nice
+from kvbridge.layouts.external import adopt_kv_caches
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import AttentionSpec, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,9 @@ class VLLMWorkerSide:
 def heads_major(kv_config: KVCacheConfig) -> bool:
     """Whether vLLM's CPU attention keeps each head of a page in one contiguous run, heads
     in order and each in the same order inside its run (measured with its kernel,
-    :func:`connector.vllm.packing.page_map`); then a tensor-parallel reader can take a
+    :func:`kvbridge.connector.vllm.packing.page_map`); then a tensor-parallel reader can take a
     slice of the heads as one byte range, and that slice is a page of fewer heads."""
-    from connector.vllm.packing import page_map
+    from kvbridge.connector.vllm.packing import page_map
 
     for g in kv_config.groups:
         spec = g.spec

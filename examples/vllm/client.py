@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from examples.vllm.models import BOS_ID, VOCAB_SIZE
+from kvbridge.examples.vllm.models import BOS_ID, VOCAB_SIZE
 
 FIRST_PLAIN_TOKEN = 4  # ids 0..3 are <unk> <s> </s> <pad>
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from examples.vllm.procs import http_get
+from kvbridge.examples.vllm.procs import http_get
 
 # (bytes, seconds, transfers): the sample names (summed over labels) for each connector.
 KNOWN: dict[str, tuple[str, str, str]] = {

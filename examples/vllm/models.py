@@ -2,7 +2,7 @@
 
 ::
 
-    python -m examples.vllm.models --name tiny-llama --out .models/tiny-llama
+    python -m kvbridge.examples.vllm.models --name tiny-llama --out .models/tiny-llama
 
 Everything is generated locally (nothing is downloaded): a ``tokenizers`` byte-level BPE
 trained on fixed in-code text, saved through ``PreTrainedTokenizerFast``, and weights drawn

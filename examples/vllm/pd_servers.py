@@ -2,7 +2,7 @@
 NixlConnector), the proxy in front of them, and a single reference server.
 
 :func:`start_pd` starts them on free loopback ports and waits until each answers;
-``examples.vllm.run_pd`` (``scripts/run_vllm_pd.sh``), the vLLM tests and
+``kvbridge.examples.vllm.run_pd`` (``scripts/run_vllm_pd.sh``), the vLLM tests and
 ``scripts/bench_vllm.py`` use it.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from examples.vllm.models import DTYPE, MAX_POSITIONS, REPO_ROOT, ensure_model
-from examples.vllm.procs import Service, start_all, stop_all
-from examples.vllm.servers import (
+from kvbridge.examples.vllm.models import DTYPE, MAX_POSITIONS, REPO_ROOT, ensure_model
+from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.servers import (
     CONNECTORS,
     ServerSpec,
     proxy_service,
@@ -102,7 +102,7 @@ def start_pd(
     The reference server has no connector and decode's block size. ``failure_policy`` is
     vLLM's ``kv_load_failure_policy`` on prefill and decode (vLLM's default is "fail").
     Raises
-    :class:`~examples.vllm.procs.ServiceError` (after stopping everything) when a server
+    :class:`~kvbridge.examples.vllm.procs.ServiceError` (after stopping everything) when a server
     does not come up within ``start_timeout_s``.
     """
     if connector not in CONNECTORS:

@@ -20,7 +20,7 @@ show no prompt token taken from the connector (decode recomputed everything).
 
 Prints one line per prompt, ``RESULT: PASS`` or ``RESULT: FAIL`` and a ``SUMMARY`` line;
 exits 0 iff PASS. Every server is torn down on the way out (also on Ctrl-C / SIGTERM).
-:func:`examples.vllm.pd_servers.start_pd` gives the same set of servers to tests and
+:func:`kvbridge.examples.vllm.pd_servers.start_pd` gives the same set of servers to tests and
 benchmarks.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from examples.vllm.client import (
+from kvbridge.examples.vllm.client import (
     Comparison,
     Completion,
     RequestError,
@@ -45,11 +45,11 @@ from examples.vllm.client import (
     complete,
     make_prompts,
 )
-from examples.vllm.metrics import connector_names, scrape, transfer_figures
-from examples.vllm.models import MAX_POSITIONS, MODELS
-from examples.vllm.pd_servers import PDServers, start_pd
-from examples.vllm.procs import ServiceError
-from examples.vllm.servers import (
+from kvbridge.examples.vllm.metrics import connector_names, scrape, transfer_figures
+from kvbridge.examples.vllm.models import MAX_POSITIONS, MODELS
+from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
+from kvbridge.examples.vllm.procs import ServiceError
+from kvbridge.examples.vllm.servers import (
     CONNECTORS,
 )
 

@@ -2,8 +2,8 @@
 
 ::
 
-    from examples.vllm.servers import ServerSpec, vllm_service, kv_transfer_setup
-    from examples.vllm.procs import start_all, stop_all
+    from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, kv_transfer_setup
+    from kvbridge.examples.vllm.procs import start_all, stop_all
 
     spec = ServerSpec("decode", model_dir, block_size=64, connector="nixl", role="decode")
     svc = vllm_service(spec, log_dir)
@@ -14,9 +14,9 @@
         stop_all([svc])
 
 Each server runs ``python -m vllm.entrypoints.openai.api_server`` on a free loopback port
-with a small CPU KV cache, offline Hugging Face settings and the repository root on
-``PYTHONPATH`` (so ``kv_connector_module_path="connector.vllm"`` imports). Ports for the
-HTTP server and the connector's side channel are chosen anew at every (re)launch.
+with a small CPU KV cache and offline Hugging Face settings; vLLM imports the connector as
+``kv_connector_module_path="kvbridge.connector.vllm"`` from the installed kvbridge. Ports for
+the HTTP server and the connector's side channel are chosen anew at every (re)launch.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from examples.vllm.models import DTYPE, REPO_ROOT
-from examples.vllm.procs import HOST, Launch, Service, free_port
+from kvbridge.examples.vllm.models import DTYPE
+from kvbridge.examples.vllm.procs import HOST, Launch, Service, free_port
 
 CONNECTORS = ("kvbridge", "nixl")
 ROLES = ("prefill", "decode", "both")
@@ -71,7 +71,7 @@ def kv_transfer_setup(
     """The kv-transfer config of server ``role`` (prefill / decode) for ``connector``.
 
     ``nixl``: vLLM's own NixlConnector (``kv_both``) with its side channel on a free port.
-    ``kvbridge``: ``connector.vllm.KVBridgeConnector`` as producer (prefill) or consumer
+    ``kvbridge``: ``kvbridge.connector.vllm.KVBridgeConnector`` as producer (prefill) or consumer
     (decode), its listener on a free port (``kv_port + rank``), ``extra`` passed through
     as ``kv_connector_extra_config``. Every call picks fresh ports.
     """
@@ -95,7 +95,7 @@ def kv_transfer_setup(
     if connector == "kvbridge":
         config = {
             "kv_connector": "KVBridgeConnector",
-            "kv_connector_module_path": "connector.vllm",
+            "kv_connector_module_path": "kvbridge.connector.vllm",
             "kv_role": _KVBRIDGE_ROLES[role],
             "engine_id": engine_id or f"{role}-{index}",
             "kv_port": free_port(host, span=tensor_parallel_size),
@@ -161,7 +161,7 @@ def with_engine_nice(
     started together have more busy-waiting engine threads (one per TP rank) than this
     process may use cores: vLLM's workers spin between steps, and on a shared core they
     starved the transfer threads (decode loads stuck in ``reading`` for 30 s; see
-    ``connector/engine_thread.py``). A value the caller set wins; other connectors get
+    ``connector/worker/engine_thread.py``). A value the caller set wins; other connectors get
     ``kv_extra`` unchanged."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if connector != "kvbridge" or busy_threads <= cores:
@@ -169,14 +169,6 @@ def with_engine_nice(
     extra = dict((kv_extra or {}).get("extra", {}))
     extra.setdefault("engine_thread_nice", 19)
     return {**(kv_extra or {}), "extra": extra}
-
-
-def python_path_env() -> str:
-    """``PYTHONPATH`` with the repository root first (for ``connector.vllm``)."""
-    parts = [str(REPO_ROOT)]
-    current = os.environ.get("PYTHONPATH", "")
-    parts += [p for p in current.split(os.pathsep) if p and p != str(REPO_ROOT)]
-    return os.pathsep.join(parts)
 
 
 def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
@@ -211,7 +203,6 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
             argv.append("--enforce-eager")
         env = {
             **BASE_ENV,
-            "PYTHONPATH": python_path_env(),
             "VLLM_CPU_OMP_THREADS_BIND": spec.cpus or cpu_bind(slot, spec.tensor_parallel_size),
         }
         details: dict[str, object] = {"block_size": spec.block_size}
@@ -249,14 +240,14 @@ def proxy_service(
     name: str = "proxy",
     timeout_s: float = 120.0,
 ) -> Service:
-    """``python -m examples.proxy`` in front of the given prefill and decode servers."""
+    """``python -m kvbridge.examples.proxy`` in front of the given prefill and decode servers."""
 
     def plan() -> Launch:
         port = free_port()
         argv = [
             sys.executable,
             "-m",
-            "examples.proxy",
+            "kvbridge.examples.proxy",
             "--host",
             HOST,
             "--port",
@@ -268,7 +259,7 @@ def proxy_service(
             "--timeout",
             str(timeout_s),
         ]
-        env = {"PYTHONPATH": python_path_env(), "PYTHONUNBUFFERED": "1"}
+        env = {"PYTHONUNBUFFERED": "1"}
         return Launch(argv=argv, env=env, port=port)
 
     return Service(name, plan, log_dir)

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
 
 
 def block_bytes_of(seed: int, num_blocks: int, block_bytes: int) -> torch.Tensor:

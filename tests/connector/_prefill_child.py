@@ -35,10 +35,10 @@ import sys
 import traceback
 from dataclasses import replace
 
-from connector.metadata import ConnectorMetadata, SendSpec
-from connector.worker import KVBridgeWorker
-from handshake.tp import rank_heads
-from layouts.layout import KVLayout, KVPacking
+from kvbridge.connector.common.metadata import ConnectorMetadata, SendSpec
+from kvbridge.connector.worker.worker import KVBridgeWorker
+from kvbridge.handshake.tp import rank_heads
+from kvbridge.layouts.layout import KVLayout, KVPacking
 from tests.connector.conftest import (
     MODEL,
     SideFormat,

@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from connector.config import KVTransferConfig
-from connector.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec
-from connector.params import KVTransferParams
-from connector.transport import TransferEngine
-from connector.worker import KVBridgeWorker, ModelInfo
-from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
-from layouts.groups import KVCacheConfig
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import AttentionSpec, KVCacheKind, MLASpec, SlidingWindowSpec, StateSpec
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadFailure, LoadSpec, SendSpec
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, MLASpec, SlidingWindowSpec, StateSpec
 from tests.connector.packed_engine import HndRepacker
 from tests.handshake.plan_harness import make_groups
 

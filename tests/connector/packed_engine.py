@@ -21,16 +21,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.layout import KVLayout
-from layouts.specs import AttentionSpec
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import AttentionSpec
 
 ENGINE_ORDER = "engine-order"
 PACKED = CacheFormat(layout=KVLayout.HND, block_packing=ENGINE_ORDER)
 
 
 class HndRepacker:
-    """:class:`connector.staged_reads.Repacker` for :data:`PACKED` caches."""
+    """:class:`kvbridge.connector.worker.staging.staged_reads.Repacker` for :data:`PACKED`
+    caches."""
 
     def __init__(self, buffers: KVCacheBuffers) -> None:
         assert buffers.format.block_packing == ENGINE_ORDER and not buffers.format.cross_layer

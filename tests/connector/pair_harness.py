@@ -1,8 +1,8 @@
 """Two full connectors (scheduler side + worker side + block pool) in one process.
 
 A tiny stand-in for an engine loop: it calls the connector APIs in the order the
-``connector.api`` docstring gives, with real NIXL agents and a shared fake clock, and
-checks the block pools at the end (every block freed exactly once).
+``kvbridge.connector.common.api`` docstring gives, with real NIXL agents and a shared fake clock,
+and checks the block pools at the end (every block freed exactly once).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from connector.api import SchedulerEvents
-from connector.config import KVTransferConfig
-from connector.params import KVTransferParams
-from connector.scheduler import KVBridgeScheduler
-from connector.staged_reads import Repacker
-from connector.worker import KVBridgeWorker, ModelInfo
-from examples.block_pool import BlockPool
-from examples.launch import free_port
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.groups import KVCacheConfig
+from kvbridge.connector.common.api import SchedulerEvents
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.connector.worker.staging.staged_reads import Repacker
+from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
+from kvbridge.examples.block_pool import BlockPool
+from kvbridge.examples.launch import free_port
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.groups import KVCacheConfig
 from tests.handshake.plan_harness import make_groups
 
 MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)

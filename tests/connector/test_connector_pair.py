@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from connector.lifecycle import SendState
-from connector.notifications import Done, encode_notification
-from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout
+from kvbridge.connector.common.notifications import Done, encode_notification
+from kvbridge.connector.scheduler.lifecycle import SendState
+from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.pair_harness import (
     FakeClock,
     Request,
@@ -118,7 +118,7 @@ def test_happy_path_loads_frees_and_restores(placed_pair):
 
 def test_prefill_that_may_not_rewrite_is_read_natively(clock, monkeypatch):
     """vLLM's prefill: its prefix cache may read a held block, so it is never rewritten."""
-    monkeypatch.setattr("handshake.plan.MIN_NATIVE_PIECE_BYTES", 64)  # tiny test heads
+    monkeypatch.setattr("kvbridge.handshake.plan.MIN_NATIVE_PIECE_BYTES", 64)  # tiny test heads
     fmt = CacheFormat(layout=KVLayout.HND)
     prefill = make_side(
         "kv_producer", "prefill", 64, fmt, "FS", clock, lease_s=30.0, rewrites_in_place=False
@@ -277,8 +277,9 @@ def test_load_failure_applies_the_policy(clock, policy):
 
 def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
     """Garbage at once; a Done for a request prefill does not hold is kept a while (it may
-    come before the request, see connector.sender) and counted when it expires unused."""
-    from connector.sender import EARLY_DONE_TTL_S
+    come before the request, see kvbridge.connector.worker.prefill.sender) and counted when it
+    expires unused."""
+    from kvbridge.connector.worker.prefill.sender import EARLY_DONE_TTL_S
 
     prefill, decode = pair
     p = Request("p1", token_ids(150), _remote_decode())
@@ -367,17 +368,17 @@ def test_a_resume_block_lets_decode_resume_at_the_last_prompt_token(clock, num_t
 
 
 def _remote_decode():
-    from connector.params import KVTransferParams
+    from kvbridge.connector.common.params import KVTransferParams
 
     return KVTransferParams(do_remote_decode=True)
 
 
 def test_sender_that_may_not_rewrite_refuses_a_prepare_with_rewrites(clock):
-    from connector.metadata import SendSpec
-    from connector.metrics import ConnectorMetrics
-    from connector.notifications import GroupRewrite, Prepare, WireArrangement
-    from connector.sender import Sender
-    from layouts.arrangement import BlockArrangement
+    from kvbridge.connector.common.metadata import SendSpec
+    from kvbridge.connector.common.metrics import ConnectorMetrics
+    from kvbridge.connector.common.notifications import GroupRewrite, Prepare, WireArrangement
+    from kvbridge.connector.worker.prefill.sender import Sender
+    from kvbridge.layouts.arrangement import BlockArrangement
 
     prefill = make_side("kv_producer", "prefill", 64, CacheFormat(layout=KVLayout.HND), "F", clock)
     try:
@@ -524,8 +525,8 @@ def test_staging_pool_too_small_for_one_page_fails_the_load_by_name(clock):
 def test_a_done_that_arrives_before_its_request_frees_it_when_it_comes(pair):
     """An idle engine hands its worker a finished request only with its next step; decode
     may have read and said Done already. The request is freed as soon as it arrives."""
-    from connector.metadata import ConnectorMetadata, SendSpec
-    from connector.peers import PeerState
+    from kvbridge.connector.common.metadata import ConnectorMetadata, SendSpec
+    from kvbridge.connector.worker.peers import PeerState
 
     prefill, decode = pair
     engine, peers = decode.worker._engine, decode.worker._peers
@@ -631,7 +632,7 @@ def test_blocks_whose_lease_ran_out_are_never_read(clock):
 
 
 def test_expired_params_are_refused_when_decode_first_sees_them(clock):
-    from connector.signing import ParamsSignatureError
+    from kvbridge.connector.common.signing import ParamsSignatureError
 
     prefill, decode = _same_format_pair(clock)
     try:

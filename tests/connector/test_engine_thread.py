@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from connector.config import ConfigError
-from connector.engine_thread import lower_calling_thread_priority
-from connector.worker_setup import engine_thread_nice
+from kvbridge.connector.common.config import ConfigError
+from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
+from kvbridge.connector.worker.worker_setup import engine_thread_nice
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs setpriority")
 

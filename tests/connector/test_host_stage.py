@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from connector import host_stage
-from connector.config import ConfigError, KVTransferConfig
-from connector.host_stage import HostStage, stages_through_host
-from connector.metrics import ConnectorMetrics
-from connector.worker import KVBridgeWorker
-from layouts.allocation import KVCacheBuffers
-from layouts.layout import KVLayout, KVPacking
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.worker.staging import host_stage
+from kvbridge.connector.worker.staging.host_stage import HostStage, stages_through_host
+from kvbridge.connector.worker.worker import KVBridgeWorker
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.layout import KVLayout, KVPacking
 from tests.connector.conftest import MODEL, SideFormat, fill_buffers, make_buffers
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")

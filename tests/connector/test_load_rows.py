@@ -1,15 +1,15 @@
-"""``connector.load_rows.staged_rows``: the rows of one push round through decode's staging
-slots, and what a prefill refuses in a Push before it writes anything."""
+"""``kvbridge.connector.worker.load_rows.staged_rows``: the rows of one push round through decode's
+staging slots, and what a prefill refuses in a Push before it writes anything."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from connector.load_rows import staged_rows
-from handshake.plan_model import GroupPlan, PieceStream
-from layouts.errors import KVBridgeError
-from layouts.specs import KVCacheKind
+from kvbridge.connector.worker.load_rows import staged_rows
+from kvbridge.handshake.plan_model import GroupPlan, PieceStream
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.specs import KVCacheKind
 
 
 def _plan(split_from: int = 128, num_layers: int = 2) -> GroupPlan:

@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from connector.errors import DescriptorError, RegistrationError, TransferError
-from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine, ProgressMode
-from connector.transport import DescList, XferHandle, XferState, wait_done
+from kvbridge.connector.transfer.errors import DescriptorError, RegistrationError, TransferError
+from kvbridge.connector.transfer.nixl_engine import (
+    MergeRuns,
+    NixlEngineConfig,
+    NixlTransferEngine,
+    ProgressMode,
+)
+from kvbridge.connector.transfer.transport import DescList, XferHandle, XferState, wait_done
 
 NUM_BLOCKS = 1000
 BLOCK_BYTES = 1024

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from connector.errors import PeerDisconnectedError, TransferError
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
-from connector.transport import DescList, XferState, wait_done
+from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
+from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.transfer.transport import DescList, XferState, wait_done
 from tests.connector._nixl_peer import block_bytes_of
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,7 @@ class Peer:
         self.agent_name = agent_name
         self.seed = seed
         self._log = log.open("wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}  # the tests package
         self.proc = subprocess.Popen(
             [
                 sys.executable,

@@ -1,11 +1,11 @@
-"""Notification messages (connector/notifications.py): push rounds through decode's staging
+"""Notification messages (connector/common/notifications.py): push rounds through decode's staging
 slots on the wire, and peers from before them."""
 
 from __future__ import annotations
 
 import msgspec
 
-from connector.notifications import (
+from kvbridge.connector.common.notifications import (
     MAX_NOTIFICATION_BYTES,
     Push,
     Pushed,
@@ -13,7 +13,7 @@ from connector.notifications import (
     decode_notification,
     encode_notification,
 )
-from connector.push_rounds import MAX_PAGES_PER_ROUND
+from kvbridge.connector.worker.decode.push_rounds import MAX_PAGES_PER_ROUND
 
 
 def _push(**fields: object) -> Push:

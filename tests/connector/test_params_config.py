@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from connector.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
-from connector.params import KVTransferParams, ParamsError
+from kvbridge.connector.common.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
+from kvbridge.connector.common.params import KVTransferParams, ParamsError
 
 FULL_PARAMS = KVTransferParams(
     do_remote_prefill=True,

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from connector.lifecycle import SendState
-from connector.notifications import Push, decode_notification, encode_notification
-from connector.params import KVTransferParams
-from connector.push_rounds import PUSH_MARGIN_S
-from handshake.description import parse_description
-from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout
+from kvbridge.connector.common.notifications import Push, decode_notification, encode_notification
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.lifecycle import SendState
+from kvbridge.connector.worker.decode.push_rounds import PUSH_MARGIN_S
+from kvbridge.handshake.description import parse_description
+from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.packed_engine import PACKED, HndRepacker
 from tests.connector.pair_harness import (
     FakeClock,

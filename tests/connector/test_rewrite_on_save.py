@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout
+from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.pair_harness import (
     FakeClock,
     Request,
@@ -104,8 +104,8 @@ def test_a_reader_that_needs_no_rewrite_claims_and_gets_the_native_blocks(sides)
 
 
 def test_rewrite_on_save_must_be_a_boolean():
-    from connector.config import ConfigError
-    from connector.worker_setup import rewrite_on_save
+    from kvbridge.connector.common.config import ConfigError
+    from kvbridge.connector.worker.worker_setup import rewrite_on_save
 
     assert rewrite_on_save({}) is False
     with pytest.raises(ConfigError, match="rewrite_on_save='yes' must be true or false"):

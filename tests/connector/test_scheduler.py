@@ -15,16 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.api import SchedulerEvents
-from connector.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
-from connector.lifecycle import Ignored, LifecycleError, LoadState, SendState
-from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
-from connector.params import KVTransferParams, ParamsError
-from connector.retention import resume_point, retained_block_range
-from connector.scheduler import KVBridgeScheduler
-from examples.block_pool import BlockPool
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec, KVCacheKind, SlidingWindowSpec, StateSpec
+from kvbridge.connector.common.api import SchedulerEvents
+from kvbridge.connector.common.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
+from kvbridge.connector.common.params import KVTransferParams, ParamsError
+from kvbridge.connector.scheduler.lifecycle import Ignored, LifecycleError, LoadState, SendState
+from kvbridge.connector.scheduler.retention import resume_point, retained_block_range
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.examples.block_pool import BlockPool
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec, KVCacheKind, SlidingWindowSpec, StateSpec
 
 FULL, SW, STATE = KVCacheKind.FULL_ATTENTION, KVCacheKind.SLIDING_WINDOW, KVCacheKind.STATE
 NUM_BLOCKS = 256

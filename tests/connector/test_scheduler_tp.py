@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import FailurePolicy, KVRole
-from connector.lifecycle import LoadState
-from connector.metadata import LoadFailure, WorkerOutput
+from kvbridge.connector.common.config import FailurePolicy, KVRole
+from kvbridge.connector.common.metadata import LoadFailure, WorkerOutput
+from kvbridge.connector.scheduler.lifecycle import LoadState
 from tests.connector.test_scheduler import Engine, admit, decode_req
 
 

@@ -1,5 +1,6 @@
-"""Staging slots (connector/staging.py) on a real NIXL agent: leases, slot sizes sharing
-one arena, the descriptor rows a read (or a pushing writer) lands in, and the config knob."""
+"""Staging slots (connector/worker/staging/staging.py) on a real NIXL agent: leases, slot sizes
+sharing one arena, the descriptor rows a read (or a pushing writer) lands in, and the config
+knob."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from connector.config import ConfigError
-from connector.nixl_engine import NixlEngineConfig, NixlTransferEngine
-from connector.staging import (
+from kvbridge.connector.common.config import ConfigError
+from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.worker.staging.staging import (
     DEFAULT_STAGING_MIB,
     StagingPools,
     slot_offsets,
     slot_region,
     staging_capacity,
 )
-from layouts.descriptors import block_descriptors
-from layouts.errors import KVBridgeError
+from kvbridge.layouts.descriptors import block_descriptors
+from kvbridge.layouts.errors import KVBridgeError
 
 
 @pytest.fixture
@@ -97,8 +98,8 @@ def test_slot_sizes_share_one_arena_byte_for_byte(engine):
 
 
 def test_slot_offsets_put_a_plans_streams_back_to_back():
-    from handshake.plan_model import GroupPlan, PieceStream
-    from layouts.specs import KVCacheKind
+    from kvbridge.handshake.plan_model import GroupPlan, PieceStream
+    from kvbridge.layouts.specs import KVCacheKind
 
     def stream(chunk: int, offset: int = 0) -> PieceStream:
         return PieceStream(

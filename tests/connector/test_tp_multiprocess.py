@@ -4,7 +4,7 @@ Each prefill rank is its own child process (``_prefill_child.py``: its own NIXL 
 side channel on ``base port + rank``, a cache holding that rank's KV heads, seeded bytes
 the test can rebuild). Each decode rank is a :class:`KVBridgeWorker` in the test process
 with its own agent. Every decode rank loads the same request; afterwards its cache holds,
-byte for byte, the heads :func:`handshake.tp.sources` assigns it, each prefill rank frees
+byte for byte, the heads :func:`kvbridge.handshake.tp.sources` assigns it, each prefill rank frees
 the request only after the last decode rank reading it said ``Done``, and its blocks are
 byte-exact again (the head-major rewrite after save is undone).
 
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.metadata import LoadSpec
-from handshake import tp
+from kvbridge.connector.common.metadata import LoadSpec
+from kvbridge.handshake import tp
 from tests.connector.tp_cluster import (
     KINDS,
     PUMP_TIMEOUT_S,
@@ -122,7 +122,7 @@ def _load_in_turn(
 
 
 def _computed_done_by(decode_tp: int, prefill: Prefill) -> dict[int, list[int]]:
-    """Prefill rank -> the decode ranks that tell it ``Done``, by handshake.tp."""
+    """Prefill rank -> the decode ranks that tell it ``Done``, by kvbridge.handshake.tp."""
     told = [tp.notified_by(d, decode_tp, prefill.tp_size, prefill.heads) for d in range(decode_tp)]
     return {r: [d for d in range(decode_tp) if r in told[d]] for r in range(prefill.tp_size)}
 
@@ -160,7 +160,7 @@ def test_decode_ranks_get_their_heads_and_prefill_frees_after_the_last(
 
 
 # MLA: one latent per token, the same on every rank (``total_kv_heads`` 1). Written out
-# rather than derived from handshake.tp, so that a change there shows up here:
+# rather than derived from kvbridge.handshake.tp, so that a change there shows up here:
 # (decode TP, prefill TP, prefill rank each decode rank reads, decode ranks that tell
 # each prefill rank Done). A prefill rank nobody reads hears from decode rank
 # ``rank % decode TP``.

@@ -4,7 +4,7 @@ cache may read a block while decode reads it), across OS processes with real NIX
 Each decode rank reads its head slice where prefill keeps it: with HND blocks one run per
 (layer, K|V, block, source rank), so prefill's bytes are never touched, and decode
 rewrites its own blocks once every source rank's heads are in. Checked byte for byte
-against the prefill heads :func:`handshake.tp.sources` assigns.
+against the prefill heads :func:`kvbridge.handshake.tp.sources` assigns.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from handshake import tp
-from layouts.layout import KVLayout
+from kvbridge.handshake import tp
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.conftest import SideFormat
 from tests.connector.tp_cluster import (
     TOKENS,

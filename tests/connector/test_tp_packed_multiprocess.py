@@ -7,7 +7,7 @@ prefill's blocks are larger than decode's (or do not divide them) every page is 
 whole and decode's engine writes the tokens into its blocks. With prefill TP larger than
 decode's, a decode rank's heads come from several prefill ranks: each rank's pages are
 staged on their own and the engine writes only that rank's heads of each token. Every
-decode rank ends up holding, byte for byte, the heads :func:`handshake.tp.sources` assigns
+decode rank ends up holding, byte for byte, the heads :func:`kvbridge.handshake.tp.sources` assigns
 it, and every prefill rank frees the request after its readers' ``Done``.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from handshake import tp
-from layouts.layout import KVLayout
+from kvbridge.handshake import tp
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.conftest import SideFormat
 from tests.connector.packed_engine import ENGINE_ORDER
 from tests.connector.tp_cluster import (

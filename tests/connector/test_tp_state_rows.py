@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from connector.load_records import outside
-from connector.load_rows import group_rows
-from connector.params import KVTransferParams
-from connector.peers import Peer
-from handshake.plan import negotiate
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.worker.decode.load_records import outside
+from kvbridge.connector.worker.load_rows import group_rows
+from kvbridge.connector.worker.peers import Peer
+from kvbridge.handshake.plan import negotiate
 from tests.handshake.plan_harness import cache_format, execute, make_side
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from connector.config import ConfigError
-from connector.nixl_engine import NixlTransferEngine
-from connector.worker import KVBridgeWorker
+from kvbridge.connector.common.config import ConfigError
+from kvbridge.connector.transfer.nixl_engine import NixlTransferEngine
+from kvbridge.connector.worker.worker import KVBridgeWorker
 from tests.connector.conftest import (
     MODEL,
     Cluster,

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from connector.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
-from connector.sender import EARLY_PREPARE_TTL_S
-from handshake.client import ClientConfig
-from layouts.allocation import read_group_token_major
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import KVCacheKind
+from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S
+from kvbridge.handshake.client import ClientConfig
+from kvbridge.layouts.allocation import read_group_token_major
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import KVCacheKind
 from tests.connector.conftest import (
     NUM_BLOCKS,
     Cluster,

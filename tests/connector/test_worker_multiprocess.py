@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from layouts.allocation import KVCacheBuffers
-from layouts.layout import KVLayout
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.conftest import (
     NUM_BLOCKS,
     Cluster,
@@ -68,7 +68,7 @@ class Child:
         transfer_mode: str = "pull",
         rewrites_in_place: bool = True,
     ):
-        from handshake.tp import rank_heads
+        from kvbridge.handshake.tp import rank_heads
 
         self.fmt, self.engine_id, self.seed, self.rank = fmt, engine_id, seed, rank
         heads = rank_heads(rank, tp_size, total_kv_heads).count
@@ -94,7 +94,7 @@ class Child:
             "transfer_mode": transfer_mode,
             "rewrites_in_place": rewrites_in_place,
         }
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}  # the tests package
         self.log = log
         self._log_file = log.open("w")
         self.proc = subprocess.Popen(

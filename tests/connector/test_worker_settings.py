@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import ConfigError
-from connector.nixl_config import MergeRuns, ProgressMode
-from connector.worker_setup import merge_runs, nixl_engine
+from kvbridge.connector.common.config import ConfigError
+from kvbridge.connector.transfer.nixl_config import MergeRuns, ProgressMode
+from kvbridge.connector.worker.worker_setup import merge_runs, nixl_engine
 
 
 def test_merge_runs_defaults_off_and_reads_true():

@@ -5,7 +5,7 @@ agent, its side channel on ``base port + rank``, a cache holding that rank's KV 
 seeded bytes the test can rebuild). A :class:`DecodeRank` is a :class:`KVBridgeWorker` in
 the test process with its own agent. :class:`TPCluster` builds them for a test and tears
 every one down after it. The helpers below make one request, load it and check that a
-decode rank's heads equal the prefill heads :func:`handshake.tp.sources` assigns it.
+decode rank's heads equal the prefill heads :func:`kvbridge.handshake.tp.sources` assigns it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from connector.metadata import ConnectorMetadata, LoadSpec
-from connector.params import KVTransferParams
-from connector.worker import KVBridgeWorker
-from handshake import tp
-from layouts.allocation import KVCacheBuffers, read_group_token_major
-from layouts.layout import KVLayout
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.worker.worker import KVBridgeWorker
+from kvbridge.handshake import tp
+from kvbridge.layouts.allocation import KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.layout import KVLayout
 from tests.connector.conftest import (
     MODEL,
     NUM_BLOCKS,

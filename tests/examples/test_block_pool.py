@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from examples.block_pool import (
+from kvbridge.examples.block_pool import (
     BlockLeakError,
     BlockPool,
     BlockPoolError,
@@ -18,8 +18,8 @@ from examples.block_pool import (
     block_hashes,
     local_prefix_hit,
 )
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
 
 
 def test_allocate_and_free_round_trip() -> None:

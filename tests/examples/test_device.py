@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from examples import check, reference, server
-from examples.device import DeviceError, parse_device
-from examples.engine import Engine
-from examples.paged_attention import AttentionCache, read_kv, write_kv
-from examples.reference import load_model, reference_generate
-from examples.request import Request, SamplingParams
-from examples.runner import ModelRunner, RunnerConfig
-from examples.tokenizer import ByteTokenizer
-from examples.worker_setup import build, make_parser
-from layouts.errors import KVBridgeError
-from layouts.layout import KVLayout
+from kvbridge.examples import check, reference, server
+from kvbridge.examples.device import DeviceError, parse_device
+from kvbridge.examples.engine import Engine
+from kvbridge.examples.paged_attention import AttentionCache, read_kv, write_kv
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.request import Request, SamplingParams
+from kvbridge.examples.runner import ModelRunner, RunnerConfig
+from kvbridge.examples.tokenizer import ByteTokenizer
+from kvbridge.examples.worker_setup import build, make_parser
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.layout import KVLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

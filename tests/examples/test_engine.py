@@ -6,17 +6,23 @@ import numpy as np
 import pytest
 import torch
 
-from connector.config import KVTransferConfig
-from connector.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
-from connector.params import KVTransferParams
-from connector.scheduler import KVBridgeScheduler
-from examples.engine import Engine, EngineConfig
-from examples.model import MODEL_NAMES
-from examples.reference import load_model, reference_generate
-from examples.request import EngineError, FinishReason, Request, RequestOutput, SamplingParams
-from examples.runner import ModelRunner, RunnerConfig
-from examples.tokenizer import ByteTokenizer
-from layouts.layout import KVLayout, KVPacking
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.examples.engine import Engine, EngineConfig
+from kvbridge.examples.model import MODEL_NAMES
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.request import (
+    EngineError,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from kvbridge.examples.runner import ModelRunner, RunnerConfig
+from kvbridge.examples.tokenizer import ByteTokenizer
+from kvbridge.layouts.layout import KVLayout, KVPacking
 
 ATOL = 1e-4
 TEXT = (

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from examples.model import (
+from kvbridge.examples.model import (
     MODEL_NAMES,
     ModelCaches,
     ModelConfig,
@@ -18,11 +18,11 @@ from examples.model import (
     SeqInput,
     TinyModel,
 )
-from examples.paged_attention import AttentionCache, KVLayout, to_kernel_block_ids
-from examples.state_layer import StateCache
-from examples.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-from layouts.errors import BlockIdError, LayoutError
-from layouts.specs import FullAttentionSpec, KVCacheKind, SlidingWindowSpec, StateSpec
+from kvbridge.examples.paged_attention import AttentionCache, KVLayout, to_kernel_block_ids
+from kvbridge.examples.state_layer import StateCache
+from kvbridge.examples.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.specs import FullAttentionSpec, KVCacheKind, SlidingWindowSpec, StateSpec
 
 # Far below what one wrong block does (see the corruption tests), above float32 noise
 # from matmuls of different shapes.

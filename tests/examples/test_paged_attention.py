@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from examples.paged_attention import (
+from kvbridge.examples.paged_attention import (
     AttentionCache,
     KVLayout,
     attend,
@@ -15,7 +15,7 @@ from examples.paged_attention import (
     to_kernel_block_ids,
     write_kv,
 )
-from layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.errors import BlockIdError, LayoutError
 
 H, D = 2, 4
 

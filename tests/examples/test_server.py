@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from examples import proxy as proxy_mod
-from examples.check import compare, complete, http_get, make_prompts, parse_metrics
-from examples.engine_loop import EngineLoop
-from examples.reference import load_model, reference_generate
-from examples.server import WorkerHTTPServer
-from examples.tokenizer import ByteTokenizer
-from examples.worker_setup import build, make_parser
+from kvbridge.examples import proxy as proxy_mod
+from kvbridge.examples.check import compare, complete, http_get, make_prompts, parse_metrics
+from kvbridge.examples.engine_loop import EngineLoop
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.server import WorkerHTTPServer
+from kvbridge.examples.tokenizer import ByteTokenizer
+from kvbridge.examples.worker_setup import build, make_parser
 
 MODEL = "tiny-hybrid-state"
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from connector.config import ConfigError
-from examples.launch import Cluster, worker_args
-from examples.worker_setup import build, make_parser, transfer_config
+from kvbridge.connector.common.config import ConfigError
+from kvbridge.examples.launch import Cluster, worker_args
+from kvbridge.examples.worker_setup import build, make_parser, transfer_config
 
 CUDA0 = torch.device("cuda", 0)  # only compared, never allocated on
 
@@ -72,7 +72,8 @@ def test_launch_passes_the_device_to_both_workers(tmp_path):
         prefill_args=["--cross-layers"],
     )
     for name, block_size in (("prefill", "64"), ("decode", "48")):
-        args = make_parser().parse_args(cluster[name].argv[3:])  # after python -m examples.server
+        # argv[3:]: after python -m kvbridge.examples.server
+        args = make_parser().parse_args(cluster[name].argv[3:])
         assert (args.device, args.model, args.block_size) == (
             "cuda:0",
             "tiny-hybrid",

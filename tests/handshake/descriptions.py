@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from handshake.messages import PROTOCOL_VERSION, WorkerDescription
+from kvbridge.handshake.messages import PROTOCOL_VERSION, WorkerDescription
 
 
 def make_description(

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from handshake.compat import compat_hash
-from handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
-from handshake.plan_model import TransferPlan
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.descriptors import block_descriptors
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import (
+from kvbridge.handshake.compat import compat_hash
+from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
+from kvbridge.handshake.plan_model import TransferPlan
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.descriptors import block_descriptors
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MLASpec,
@@ -27,7 +27,7 @@ from layouts.specs import (
     StateSharding,
     StateSpec,
 )
-from layouts.transforms import rewrite_group
+from kvbridge.layouts.transforms import rewrite_group
 
 
 def cache_format(
@@ -60,7 +60,7 @@ def sharded_state(block_size: int, tp_size: int = 1) -> StateSpec:
 
 def shard(full: torch.Tensor, how: StateSharding, rank: int, tp_size: int) -> torch.Tensor:
     """Rank ``rank`` of ``tp_size``'s shard of a whole state tensor (``how`` in whole-model
-    sizes), cut with torch: the oracle for ``handshake.tp_state``'s byte ranges."""
+    sizes), cut with torch: the oracle for ``kvbridge.handshake.tp_state``'s byte ranges."""
     if how.dim is None:
         return full
     sections = full.split(list(how.sections) or [full.shape[how.dim]], dim=how.dim)
@@ -138,7 +138,7 @@ def make_side(
     total_kv_heads: int = 2,
 ) -> Side:
     """A side of ``total_kv_heads`` model heads at rank ``rank`` of ``tp_size``."""
-    from handshake.tp import rank_heads
+    from kvbridge.handshake.tp import rank_heads
 
     heads = rank_heads(rank, tp_size, total_kv_heads).count
     config = KVCacheConfig.uniform(make_groups(block_size, kinds, heads, tp_size), num_blocks)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from handshake.affinity import unpinned
-from handshake.listener import HandshakeListener, ListenerConfig
+from kvbridge.handshake.affinity import unpinned
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
 from tests.handshake.descriptions import make_description
 
 pytestmark = pytest.mark.skipif(

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from handshake.plan import negotiate
-from layouts.allocation import read_group_token_major
+from kvbridge.handshake.plan import negotiate
+from kvbridge.layouts.allocation import read_group_token_major
 from tests.handshake.plan_harness import cache_format, execute, make_side
 
 NON_MULTIPLE_PAIRS = [(80, 32), (96, 64), (528, 64), (48, 32), (32, 48), (64, 96), (32, 80)]

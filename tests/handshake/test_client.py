@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import zmq
 
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.errors import (
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     HandshakeTimeoutError,
@@ -21,9 +21,9 @@ from handshake.errors import (
     ProtocolError,
     UnsupportedVersionError,
 )
-from handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeSecurity
-from handshake.listener import HandshakeListener, ListenerConfig
-from handshake.messages import PROTOCOL_VERSION, ErrorCode, WorkerDescription, encode
+from kvbridge.handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
+from kvbridge.handshake.messages import PROTOCOL_VERSION, ErrorCode, WorkerDescription, encode
 from tests.handshake.descriptions import make_description
 
 SECRET = b"s" * 32

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from handshake.errors import (
+from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
     MessageTooLargeError,
     ProtocolError,
     UnsupportedVersionError,
 )
-from handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeSecurity
 
 SECRET = b"k" * 32
 SKEW_S = 30.0

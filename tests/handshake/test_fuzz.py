@@ -14,10 +14,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
-from handshake.listener import HandshakeListener, ListenerConfig
-from handshake.messages import (
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     ErrorReply,
     MetadataRequest,

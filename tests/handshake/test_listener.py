@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import zmq
 
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.errors import HandshakeError, PeerError
-from handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
-from handshake.listener import HandshakeListener, ListenerConfig, default_port
-from handshake.messages import (
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.errors import HandshakeError, PeerError
+from kvbridge.handshake.framing import MAGIC, FrameCodec, HandshakeSecurity
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig, default_port
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,
@@ -185,7 +185,7 @@ def test_port_before_start_and_double_start_are_errors() -> None:
 def test_non_loopback_bind_without_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
     config = ListenerConfig(host="0.0.0.0", port=0)
     assert not config.is_loopback and ListenerConfig(host="::1").is_loopback
-    with caplog.at_level(logging.WARNING, logger="handshake.listener"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.handshake.listener"):
         with HandshakeListener(config, make_description):
             pass
     assert "without a shared secret" in caplog.text

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handshake.errors import (
+from kvbridge.handshake.errors import (
     IncompatiblePeerError,
     ProtocolError,
     UnknownRequestError,
     UnsupportedVersionError,
 )
-from handshake.messages import (
+from kvbridge.handshake.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,

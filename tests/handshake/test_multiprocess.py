@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from handshake.client import ClientConfig, HandshakeClient
-from handshake.errors import HandshakeTimeoutError
-from handshake.framing import HandshakeSecurity
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.errors import HandshakeTimeoutError
+from kvbridge.handshake.framing import HandshakeSecurity
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ START_TIMEOUT_S = 30.0
 # The child publishes a description naming its pid, prints its port, serves until stdin closes.
 CHILD = """
 import os, sys
-from handshake import *
+from kvbridge.handshake import *
 engine_id, secret = sys.argv[1], sys.argv[2].encode()
 description = WorkerDescription(
     protocol_version=PROTOCOL_VERSION, engine_id=engine_id, agent_name=f"agent-{os.getpid()}",
@@ -43,7 +43,7 @@ with HandshakeListener(config, lambda: description) as listener:
 
 @contextmanager
 def child_listener(engine_id: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}  # the tests package
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, engine_id, SECRET],
         stdin=subprocess.PIPE,

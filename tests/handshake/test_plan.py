@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from handshake.errors import IncompatiblePeerError
-from handshake.modes import TransferMode
-from handshake.plan import negotiate
-from handshake.plan_model import TransformSide
-from layouts.allocation import CacheFormat, read_group_token_major
-from layouts.layout import KVLayout
-from layouts.region import KVRegion, MemoryKind
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.modes import TransferMode
+from kvbridge.handshake.plan import negotiate
+from kvbridge.handshake.plan_model import TransformSide
+from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.region import KVRegion, MemoryKind
 from tests.handshake.plan_harness import cache_format, execute, make_side
 
 NUM_TOKENS = 256

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from handshake.tp import (
+from kvbridge.handshake.tp import (
     HeadSlice,
     RankHeads,
     expected_done,
@@ -16,7 +16,7 @@ from handshake.tp import (
     releaser,
     sources,
 )
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 TPS = (1, 2, 4, 8)
 HEADS = (1, 2, 4, 8)

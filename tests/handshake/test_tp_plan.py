@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from handshake import tp
-from handshake.compat import check_compatible
-from handshake.description import WorkerIdentity, describe
-from handshake.errors import IncompatiblePeerError
-from handshake.messages import WorkerDescription
-from handshake.plan import negotiate
-from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, StateSharding, StateSpec
-from layouts.transforms import rewrite_group
+from kvbridge.handshake import tp
+from kvbridge.handshake.compat import check_compatible
+from kvbridge.handshake.description import WorkerIdentity, describe
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.messages import WorkerDescription
+from kvbridge.handshake.plan import negotiate
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import FullAttentionSpec, StateSharding, StateSpec
+from kvbridge.layouts.transforms import rewrite_group
 from tests.handshake.plan_harness import execute, make_side
 
 TOKENS = 64
@@ -268,7 +268,7 @@ def _state_description(rank: int, tp_size: int, described: bool = False) -> Work
     """A rank of a model whose state is sharded as a Mamba layer's is: conv [3, 16 / tp],
     ssm [16 / tp, 4] (so the state shapes differ between TP sizes); ``described``: the
     spec says so (conv on dim 1, ssm on dim 0)."""
-    from handshake.compat import compat_hash
+    from kvbridge.handshake.compat import compat_hash
 
     sharding = (StateSharding(dim=1), StateSharding(dim=0)) if described else None
     groups = [

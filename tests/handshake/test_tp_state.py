@@ -1,4 +1,4 @@
-"""State groups across tensor-parallel sizes (``handshake.tp_state``).
+"""State groups across tensor-parallel sizes (``kvbridge.handshake.tp_state``).
 
 The oracle is independent of the byte arithmetic under test: a whole model state is
 sharded with torch (``split``/``cat`` per section along the sharded dimension), each
@@ -16,22 +16,22 @@ import numpy as np
 import pytest
 import torch
 
-from handshake import tp
-from handshake.compat import check_compatible, compat_hash
-from handshake.description import WorkerIdentity, describe, spec_from_wire, spec_to_wire
-from handshake.errors import IncompatiblePeerError
-from handshake.messages import WireSpec, WorkerDescription
-from handshake.plan import negotiate
-from handshake.tp_state import (
+from kvbridge.handshake import tp
+from kvbridge.handshake.compat import check_compatible, compat_hash
+from kvbridge.handshake.description import WorkerIdentity, describe, spec_from_wire, spec_to_wire
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.messages import WireSpec, WorkerDescription
+from kvbridge.handshake.plan import negotiate
+from kvbridge.handshake.tp_state import (
     check_state_specs,
     replica_source,
     shard_sources,
     state_pieces,
 )
-from layouts.allocation import KVCacheBuffers
-from layouts.errors import LayoutError
-from layouts.groups import KVCacheConfig
-from layouts.specs import StateSharding, StateSpec
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.specs import StateSharding, StateSpec
 from tests.handshake.plan_harness import (
     cache_format,
     execute,

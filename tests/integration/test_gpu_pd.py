@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from examples.check import compare, http_get, make_prompts
-from examples.device import parse_device
-from examples.launch import Cluster
-from examples.reference import load_model, reference_generate
-from examples.tokenizer import ByteTokenizer
+from kvbridge.examples.check import compare, http_get, make_prompts
+from kvbridge.examples.device import parse_device
+from kvbridge.examples.launch import Cluster
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
                             push mode: prefill WRITEs into decode's blocks
     P128 P32                tiny-llama, block sizes 128 and 32, kv_both, policy fail, push
                             mode: prefill WRITEs whole pages into decode's staging slots
-    proxy                   examples.proxy, prefill L128a -> decode L128b
+    proxy                   kvbridge.examples.proxy, prefill L128a -> decode L128b
 
 vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole:
 between equal block sizes straight into decode's blocks; into larger decode blocks side by
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import pytest
 
-from connector.receiver import CLAIM_MARGIN_S
-from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
-from examples.vllm.metrics import KVBRIDGE as M
-from examples.vllm.metrics import kvbridge_delta as _delta
-from examples.vllm.metrics import kvbridge_deltas as _deltas
-from examples.vllm.metrics import scrape
-from examples.vllm.models import ensure_model
-from examples.vllm.procs import Service, start_all, stop_all
-from examples.vllm.servers import ServerSpec, proxy_service, vllm_service
+from kvbridge.connector.worker.decode.receiver import CLAIM_MARGIN_S
+from kvbridge.examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
+from kvbridge.examples.vllm.metrics import KVBRIDGE as M
+from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.metrics import scrape
+from kvbridge.examples.vllm.models import ensure_model
+from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.servers import ServerSpec, proxy_service, vllm_service
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

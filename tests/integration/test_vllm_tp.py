@@ -1,7 +1,7 @@
 """kvbridge between vLLM API servers of different tensor-parallel sizes.
 
-Real weights on disk (``examples.vllm.models``), so a TP-2 server serves the same model as a
-TP-1 server and P/D output must equal a TP-1 server computing the prompt itself. The module's
+Real weights on disk (``kvbridge.examples.vllm.models``), so a TP-2 server serves the same model as
+a TP-1 server and P/D output must equal a TP-1 server computing the prompt itself. The module's
 own servers (they start after ``test_vllm_pd.py``'s are torn down):
 
     P128   tiny-llama, TP 1, block 128, kv_both, one core (prefill, and the reference)
@@ -37,13 +37,13 @@ from typing import Any
 
 import pytest
 
-from examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
-from examples.vllm.metrics import kvbridge_delta as _delta
-from examples.vllm.metrics import kvbridge_deltas as _deltas
-from examples.vllm.metrics import scrape
-from examples.vllm.models import ensure_model
-from examples.vllm.procs import Service, start_all, stop_all
-from examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
+from kvbridge.examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
+from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.metrics import scrape
+from kvbridge.examples.vllm.models import ensure_model
+from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
 
 WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP") == "1"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in

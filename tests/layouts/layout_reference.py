@@ -134,7 +134,7 @@ def as_uint(t: torch.Tensor) -> np.ndarray:
 @st.composite
 def attention_cases(draw, *, max_layers: int = 4, max_blocks: int = 6):
     """A random single-group attention side plus a random unique block id list."""
-    from layouts.layout import KVLayout, KVPacking
+    from kvbridge.layouts.layout import KVLayout, KVPacking
 
     dtype = draw(st.sampled_from(DTYPES))
     mla = draw(st.booleans()) if draw(st.integers(0, 4)) == 0 else False
@@ -168,9 +168,9 @@ def attention_cases(draw, *, max_layers: int = 4, max_blocks: int = 6):
 
 def build_side(case: dict, *, seed: int = 0):
     """KVCacheBuffers for an :func:`attention_cases` case, filled with random bytes."""
-    from layouts.allocation import CacheFormat, KVCacheBuffers
-    from layouts.groups import KVCacheConfig, KVCacheGroup
-    from layouts.specs import FullAttentionSpec, MLASpec
+    from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+    from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+    from kvbridge.layouts.specs import FullAttentionSpec, MLASpec
 
     if case["mla"]:
         spec = MLASpec(

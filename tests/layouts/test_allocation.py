@@ -9,11 +9,16 @@ import torch
 from hypothesis import given, settings
 from layout_reference import Arr, NaiveLayout, as_uint, attention_cases, build_side, fill_random
 
-from layouts.allocation import CacheFormat, KVCacheBuffers, pool_bytes, read_group_token_major
-from layouts.errors import BlockIdError, LayoutError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from kvbridge.layouts.allocation import (
+    CacheFormat,
+    KVCacheBuffers,
+    pool_bytes,
+    read_group_token_major,
+)
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
 
 
 def _native(case: dict) -> Arr:

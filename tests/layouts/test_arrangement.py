@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import divisors
 
-from layouts.arrangement import (
+from kvbridge.layouts.arrangement import (
     BlockArrangement,
     HeadOrder,
     UnitGeometry,
@@ -22,9 +22,9 @@ from layouts.arrangement import (
     same_bytes,
     token_major,
 )
-from layouts.errors import LayoutError
-from layouts.layout import KVLayout
-from layouts.transforms import rewrite_units
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.transforms import rewrite_units
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts.block_table import (
+from kvbridge.layouts.block_table import (
     BlockTable,
     kernel_ratio,
     to_kernel_block_ids,
     to_manager_block_ids,
 )
-from layouts.errors import LayoutError
+from kvbridge.layouts.errors import LayoutError
 
 
 @settings(max_examples=100, deadline=None)

@@ -11,12 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors
 
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.descriptors import block_descriptors, descriptor_table, piece_indices, piece_offsets
-from layouts.errors import BlockIdError, LayoutError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.region import KVRegion, MemoryKind
-from layouts.specs import FullAttentionSpec, StateSpec
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.descriptors import (
+    block_descriptors,
+    descriptor_table,
+    piece_indices,
+    piece_offsets,
+)
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.region import KVRegion, MemoryKind
+from kvbridge.layouts.specs import FullAttentionSpec, StateSpec
 
 
 def _mark(buffers: KVCacheBuffers, descs: np.ndarray) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Describing KV-cache tensors an engine allocated (``layouts.external``).
+"""Describing KV-cache tensors an engine allocated (``kvbridge.layouts.external``).
 
 The reference is kvbridge's own allocator: memory it lays out is handed back as an
 engine would hand it (contiguous, or a logical shape with permuted strides, or per-layer
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
-from layouts.external import ExternalLayoutError, adopt_kv_caches, describe_layer
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, SlidingWindowSpec
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches, describe_layer
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import FullAttentionSpec, SlidingWindowSpec
 
 H, D = 2, 4
 

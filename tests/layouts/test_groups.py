@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layouts.errors import LayoutError, NonUniformPageError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+from kvbridge.layouts.errors import LayoutError, NonUniformPageError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
 
 
 def _full(block_size=16, heads=4, dim=8, dtype=torch.float16):

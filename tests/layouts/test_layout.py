@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts.errors import LayoutError
-from layouts.layout import (
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.layout import (
     KVLayout,
     KVPacking,
     block_shape,

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts.errors import LayoutError
-from layouts.prefix_hit import (
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.prefix_hit import (
     GroupHitQuery,
     PrefixHitError,
     longest_prefix_hit,
     servable,
 )
-from layouts.specs import KVCacheKind
+from kvbridge.layouts.specs import KVCacheKind
 
 FULL = KVCacheKind.FULL_ATTENTION
 SW = KVCacheKind.SLIDING_WINDOW

@@ -1,4 +1,4 @@
-"""Adjacent runs (layouts.runs): which paired rows move as one descriptor.
+"""Adjacent runs (kvbridge.layouts.runs): which paired rows move as one descriptor.
 
 Every case is checked against a per-position reference (a plain loop, here only) and the
 merged descriptors against the bytes they cover.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
-from layouts.errors import LayoutError
-from layouts.region import KVRegion, MemoryKind
-from layouts.runs import merge_rows, next_adjacent, run_starts
+from kvbridge.layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.region import KVRegion, MemoryKind
+from kvbridge.layouts.runs import merge_rows, next_adjacent, run_starts
 
 
 def _table(addrs, length: int = 64, device: int = 0) -> np.ndarray:

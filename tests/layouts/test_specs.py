@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts.errors import KVBridgeError, LayoutError
-from layouts.specs import (
+from kvbridge.layouts.errors import KVBridgeError, LayoutError
+from kvbridge.layouts.specs import (
     FullAttentionSpec,
     KVCacheKind,
     MLASpec,
@@ -139,7 +139,7 @@ def test_unknown_dtypes_raise_our_error():
 
 
 def test_error_hierarchy():
-    from layouts.errors import BlockIdError, NonUniformPageError
+    from kvbridge.layouts.errors import BlockIdError, NonUniformPageError
 
     assert issubclass(LayoutError, KVBridgeError) and issubclass(LayoutError, ValueError)
     assert issubclass(NonUniformPageError, LayoutError)

@@ -13,13 +13,13 @@ import torch
 from layout_reference import build_side
 from torch.profiler import ProfilerActivity, profile
 
-from layouts import staging
-from layouts.allocation import KVCacheBuffers
-from layouts.arrangement import BlockArrangement, UnitGeometry
-from layouts.errors import LayoutError
-from layouts.layout import KVLayout, KVPacking
-from layouts.staging import BATCHED_SCRATCH_BUDGET_BYTES, RewriteStrategy
-from layouts.transforms import merge_blocks, permute_layout, rewrite_units, split_blocks
+from kvbridge.layouts import staging
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry
+from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.staging import BATCHED_SCRATCH_BUDGET_BYTES, RewriteStrategy
+from kvbridge.layouts.transforms import merge_blocks, permute_layout, rewrite_units, split_blocks
 
 SMALL, BATCHED = RewriteStrategy.SMALL_SCRATCH, RewriteStrategy.BATCHED
 

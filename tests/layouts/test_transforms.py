@@ -16,15 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import Arr, NaiveLayout, attention_cases, build_side, divisors, fill_random
 
-from layouts import staging
-from layouts.allocation import CacheFormat, KVCacheBuffers
-from layouts.arrangement import BlockArrangement, UnitGeometry, token_major
-from layouts.errors import BlockIdError, LayoutError
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.layout import KVLayout, KVPacking
-from layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
-from layouts.staging import RewriteStrategy
-from layouts.transforms import (
+from kvbridge.layouts import staging
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry, token_major
+from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from kvbridge.layouts.staging import RewriteStrategy
+from kvbridge.layouts.transforms import (
     chunked_arrangement,
     merge_blocks,
     permute_layout,

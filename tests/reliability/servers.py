@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from examples.check import blocks_in_use
-from examples.engine_loop import EngineLoop
-from examples.launch import MODEL, free_port, worker_args
-from examples.server import WorkerHTTPServer
-from examples.worker_setup import build, make_parser
+from kvbridge.examples.check import blocks_in_use
+from kvbridge.examples.engine_loop import EngineLoop
+from kvbridge.examples.launch import MODEL, free_port, worker_args
+from kvbridge.examples.server import WorkerHTTPServer
+from kvbridge.examples.worker_setup import build, make_parser
 
 SECRET = "reliability-test-secret-0123456789"
 __all__ = ["MODEL", "SECRET", "Worker", "free_port", "post", "worker_pair"]

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from examples.check import make_prompts
+from kvbridge.examples.check import make_prompts
 from tests.reliability.servers import free_port, post, worker_pair
 
 
@@ -152,7 +152,7 @@ def test_fuzzed_bodies_never_crash_the_proxy(pair):
     """The same mutations against the proxy in front of the pair (a valid body first)."""
     import threading
 
-    from examples import proxy as proxy_mod
+    from kvbridge.examples import proxy as proxy_mod
 
     prefill, decode = pair
     router = proxy_mod.Router(

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from examples.check import make_prompts
-from examples.launch import MODEL, Cluster
-from examples.reference import load_model, reference_generate
-from examples.tokenizer import ByteTokenizer
+from kvbridge.examples.check import make_prompts
+from kvbridge.examples.launch import MODEL, Cluster
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.tokenizer import ByteTokenizer
 
 LEASE_S = 3.0
 MAX_TOKENS = 4

@@ -73,10 +73,10 @@ def test_the_walker_finds_what_it_looks_for(tmp_path):
 @pytest.mark.parametrize(
     ("where", "name", "limit"),
     [
-        ("connector.notifications", "MAX_NOTIFICATION_BYTES", 64 * 1024),
-        ("examples.server", "MAX_BODY_BYTES", 1 << 20),
-        ("examples.proxy", "MAX_BODY_BYTES", 1 << 20),
-        ("connector.params", "MAX_TOKENS", 1 << 24),
+        ("kvbridge.connector.common.notifications", "MAX_NOTIFICATION_BYTES", 64 * 1024),
+        ("kvbridge.examples.server", "MAX_BODY_BYTES", 1 << 20),
+        ("kvbridge.examples.proxy", "MAX_BODY_BYTES", 1 << 20),
+        ("kvbridge.connector.common.params", "MAX_TOKENS", 1 << 24),
     ],
 )
 def test_every_input_has_a_size_limit(where, name, limit):
@@ -86,7 +86,7 @@ def test_every_input_has_a_size_limit(where, name, limit):
 
 
 def test_the_side_channel_limits_its_messages():
-    from handshake.framing import HandshakeSecurity
+    from kvbridge.handshake.framing import HandshakeSecurity
 
     security = HandshakeSecurity()
     assert 0 < security.max_message_bytes <= 16 << 20

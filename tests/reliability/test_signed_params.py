@@ -10,9 +10,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from connector.params import KVTransferParams
-from connector.signing import ParamsSignatureError, ParamsSigner
-from examples.check import make_prompts
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.common.signing import ParamsSignatureError, ParamsSigner
+from kvbridge.examples.check import make_prompts
 from tests.reliability.servers import worker_pair
 
 SECRET = b"0123456789abcdef-secret"

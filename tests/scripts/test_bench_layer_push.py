@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layouts.descriptors import piece_indices
+from kvbridge.layouts.descriptors import piece_indices
 from scripts.bench_layer_push import Setup, hidden_fraction, ideal_layered_s, page_rows
 
 SMALL = dict(layers=3, hidden=32, heads=2, kv_heads=2, head_size=8, intermediate=32)

@@ -1,5 +1,5 @@
 """The pure helpers of scripts/bench_tp_transfer.py: each decode rank's share of the bytes,
-and the byte check (a decode rank's heads against the prefill heads handshake.tp assigns
+and the byte check (a decode rank's heads against the prefill heads kvbridge.handshake.tp assigns
 it), which must fail on a corrupted slice and on heads read from the wrong rank."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from handshake import tp
-from layouts.allocation import KVCacheBuffers
+from kvbridge.handshake import tp
+from kvbridge.layouts.allocation import KVCacheBuffers
 from scripts.bench_tp_transfer import Pair, head_mismatches, share_bytes
 from scripts.bench_transfer import Shape, fill, kv_digest, parse_format
 

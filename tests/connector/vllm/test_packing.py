@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from connector.vllm.worker_side import block_packing
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec
+from kvbridge.connector.vllm.worker_side import block_packing
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -59,7 +59,7 @@ def test_block_packing_names_the_instruction_set_on_cpu():
 
 
 def test_page_map_is_measured_from_the_kernel():
-    from connector.vllm.packing import page_map
+    from kvbridge.connector.vllm.packing import page_map
 
     m = page_map(torch.float32, BS, H, D)
     t, h, d = 5, 1, 7
@@ -78,7 +78,7 @@ def _isa_name() -> str:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
 def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(dtype, small, large):
-    from connector.vllm.packing import _write, repack_layer
+    from kvbridge.connector.vllm.packing import _write, repack_layer
 
     g = torch.Generator().manual_seed(small + large)
     tokens = 2 * large
@@ -117,7 +117,7 @@ def test_split_of_staged_pages_equals_writing_the_decode_blocks(dtype, small, la
     blocks, byte for byte what the kernel writes; ``end`` is the prompt's last token."""
     import numpy as np
 
-    from connector.vllm.packing import CpuAttnRepacker, _write
+    from kvbridge.connector.vllm.packing import CpuAttnRepacker, _write
 
     g = torch.Generator().manual_seed(7 * small + large)
     tokens = 2 * large
@@ -160,8 +160,8 @@ def test_split_of_staged_pages_equals_writing_the_decode_blocks(dtype, small, la
 def test_split_refuses_pages_of_another_size():
     import numpy as np
 
-    from connector.vllm.packing import CpuAttnRepacker
-    from layouts.errors import KVBridgeError
+    from kvbridge.connector.vllm.packing import CpuAttnRepacker
+    from kvbridge.layouts.errors import KVBridgeError
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
     config = KVCacheConfig(
@@ -175,7 +175,7 @@ def test_split_refuses_pages_of_another_size():
 
 def test_cpu_attention_pages_keep_each_head_in_one_run():
     """What lets a tensor-parallel decode rank read its heads as one byte range."""
-    from connector.vllm.worker_side import heads_major
+    from kvbridge.connector.vllm.worker_side import heads_major
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
     config = KVCacheConfig(
@@ -187,7 +187,7 @@ def test_cpu_attention_pages_keep_each_head_in_one_run():
 def test_a_slice_of_the_heads_is_a_page_of_fewer_heads():
     """What a rank of another TP size holds: heads ``a .. a + n - 1`` of a 4-head page,
     shifted to the start, are the element order of an ``n``-head page."""
-    from connector.vllm.packing import page_map
+    from kvbridge.connector.vllm.packing import page_map
 
     if _isa_name() != "vec":
         pytest.skip("heads are contiguous runs only in the vec order")
@@ -208,7 +208,7 @@ def test_split_of_head_slices_from_several_prefill_ranks_equals_writing_all_head
     prefill rank's staged pages hold only its heads; splitting them one rank at a time
     (in any order) writes decode's blocks byte for byte as the kernel writes all heads at
     once, and a rank's split leaves the other heads and the prefix-hit block alone."""
-    from connector.vllm.packing import CpuAttnRepacker, _write
+    from kvbridge.connector.vllm.packing import CpuAttnRepacker, _write
 
     heads = 4
     per_rank = heads // ranks
@@ -252,8 +252,8 @@ def test_split_of_head_slices_from_several_prefill_ranks_equals_writing_all_head
 
 
 def test_split_of_a_head_slice_refuses_heads_outside_the_layer():
-    from connector.vllm.packing import CpuAttnRepacker
-    from layouts.errors import KVBridgeError
+    from kvbridge.connector.vllm.packing import CpuAttnRepacker
+    from kvbridge.layouts.errors import KVBridgeError
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
     config = KVCacheConfig(

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from connector.config import KVTransferConfig
-from connector.vllm.scheduler_side import VLLMSchedulerSide
-from layouts.groups import KVCacheConfig, KVCacheGroup
-from layouts.specs import FullAttentionSpec
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.specs import FullAttentionSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -60,9 +60,9 @@ class _Blocks:
 def test_tp_ranks_reports_count_apart_and_one_failed_rank_recomputes_the_load():
     """vLLM aggregates the TP ranks' worker metadata into one: rank 0's load finished,
     rank 1's timed out, in the same step. The load is recomputed, not loaded."""
-    from connector.metadata import LoadFailure, WorkerOutput
-    from connector.params import KVTransferParams
-    from connector.vllm.metadata import KVBridgeWorkerMetadata
+    from kvbridge.connector.common.metadata import LoadFailure, WorkerOutput
+    from kvbridge.connector.common.params import KVTransferParams
+    from kvbridge.connector.vllm.metadata import KVBridgeWorkerMetadata
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(

@@ -19,11 +19,11 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec as VSliding,
 )
 
-from connector.config import ConfigError, FailurePolicy, KVRole
-from connector.params import ParamsError
-from connector.vllm import translate
-from layouts.layout import KVLayout
-from layouts.specs import KVCacheKind
+from kvbridge.connector.common.config import ConfigError, FailurePolicy, KVRole
+from kvbridge.connector.common.params import ParamsError
+from kvbridge.connector.vllm import translate
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.specs import KVCacheKind
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,183 @@
+"""Small typed messages that travel as NIXL notifications between paired workers.
+
+::
+
+    decode                                  prefill
+      Prepare(req, rewrites)   ------>      rewrite blocks after save (sender transform)
+                               <------      Prepared(req, ok, reason)
+      NIXL READ ...
+      Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
+      Heartbeat([req, ...])    ------>      extend leases of requests still queued
+
+    push mode (kvbridge.handshake.modes): decode names its blocks, prefill writes into them
+      Push(req, blocks, rewrites) ------>   rewrite after save, NIXL WRITE into decode
+                               <------      Pushed(req, ok, reason, bytes)
+      Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
+
+    push mode through decode's staging slots (prefill's engine-packed pages larger than
+    decode's blocks, or not dividing them), one Push per round of free slots
+      Push(round 0, staged=[pages -> slots]) -->  WRITE unstaged groups into decode's
+                                                  blocks, the named pages into its slots
+                               <------      Pushed(round 0)    decode splits, frees slots
+      Push(round 1, staged=[...]) ------>   WRITE only the named pages
+                               <------      Pushed(round 1) ... until no page is left
+      Done(req, ok=False)      ------>      a round still unanswered is cancelled and
+                               <------      answered Pushed(ok=False): its slots are free
+
+Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
+(NIXL notifications are meant for <= 64 KiB).
+
+Schema evolution: a new field goes last with a default (old decoders ignore it, new ones
+fill in the default); anything else is a new ``NOTIF_PROTOCOL_VERSION``.
+
+Protocol history:
+    1 - Prepare, Prepared, Done, Heartbeat; Push and Pushed (push mode);
+        Push.round and Push.staged, Pushed.round (defaults 0 / []): pushes through
+        decode's staging slots. An older prefill never sees them: it refuses to push
+        pages decode stages at the handshake (its plan refuses the pair).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.layout import KVLayout
+
+NOTIF_PROTOCOL_VERSION = 1
+
+
+class NotificationError(KVBridgeError):
+    """A notification that is not one of ours or cannot be decoded."""
+
+
+class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
+    layout: str
+    num_chunks: int
+    sub_blocks_per_chunk: int
+    parts_outer: bool
+    heads: str = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
+
+    @classmethod
+    def of(cls, arr: BlockArrangement) -> WireArrangement:
+        return cls(
+            arr.layout.value,
+            arr.num_chunks,
+            arr.sub_blocks_per_chunk,
+            arr.parts_outer,
+            arr.heads.value,
+        )
+
+    def to_arrangement(self) -> BlockArrangement:
+        return BlockArrangement(
+            layout=KVLayout.parse(self.layout),
+            num_chunks=self.num_chunks,
+            sub_blocks_per_chunk=self.sub_blocks_per_chunk,
+            parts_outer=self.parts_outer,
+            heads=HeadOrder.parse(self.heads),
+        )
+
+
+class GroupRewrite(msgspec.Struct, frozen=True, array_like=True):
+    group_id: int
+    src: WireArrangement
+    dst: WireArrangement
+
+
+class Prepare(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    rewrites: list[GroupRewrite]
+    version: int = NOTIF_PROTOCOL_VERSION
+
+
+class Prepared(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Done(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    ok: bool = True  # False: decode gave up (abort, failure); prefill frees all the same
+    # decode ranks that each send this prefill rank a Done for the request (tensor
+    # parallelism: every decode rank reading its heads); prefill frees after the last
+    readers: int = 1
+    reader_rank: int = 0
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+
+
+class StagedPages(msgspec.Struct, frozen=True, array_like=True):
+    """Whole prefill pages of a staged group (``GroupPlan.split_from``) for decode's
+    staging slots: logical block ``blocks[i]`` of the request goes to slot ``slots[i]``
+    (slots of ``GroupPlan.staging_bytes`` in decode's advertised arena)."""
+
+    group_id: int
+    blocks: list[int]
+    slots: list[int]
+
+
+class Push(msgspec.Struct, frozen=True, tag=True):
+    """Decode asks prefill to WRITE tokens ``[start_token, end_token)`` of a kept request
+    into decode's blocks. Prefill looks decode up at ``reader_host:reader_port`` (its own
+    handshake), plans as decode planned (``plan_digest`` must match), applies ``rewrites``
+    as for a ``Prepare``, writes, then answers ``Pushed``. It must not start writing later
+    than ``timeout_s`` after it got this: decode gives the blocks to others after that."""
+
+    request_id: str  # prefill's request id
+    reader_engine_id: str
+    reader_rank: int
+    reader_host: str
+    reader_port: int
+    block_ids: list[list[int]]  # decode's block ids per group, by logical block
+    start_token: int
+    end_token: int
+    rewrites: list[GroupRewrite]
+    plan_digest: str
+    timeout_s: float
+    version: int = NOTIF_PROTOCOL_VERSION
+    # rounds through decode's staging slots: round 0 also writes every group decode does
+    # not stage; a later round writes only ``staged``
+    round: int = 0
+    staged: list[StagedPages] = msgspec.field(default_factory=list)
+
+
+class Pushed(msgspec.Struct, frozen=True, tag=True):
+    """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not.
+    Every Push that names staging slots gets exactly one (written, refused, or cancelled
+    by decode's ``Done``): decode lends those slots to nobody else until then."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    num_bytes: int = 0
+    num_descs: int = 0
+    round: int = 0  # the Push.round answered
+
+
+Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Notification)
+MAX_NOTIFICATION_BYTES = 64 * 1024
+
+
+def encode_notification(msg: Notification) -> bytes:
+    data = _ENCODER.encode(msg)
+    if len(data) > MAX_NOTIFICATION_BYTES:
+        raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")
+    return data
+
+
+def decode_notification(data: bytes) -> Notification:
+    if len(data) > MAX_NOTIFICATION_BYTES:
+        raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise NotificationError(f"undecodable notification ({len(data)} bytes): {exc}") from None

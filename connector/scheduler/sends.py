@@ -1,0 +1,145 @@
+"""Prefill side of the scheduler: what a finished request keeps for its decode, until when.
+
+:class:`Sends` turns a finished ``do_remote_decode`` request into the blocks kept for the
+reader (``kvbridge.connector.scheduler.retention``), the :class:`SendSpec` for the workers and the
+``kv_transfer_params`` for the decode; it holds them under a lease and releases them on
+Done, lease expiry or abort, each exactly once.
+:class:`~kvbridge.connector.scheduler.scheduler.KVBridgeScheduler` owns one and forwards the
+engine's calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from kvbridge.connector.common.api import ConnectorRequest
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import SendSpec
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.lifecycle import LifecycleError, SendState
+from kvbridge.connector.scheduler.retention import (
+    LeaseBook,
+    SendRecord,
+    resume_point,
+    retained_block_range,
+)
+from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec
+
+
+class Sends:
+    """Held prefill requests; ``released`` collects ids whose blocks the engine may free."""
+
+    def __init__(
+        self, config: KVTransferConfig, specs: Sequence[KVCacheSpec], *, tp_size: int
+    ) -> None:
+        self.config = config
+        self.tp_size = tp_size
+        self._specs = tuple(specs)
+        self._block_size = specs[0].block_size
+        self._state_groups = [g for g, s in enumerate(specs) if s.kind is KVCacheKind.STATE]
+        self.book = LeaseBook(config.lease_s)
+        self.to_send: dict[str, SendSpec] = {}  # the next metadata's new sends
+        self.freed: list[str] = []  # released before the worker reported them
+        self.released: set[str] = set()
+        self.outcomes: Counter[SendState] = Counter()
+
+    def hold(
+        self,
+        request: ConnectorRequest,
+        block_ids_per_group: Sequence[Sequence[int]],
+        resume_state_block_ids: Mapping[int, int] | None,
+        now: float,
+    ) -> KVTransferParams:
+        """Keep what the decode reads (see ``KVBridgeScheduler.request_finished``)."""
+        rid = request.request_id
+        if rid in self.book:
+            raise LifecycleError(f"request {rid!r}: request_finished called twice")
+        if len(block_ids_per_group) != len(self._specs):
+            raise LifecycleError(
+                f"request {rid!r}: {len(block_ids_per_group)} block lists for "
+                f"{len(self._specs)} KV-cache groups"
+            )
+        resume = dict(resume_state_block_ids or {})
+        if set(resume) - set(self._state_groups):
+            raise LifecycleError(
+                f"request {rid!r}: resume_state_block_ids names groups {sorted(resume)}; the "
+                f"state groups are {self._state_groups}"
+            )
+        num_tokens = len(request.prompt_token_ids)
+        exact = all(g in resume for g in self._state_groups)
+        end = resume_point(num_tokens, self._block_size, resume_state=exact)
+        kept_lists, first_blocks, kept, free = [], [], [], []
+        for g, (spec, group_ids) in enumerate(zip(self._specs, block_ids_per_group, strict=True)):
+            ids = list(map(int, group_ids))
+            first, stop = retained_block_range(spec, end)
+            if len(ids) < stop:
+                raise LifecycleError(
+                    f"request {rid!r}, group {g}: {len(ids)} blocks for a {num_tokens}-token "
+                    f"prompt; blocks 0..{stop - 1} of {spec.block_size} tokens are needed"
+                )
+            # Negative ids are placeholders (no block kept there): trim them off the ends.
+            while first < stop and ids[first] < 0:
+                first += 1
+            while stop > first and ids[stop - 1] < 0:
+                stop -= 1
+            group_kept = ids[first:stop]
+            if g in resume:
+                if exact and end > 0:
+                    group_kept, first = [int(resume[g])], (end - 1) // spec.block_size
+                else:
+                    free.append(int(resume[g]))
+            kept_lists.append(group_kept)
+            first_blocks.append(first)
+            kept.extend(b for b in group_kept if b >= 0)
+            held = set(group_kept)
+            free.extend(b for b in ids if b >= 0 and b not in held)
+        self.book.hold(rid, kept, free, now)
+        self.to_send[rid] = SendSpec(
+            request_id=rid,
+            block_ids=tuple(map(tuple, kept_lists)),
+            first_block=tuple(first_blocks),
+            lease_s=self.config.lease_s,
+        )
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.engine_id,
+            remote_host=self.config.kv_ip,
+            remote_port=self.config.kv_port,  # + rank 0: the scheduler speaks for rank 0
+            remote_rank=0,
+            remote_tp_size=self.tp_size,
+            remote_block_ids=kept_lists,
+            remote_first_block=first_blocks,
+            remote_block_size=self._block_size,
+            num_tokens=num_tokens,
+            remote_request_id=rid,
+            resume_tokens=end,
+        )
+
+    def release(self, record: SendRecord, why: SendState, *, by_worker: bool) -> None:
+        if record.state is SendState.PENDING:
+            del self.to_send[record.request_id]  # the worker never heard of it, but a
+            self.freed.append(record.request_id)  # reader may ask: it must refuse
+        elif not by_worker:
+            self.freed.append(record.request_id)  # the worker must drop it too
+        self.book.release(record, why)
+        self.outcomes[why] += 1
+        self.released.add(record.request_id)
+
+    def expire(self, now: float) -> None:
+        for record in self.book.expired(now):
+            self.release(record, SendState.EXPIRED, by_worker=False)
+
+    def drain(self) -> tuple[tuple[SendSpec, ...], tuple[str, ...]]:
+        """The next metadata's new sends (now HELD) and sends freed behind the worker."""
+        for rid in self.to_send:
+            send = self.book.live(rid)
+            assert send is not None, f"queued SendSpec of {rid!r} outlived its record"
+            send.advance(SendState.HELD)
+        out = tuple(self.to_send.values()), tuple(self.freed)
+        self.to_send, self.freed = {}, []
+        return out
+
+    def take_released(self) -> set[str]:
+        out, self.released = self.released, set()
+        return out

@@ -1,0 +1,133 @@
+"""How kvbridge calls NIXL's Python API: exceptions and status strings mapped to ours in
+one place each, NIXL's names for memory kinds and operations, the progress-thread delay
+the wrapper does not expose (NIXL_NOTES.md: its zero delay spins a core per agent), the
+agent built from our config, and a transfer request by index or by runs.
+Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import nixl._bindings as nixl_bindings
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
+from kvbridge.connector.transfer.nixl_config import NixlEngineConfig, ProgressMode
+from kvbridge.connector.transfer.transport import DescList, XferOp, XferState
+from kvbridge.connector.transfer.xfer_rows import XferRows
+from kvbridge.layouts.region import MemoryKind
+
+# NIXL's exceptions share no base class besides Exception; collect them once.
+_NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
+    obj
+    for name, obj in vars(nixl_bindings).items()
+    if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
+)
+_HINTS: dict[str, str] = {
+    "nixlNotFoundError": "a descriptor outside registered memory, or an unknown/removed peer",
+    "nixlNotAllowedError": "different metadata under a loaded agent name; give each "
+    "process incarnation a unique agent name",
+    "nixlMismatchError": "corrupt or foreign metadata",
+    "nixlRemoteDisconnectError": "the peer process is gone",
+}
+NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
+NIXL_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
+_STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING}
+LOCAL = "NIXL_INIT_AGENT"
+
+
+def translate(exc: Exception, what: str, default: type[TransferError]) -> TransferError:
+    """The one place a NIXL exception becomes ours."""
+    name = type(exc).__name__
+    cls = PeerDisconnectedError if name == "nixlRemoteDisconnectError" else default
+    hint = _HINTS.get(name)
+    return cls(f"{what}: NIXL raised {name}: {exc}" + (f" ({hint})" if hint else ""))
+
+
+def to_state(status: str, what: str) -> XferState:
+    """The one place a NIXL status string becomes an ``XferState``."""
+    state = _STATES.get(status)
+    if state is None:
+        raise TransferError(f"{what}: NIXL reported state {status!r}")
+    return state
+
+
+@contextlib.contextmanager
+def progress_delay(delay_us: int) -> Iterator[None]:
+    """The wrapper builds the bindings' agent config with ``pthrDelay = 0`` (a spinning
+    progress thread, NIXL_NOTES.md) and offers no setting: set it on the config object
+    on its way into the bindings' constructor, for this one construction."""
+    if delay_us <= 0:
+        yield
+        return
+    bindings = nixl_agent.__init__.__globals__["nixlBind"]  # the module the wrapper calls
+    real = bindings.nixlAgent
+
+    def with_delay(name: str, agent_config: object) -> object:
+        agent_config.pthrDelay = delay_us  # type: ignore[attr-defined]
+        return real(name, agent_config)
+
+    bindings.nixlAgent = with_delay
+    try:
+        yield
+    finally:
+        bindings.nixlAgent = real
+
+
+@contextlib.contextmanager
+def nixl_call(what: str, default: type[TransferError] = TransferError) -> Iterator[None]:
+    try:
+        yield
+    except _NIXL_ERRORS as exc:
+        raise translate(exc, what, default) from exc
+
+
+def new_agent(config: NixlEngineConfig) -> nixl_agent:
+    """The NIXL agent ``config`` describes; ``TransferError`` when a backend is missing."""
+    name = config.agent_name
+    threaded = config.progress is not ProgressMode.PROGRESS_THREAD_OFF
+    nixl_config = nixl_agent_config(
+        enable_prog_thread=threaded,
+        capture_telemetry=config.capture_telemetry,
+        backends=list(config.backends),
+        # NIXL's own progress thread (or another of ours) runs beside the owner's calls:
+        # lock the API
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded or config.shared else None,
+    )
+    delay_us = (
+        config.progress_delay_us if config.progress is ProgressMode.PROGRESS_THREAD_DELAY else 0
+    )
+    with nixl_call(f"agent {name!r}: create"), progress_delay(delay_us):
+        agent = nixl_agent(name, nixl_config)
+    missing = set(config.backends) - set(agent.backends)
+    if missing:
+        raise TransferError(
+            f"agent {name!r}: backends {sorted(missing)} unavailable; "
+            f"plugins present: {sorted(agent.plugin_list)}"
+        )
+    return agent
+
+
+def make_xfer(
+    agent: nixl_agent,
+    op: XferOp,
+    local: DescList,
+    remote: DescList,
+    rows: XferRows,
+    notif: bytes,
+) -> object:
+    """NIXL's request for one transfer: by index through the prepared lists, or one
+    descriptor per run through lists built here (``rows.runs``). Raises NIXL's errors."""
+    if rows.runs is None:
+        return agent.make_prepped_xfer(
+            NIXL_OPS[op], local._native, rows.local_idx, remote._native, rows.remote_idx, notif
+        )
+    local_runs, remote_runs = rows.runs
+    return agent.initialize_xfer(
+        NIXL_OPS[op],
+        agent.get_xfer_descs(local_runs, NIXL_MEM[local.memory_kind]),
+        agent.get_xfer_descs(remote_runs, NIXL_MEM[remote.memory_kind]),
+        remote.peer,
+        notif,
+    )

@@ -1,0 +1,12 @@
+"""The worker side: ``KVBridgeWorker`` and what both roles share.
+
+``worker`` (the object an engine's model runner calls), ``worker_setup`` (settings from
+``extra``, the NIXL engine, the engine lock), ``side_channel`` and ``peers`` (handshakes,
+plans and descriptor lists per peer), ``inbox``/``outbox`` (notifications in and out),
+``routing`` (which prefill ranks a decode rank reads from), ``load_rows`` (descriptor rows
+of one load), ``idle_progress`` and ``engine_thread`` (threads that keep transfers moving).
+
+Role-specific parts live in ``decode/`` (receive) and ``prefill/`` (send); staging memory in
+``staging/``. May import the transfer layer, ``common``, ``kvbridge.handshake`` and
+``kvbridge.layouts``; never the scheduler side.
+"""

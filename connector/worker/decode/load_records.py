@@ -1,0 +1,129 @@
+"""What a decode worker tracks per load in flight: the load, and one source per prefill rank.
+
+A load reads from one prefill rank, or from several under tensor parallelism. Each source
+moves through::
+
+    pull  WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE)--> done
+               |                   (skipped when the plan needs no sender rewrite)
+    push  WAITING_PEER --(peer ready)--> PUSHED --(Pushed: prefill wrote)--> done
+                                           ^  |  (staged pages left: the next round)
+                                           |  v
+                                   STAGING (no staging slot free yet)
+
+``kvbridge.connector.worker.decode.receiver`` drives the machine;
+``kvbridge.connector.worker.decode.push_rounds`` asks the pushes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
+from kvbridge.connector.common.notifications import Push
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.transport import XferHandle
+from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
+from kvbridge.connector.worker.load_rows import GroupRows, group_rows
+from kvbridge.connector.worker.peers import Peer, PeerKey
+from kvbridge.connector.worker.routing import Route
+from kvbridge.connector.worker.staging.staged_reads import StageBatch, Staged
+from kvbridge.handshake.plan_model import GroupPlan
+from kvbridge.layouts.specs import KVCacheSpec
+
+
+class LoadState(enum.Enum):
+    WAITING_PEER = "waiting_peer"
+    PREPARING = "preparing"
+    READING = "reading"
+    PUSHED = "pushed"  # push mode: asked prefill to write, waiting for Pushed
+    STAGING = "staging"  # push mode: the next round waits for free staging slots
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class PushEndpoint:
+    """Push mode: where prefill finds this decode rank (its own handshake listener)."""
+
+    engine_id: str
+    rank: int
+    host: str
+    port: int
+
+
+@dataclass
+class Source:
+    """One prefill rank a load reads from."""
+
+    key: PeerKey
+    state: LoadState = LoadState.WAITING_PEER
+    handles: list[XferHandle] = field(default_factory=list)
+    staged: list[Staged] = field(default_factory=list)  # remote pages still to stage
+    batch: StageBatch | None = None  # the staging round in flight (read, or pushed)
+    push: Push | None = None  # push mode: round 0 as sent; later rounds copy it
+    round: int = 0  # push mode: the round in flight (or the next one)
+    round_agent: str = ""  # ... the agent asked, and when prefill surely stopped writing
+    round_expires: float = 0.0
+
+
+@dataclass
+class Load:
+    spec: LoadSpec
+    route: Route
+    deadline: float
+    sources: list[Source]
+    timeline: LoadTimeline
+    touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
+    num_bytes: int = 0
+    started: float = 0.0
+
+    def source(self, key: PeerKey) -> Source | None:
+        return next((s for s in self.sources if s.key == key), None)
+
+    def touch(self, group_id: int, ids: np.ndarray) -> None:
+        """Local blocks ``ids`` of a group receive data (receiver rewrites, repacks)."""
+        before = self.touched.get(group_id)
+        self.touched[group_id] = np.unique(ids if before is None else np.concatenate([before, ids]))
+
+    def rows(self, g: GroupPlan, local_spec: KVCacheSpec) -> GroupRows:
+        """The rows of group ``g`` this load moves (``kvbridge.connector.worker.load_rows``)."""
+        spec, params = self.spec, self.spec.params
+        return group_rows(
+            g,
+            local_spec,
+            np.asarray(spec.local_block_ids[g.group_id], dtype=np.int64),
+            np.asarray(params.remote_block_ids[g.group_id], dtype=np.int64),
+            params.remote_first_block[g.group_id] if params.remote_first_block else 0,
+            spec.start_token,
+            spec.end_token,
+        )
+
+
+def outside(params: KVTransferParams, peer: Peer) -> str:
+    """Why ``params`` name blocks ``peer`` does not have ('' when they all exist)."""
+    assert peer.plan is not None and peer.layout is not None
+    regions = peer.layout.regions
+    for g in peer.plan.groups:
+        ids = params.remote_block_ids[g.group_id]
+        if not g.streams:  # nothing of this group on that peer (a state replica read elsewhere)
+            continue
+        limit = min((regions[s.remote_region].region.num_blocks for s in g.streams), default=0)
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            return (
+                f"kv_transfer_params name remote blocks {min(ids)}..{max(ids)} of group "
+                f"{g.group_id}, outside the {limit} blocks {peer.key} advertised: not issued "
+                f"by that prefill; nothing read"
+            )
+    return ""
+
+
+def failure(spec: LoadSpec, reason: str) -> LoadFailure:
+    """The load failed: every local block that would have received data is invalid."""
+    return LoadFailure(
+        request_id=spec.request_id,
+        reason=reason,
+        invalid_block_ids=tuple(tuple(ids) for ids in spec.local_block_ids),
+        num_valid_tokens=spec.start_token,
+    )

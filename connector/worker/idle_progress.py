@@ -1,0 +1,68 @@
+"""Progress for a worker whose engine stops stepping while transfers still need it.
+
+kvbridge's worker advances transfers (reads notifications, answers ``Prepare``, polls
+reads, flushes its outbox) when the engine calls it each step. An idle engine does not
+step: vLLM, once a prefill request has finished, waits for new requests, so a decode's
+``Prepare`` (a rewrite, or a claim near the lease end) would wait until the next request
+arrives. :class:`IdleProgress` runs the worker's progress from a thread whenever the engine
+has not called in for ``interval_s``; the engine's calls and this thread share one lock, so
+the worker is never entered twice at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvbridge.handshake.affinity import unpin_current_thread
+
+logger = logging.getLogger(__name__)
+
+
+class IdleProgress:
+    __slots__ = ("_clock", "_interval_s", "_last_call", "_lock", "_progress", "_stop", "_thread")
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        progress: Callable[[], None],
+        interval_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lock = lock
+        self._progress = progress
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last_call = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvbridge-idle", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def touch(self) -> None:
+        """The engine called in: no idle progress needed for another interval."""
+        self._last_call = self._clock()
+
+    def _run(self) -> None:
+        unpin_current_thread()  # never on a core the engine pinned for itself
+        while not self._stop.wait(self._interval_s):
+            if self._clock() - self._last_call < self._interval_s:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # the engine is in a call right now
+            try:
+                self._progress()
+            except Exception:  # a bug: say so once, and leave progress to the engine
+                logger.exception("idle progress failed; stopping it")
+                return
+            finally:
+                self._lock.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

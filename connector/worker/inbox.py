@@ -1,0 +1,104 @@
+"""The notifications that reach a worker from its peers, handed to the part that acts on them.
+
+Drained once per progress round; each is decoded (a bad one is counted and dropped) and
+routed by type, replies leaving through the :class:`~kvbridge.connector.worker.outbox.Outbox`::
+
+    Prepare    -> sender: a Prepared now, or once the request is added (send_replies)
+    Done       -> pusher (a decode that gave up: stop writing) and sender
+    Heartbeat  -> sender (extend the leases)
+    Prepared   -> receiver
+    Push       -> pusher; refused with a Pushed in pull mode
+    Pushed     -> receiver
+
+Handshake requests reach the worker another way: :mod:`kvbridge.connector.worker.side_channel`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.notifications import (
+    Done,
+    Heartbeat,
+    NotificationError,
+    Prepare,
+    Prepared,
+    Push,
+    Pushed,
+    decode_notification,
+)
+from kvbridge.connector.transfer.errors import TransferError
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.decode.receiver import Receiver
+from kvbridge.connector.worker.outbox import Outbox
+from kvbridge.connector.worker.prefill.pushes import Pusher
+from kvbridge.connector.worker.prefill.sender import Sender
+
+logger = logging.getLogger(__name__)
+
+
+class Inbox:
+    """Routes one worker's incoming notifications; ``pusher`` is None in pull mode."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        outbox: Outbox,
+        metrics: ConnectorMetrics,
+        *,
+        sender: Sender,
+        receiver: Receiver,
+        pusher: Pusher | None,
+    ) -> None:
+        self._engine = engine
+        self._outbox = outbox
+        self._metrics = metrics
+        self._sender = sender
+        self._receiver = receiver
+        self._pusher = pusher
+
+    def handle_notifications(self) -> None:
+        try:
+            notifs = self._engine.get_notifs()
+        except TransferError as exc:
+            logger.warning("reading notifications failed: %s", exc)
+            return
+        for agent, messages in notifs.items():
+            for raw in messages:
+                self._metrics.notifications_received += 1
+                try:
+                    msg = decode_notification(raw)
+                except NotificationError as exc:
+                    self._metrics.bad_notifications += 1
+                    logger.warning("notification from %s dropped: %s", agent, exc)
+                    continue
+                if isinstance(msg, Prepare):
+                    reply = self._sender.on_prepare(msg, agent)
+                    if reply is not None:  # else answered once the request is added
+                        self._outbox.send_raw(agent, reply)
+                elif isinstance(msg, Done):
+                    if self._pusher is not None:  # a decode that gave up: stop writing
+                        self._pusher.cancel(msg.request_id, msg.reader_rank)
+                    if not self._sender.on_done(msg):
+                        self._metrics.bad_notifications += 1
+                elif isinstance(msg, Heartbeat):
+                    self._sender.on_heartbeat(msg)
+                elif isinstance(msg, Prepared):
+                    self._receiver.on_prepared(msg, agent)
+                elif isinstance(msg, Push):
+                    self._on_push(msg, agent)
+                elif isinstance(msg, Pushed):
+                    self._receiver.on_pushed(msg, agent)
+
+    def send_replies(self) -> None:
+        """Answer the Prepare messages that came before their request was added."""
+        for agent, reply in self._sender.take_replies():
+            self._outbox.send_raw(agent, reply)
+
+    def _on_push(self, msg: Push, agent: str) -> None:
+        if self._pusher is None:
+            reason = "this prefill runs in pull mode (extra.transfer_mode); decode must read"
+            self._outbox.send_raw(agent, Pushed(request_id=msg.request_id, ok=False, reason=reason))
+            return
+        self._pusher.on_push(msg, agent)

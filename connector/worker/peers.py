@@ -1,0 +1,300 @@
+"""Remote peers of a worker: handshakes in the background, plans and descriptor lists.
+
+A handshake (ZMQ round trip) runs on a small thread pool so an engine step never waits
+for it; everything that touches NIXL (adding the agent, preparing descriptor lists)
+happens later on the worker's own thread in :meth:`PeerDirectory.poll`, because NIXL
+agents are not thread-safe::
+
+    ensure(key) --(pool thread)--> HandshakeClient.get --> queue
+    poll()  <-- step thread: add_peer, negotiate, prep remote lists
+                --> Peer READY / INCOMPATIBLE / FAILED
+
+:meth:`PeerDirectory.warm` does the same before any request names the peer (from
+``extra.warm_peers``: listener addresses known at startup), and also sets up the NIXL
+connection, so the first request to that peer pays none of it.
+
+An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bridged):
+its agent is kept for notifications only, so loads against it fail at once *and* tell it
+to free the request's blocks (``Done(ok=False)``) instead of leaving them to the lease.
+The next load to it handshakes again (the peer may have been reconfigured).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.connector.transfer.transport import DescList, TransferEngine
+from kvbridge.connector.worker.staging.staging import slot_offsets, slot_region
+from kvbridge.handshake.affinity import unpin_current_thread
+from kvbridge.handshake.client import HandshakeClient
+from kvbridge.handshake.compat import check_compatible
+from kvbridge.handshake.description import PeerLayout, parse_description
+from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.messages import WorkerDescription
+from kvbridge.handshake.plan import negotiate
+from kvbridge.handshake.plan_model import GroupPlan, PieceStream, TransferPlan
+from kvbridge.handshake.tp_plan import reads_from
+from kvbridge.layouts.descriptors import block_descriptors
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.region import KVRegion
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]  # (engine id, rank)
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    INCOMPATIBLE = "incompatible"  # reachable, notifications only; reason says why
+    FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    key: PeerKey
+    host: str
+    port: int
+    state: PeerState = PeerState.CONNECTING
+    reason: str = ""
+    agent: str = ""
+    description: WorkerDescription | None = None
+    layout: PeerLayout | None = None
+    plan: TransferPlan | None = None
+    remote_lists: dict[tuple[int, int], DescList] = field(default_factory=dict)
+
+
+class PeerDirectory:
+    """Peers by (engine id, rank); owns their remote descriptor lists."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        client: HandshakeClient,
+        local_description: WorkerDescription,
+        local_layout: PeerLayout,
+        *,
+        can_repack: bool = False,
+        writer: bool = False,
+    ) -> None:
+        """``writer``: the peers are decode workers this (prefill) worker pushes to; a
+        peer's plan is then the one that decode computes (decode's blocks are the plan's
+        local side), and the lists are swapped: remote lists on decode's blocks (on its
+        staging slots for the groups it stages), local ones on this worker's."""
+        self._engine = engine
+        self._can_repack = can_repack
+        self._writer = writer
+        self._client = client
+        self._local_description = local_description
+        self._local = local_layout
+        self._peers: dict[PeerKey, Peer] = {}
+        self._results: queue.Queue[tuple[PeerKey, WorkerDescription | Exception]] = queue.Queue()
+        self._warmed: queue.Queue[tuple[str, int, WorkerDescription | Exception]] = queue.Queue()
+        # Handshake threads (and the client's ZMQ I/O thread, started from them) may run on
+        # every core, whatever the engine pinned its step thread to.
+        self._pool = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="kvbridge-handshake", initializer=unpin_current_thread
+        )
+        self._local_lists: dict[tuple, DescList] = {}
+        self.handshakes = 0
+        self.failures = 0
+
+    def get(self, key: PeerKey) -> Peer | None:
+        return self._peers.get(key)
+
+    def ensure(self, key: PeerKey, host: str, port: int, *, for_read: bool = False) -> Peer:
+        """The peer, starting its handshake in the background if it is new or failed (or,
+        ``for_read``, incompatible last time: it may have been reconfigured since)."""
+        peer = self._peers.get(key)
+        if peer is not None and for_read and peer.state is PeerState.INCOMPATIBLE:
+            self.drop(key, "handshaking again")
+            peer = None
+        if peer is not None and peer.state is not PeerState.FAILED:
+            return peer
+        peer = Peer(key=key, host=host, port=port)
+        self._peers[key] = peer
+        self._pool.submit(self._fetch, key, host, port)
+        return peer
+
+    def warm(self, host: str, port: int) -> None:
+        """Handshake with the listener at host:port in the background; :meth:`poll` then
+        adds the peer it describes, READY with its lists and NIXL connection, unless a
+        request already named it. A failure is logged: requests handshake as usual."""
+        self._pool.submit(self._fetch_warm, host, port)
+
+    def _fetch_warm(self, host: str, port: int) -> None:
+        try:
+            self._warmed.put((host, port, self._client.fetch(host, port)))
+        except Exception as exc:
+            self._warmed.put((host, port, exc))
+
+    def _poll_warmed(self) -> list[Peer]:
+        added = []
+        while True:
+            try:
+                host, port, result = self._warmed.get_nowait()
+            except queue.Empty:
+                return added
+            if isinstance(result, Exception):
+                logger.warning("warming peer %s:%s failed: %s", host, port, result)
+                continue
+            key = (result.engine_id, result.rank)
+            if key in self._peers:
+                continue  # a request got there first
+            peer = Peer(key=key, host=host, port=port)
+            self._peers[key] = peer
+            self._connect(peer, result)
+            if peer.state is PeerState.READY:
+                try:
+                    self._engine.connect(peer.agent)
+                except KVBridgeError as exc:  # the first transfer connects instead
+                    logger.warning("NIXL connection to %s not set up early: %s", key, exc)
+            added.append(peer)
+
+    def _fetch(self, key: PeerKey, host: str, port: int) -> None:
+        try:
+            self._client.forget(*key)
+            desc = self._client.get(key[0], key[1], host, port)
+            self._results.put((key, desc))
+        except Exception as exc:  # delivered to the step thread, which fails the loads
+            self._results.put((key, exc))
+
+    def poll(self) -> list[Peer]:
+        """Finish handshakes that came back; returns peers whose state changed."""
+        changed = self._poll_warmed()
+        while True:
+            try:
+                key, result = self._results.get_nowait()
+            except queue.Empty:
+                return changed
+            peer = self._peers.get(key)
+            if peer is None or peer.state is not PeerState.CONNECTING:
+                continue
+            if isinstance(result, Exception):
+                self._fail(peer, f"handshake with {peer.host}:{peer.port} failed: {result}")
+            else:
+                self._connect(peer, result)
+            changed.append(peer)
+
+    def _connect(self, peer: Peer, desc: WorkerDescription) -> None:
+        try:
+            try:
+                check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
+                layout = parse_description(desc)
+                reader, source = (layout, self._local) if self._writer else (self._local, layout)
+                if not reads_from(reader, source):
+                    # a prefill rank this decode rank only tells Done (an unread replica)
+                    peer.agent = self._engine.add_peer(desc.nixl_metadata)
+                    peer.description, peer.layout = desc, layout
+                    peer.state = PeerState.READY
+                    self.handshakes += 1
+                    logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
+                    return
+                can_repack = layout.can_repack if self._writer else self._can_repack
+                plan = negotiate(reader, source, can_repack=can_repack)
+            except IncompatiblePeerError as exc:
+                self._incompatible(peer, desc, str(exc))
+                return
+            agent = self._engine.add_peer(desc.nixl_metadata)
+            peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
+            for g in plan.groups:
+                for i, stream in enumerate(g.streams):
+                    region, offsets = self._their_rows(layout, g, i)
+                    table = block_descriptors(
+                        region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
+                    )
+                    peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(
+                        agent, table, memory_kind=region.memory_kind
+                    )
+            peer.state = PeerState.READY
+            self.handshakes += 1
+            logger.info("peer %s ready:\n%s", peer.key, plan)
+        except KVBridgeError as exc:
+            self._fail(peer, str(exc))
+
+    def _incompatible(self, peer: Peer, desc: WorkerDescription, reason: str) -> None:
+        peer.agent = self._engine.add_peer(desc.nixl_metadata)
+        peer.description = desc
+        peer.state, peer.reason = PeerState.INCOMPATIBLE, reason
+        self.failures += 1
+        logger.warning("peer %s cannot be read from (notifications only): %s", peer.key, reason)
+
+    def _fail(self, peer: Peer, reason: str) -> None:
+        peer.state, peer.reason = PeerState.FAILED, reason
+        self.failures += 1
+        logger.warning("peer %s failed: %s", peer.key, reason)
+        if peer.agent:
+            self.drop(peer.key, reason)
+
+    def drop(self, key: PeerKey, reason: str) -> None:
+        """Forget a peer (dead or restarted): its agent and lists go; next use re-handshakes."""
+        peer = self._peers.get(key)
+        if peer is None:
+            return
+        for dl in peer.remote_lists.values():
+            dl.release()
+        peer.remote_lists.clear()
+        if peer.agent:
+            try:
+                self._engine.remove_peer(peer.agent)
+            except KVBridgeError as exc:
+                logger.warning("removing peer %s: %s", peer.agent, exc)
+        peer.agent = ""
+        peer.state, peer.reason = PeerState.FAILED, reason
+        self._client.forget(*key)
+
+    def _their_rows(
+        self, layout: PeerLayout, group: GroupPlan, i: int
+    ) -> tuple[KVRegion, np.ndarray]:
+        """The peer's region and piece offsets of stream ``i``: its blocks, or, for a
+        writer of pages the peer stages, its staging slots (row = slot id)."""
+        stream = group.streams[i]
+        if self._writer and group.split_from:
+            if layout.staging is None:  # negotiation refuses such a push: a bug if here
+                raise KVBridgeError(f"group {group.group_id}: the reader has no staging slots")
+            region = slot_region(layout.staging, group.staging_bytes)
+            return region, np.array([slot_offsets(group)[i]], dtype=np.int64)
+        if self._writer:
+            return layout.regions[stream.local_region].region, group.local_offsets(stream)
+        return layout.regions[stream.remote_region].region, group.remote_offsets(stream)
+
+    def _mine(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
+        """This worker's region index and piece offsets of a stream."""
+        if self._writer:
+            return stream.remote_region, group.remote_offsets(stream)
+        return stream.local_region, group.local_offsets(stream)
+
+    def local_list(self, group: GroupPlan, stream: PieceStream) -> DescList:
+        """This worker's descriptor list for a plan's stream, prepared once and shared."""
+        # the attributes the offsets derive from (no array built per call: a hot path)
+        if self._writer:
+            side = (stream.remote_region, stream.remote_offsets, group.remote_chunks_per_block)
+            chunk_bytes = stream.remote_chunk_bytes
+        else:
+            side = (stream.local_region, stream.local_offsets, group.local_chunks_per_block)
+            chunk_bytes = stream.local_chunk_bytes
+        key = (group.group_id, *side, chunk_bytes, stream.length)
+        dl = self._local_lists.get(key)
+        if dl is None:
+            index, offsets = self._mine(group, stream)
+            region = self._local.regions[index].region
+            table = block_descriptors(
+                region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
+            )
+            dl = self._engine.prep_local(table)
+            self._local_lists[key] = dl
+        return dl
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for key in list(self._peers):
+            self.drop(key, "closed")
+        for dl in self._local_lists.values():
+            dl.release()
+        self._local_lists.clear()

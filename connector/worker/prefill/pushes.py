@@ -1,0 +1,312 @@
+"""Prefill side of push mode: write a kept request's KV into decode's blocks.
+
+Decode sends ``Push`` (its block ids, the token range, the rewrites its plan wants). For
+each one::
+
+    WAITING --(request kept here, decode described)--> WRITING --(all DONE)--> Pushed(ok)
+       |                                                   |
+       `-- request ended / decode unreachable or           `-- TransferError / deadline
+           incompatible / plans differ / rewrite refused /
+           deadline                                      --> Pushed(ok=False, reason)
+
+Prefill looks decode up with its own handshake (``PeerDirectory(writer=True)``), so it
+plans exactly as decode did: the same pure ``negotiate`` on the same two descriptions,
+checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.worker.load_rows``, the
+very function decode uses to READ; here they become WRITEs from this worker's blocks (rewritten
+after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
+``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
+(it gave up) cancels the writes first.
+
+Engine-packed pages decode must stage (``GroupPlan.split_from``) go whole into the slots of
+decode's staging arena (advertised in its description, addressed by slot id), one ``Push``
+per round of slots decode leased (``Push.staged``): round 0 also writes every other group,
+a later round only its pages (``kvbridge.connector.worker.load_rows.staged_rows``). Each round is
+answered with one ``Pushed`` naming it, also when decode's ``Done`` cancels it: decode lends those
+slots to no other load before that answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.connector.common.metadata import SendSpec
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
+from kvbridge.connector.transfer.errors import TransferError
+from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferState
+from kvbridge.connector.worker.load_rows import group_rows, staged_rows
+from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
+from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S, Sender
+from kvbridge.handshake.plan_model import GroupPlan
+from kvbridge.layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
+
+MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
+
+
+class PushState(enum.Enum):
+    WAITING = "waiting"  # for the request to be kept here and for decode's description
+    WRITING = "writing"
+
+
+@dataclass
+class _Push:
+    msg: Push
+    agent: str  # decode's NIXL agent: where Pushed goes
+    key: PeerKey
+    deadline: float  # no write starts after this; writes still running then are cancelled
+    wait_until: float  # the request must be kept here by then
+    state: PushState = PushState.WAITING
+    handles: list[XferHandle] = field(default_factory=list)
+    num_bytes: int = 0
+    num_descs: int = 0
+
+
+class Pusher:
+    """The pushes a prefill worker owes its decode workers."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        targets: PeerDirectory,
+        sender: Sender,
+        metrics: ConnectorMetrics,
+        reply: Callable[[str, Pushed], bool],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._targets = targets
+        self._sender = sender
+        self._metrics = metrics
+        self._reply = reply
+        self._clock = clock
+        self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._pushes)
+
+    def on_push(self, msg: Push, agent: str) -> None:
+        rid, where = msg.request_id, (msg.request_id, msg.reader_rank)
+        if msg.version != NOTIF_PROTOCOL_VERSION:
+            self._refuse(
+                agent,
+                msg,
+                f"Push version {msg.version}, this prefill speaks {NOTIF_PROTOCOL_VERSION}",
+            )
+            return
+        if where in self._pushes:
+            self._refuse(agent, msg, f"a push of {rid!r} to rank {msg.reader_rank} is in flight")
+            return
+        if self._sender.has_ended(rid) or len(self._pushes) >= MAX_PUSHES:
+            self._refuse(
+                agent,
+                msg,
+                f"unknown request {rid!r} on this prefill (never kept, "
+                f"already done, or its lease expired)",
+            )
+            return
+        if not msg.reader_host or not 0 < msg.reader_port < 65536 or msg.timeout_s <= 0:
+            self._refuse(
+                agent,
+                msg,
+                f"Push names no usable side channel "
+                f"({msg.reader_host!r}:{msg.reader_port}) or timeout ({msg.timeout_s})",
+            )
+            return
+        now = self._clock()
+        key = (msg.reader_engine_id, msg.reader_rank)
+        self._targets.ensure(key, msg.reader_host, msg.reader_port, for_read=True)
+        self._pushes[where] = _Push(
+            msg=msg,
+            agent=agent,
+            key=key,
+            deadline=now + msg.timeout_s,
+            wait_until=now + min(msg.timeout_s, EARLY_PREPARE_TTL_S),
+        )
+
+    def cancel(self, request_id: str, reader_rank: int) -> None:
+        """Decode gave up on this push (``Done(ok=False)``): stop writing. A round that
+        names staging slots is answered all the same: decode lends them again only then."""
+        push = self._pushes.pop((request_id, reader_rank), None)
+        if push is None:
+            return
+        self._release(push)
+        if push.msg.staged:
+            reason = "cancelled: decode gave the load up"
+            self._reply(
+                push.agent,
+                Pushed(request_id=request_id, ok=False, reason=reason, round=push.msg.round),
+            )
+
+    def step(self) -> None:
+        """Start pushes whose request and decode are ready; finish the written ones."""
+        self._targets.poll()
+        now = self._clock()
+        for where, push in list(self._pushes.items()):
+            if where not in self._pushes:
+                continue
+            if push.state is PushState.WAITING:
+                self._try_start(push, now)
+            elif push.state is PushState.WRITING:
+                self._poll(push, now)
+
+    def close(self) -> None:
+        for push in list(self._pushes.values()):
+            self._fail(push, "prefill connector shut down")
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _try_start(self, push: _Push, now: float) -> None:
+        peer = self._targets.get(push.key)
+        if peer is None or peer.state in (PeerState.FAILED, PeerState.INCOMPATIBLE):
+            reason = peer.reason if peer is not None else "forgotten"
+            self._fail(push, f"cannot push to decode {push.key}: {reason}")
+            return
+        spec = self._sender.kept(push.msg.request_id)
+        if now > push.deadline or (spec is None and now > push.wait_until):
+            waited = "the request to be kept here" if spec is None else "decode's description"
+            self._fail(push, f"timed out waiting for {waited}")
+            return
+        if spec is None or peer.state is not PeerState.READY:
+            return
+        self._start(push, peer)
+
+    def _start(self, push: _Push, peer: Peer) -> None:
+        msg = push.msg
+        if peer.plan is None or peer.layout is None:
+            self._fail(push, f"decode {push.key} reads none of this rank's heads")
+            return
+        if peer.plan.digest != msg.plan_digest:
+            self._fail(
+                push,
+                f"prefill planned {peer.plan.digest}, decode {msg.plan_digest}: the two sides "
+                f"see different descriptions (restarted or reconfigured?); plan here:\n"
+                f"{peer.plan}",
+            )
+            return
+        prepared = self._sender.on_prepare(
+            Prepare(request_id=msg.request_id, rewrites=msg.rewrites), push.agent
+        )
+        if prepared is None or not prepared.ok:
+            self._fail(push, prepared.reason if prepared else "request not kept here")
+            return
+        spec = self._sender.kept(msg.request_id)
+        assert spec is not None  # on_prepare just found it
+        push.state = PushState.WRITING
+        try:
+            self._post_writes(push, peer, spec)
+        except TransferError as exc:
+            self._fail(push, f"write to decode {push.key} failed: {exc}")
+            self._targets.drop(push.key, f"transfer failed: {exc}")
+            return
+        except KVBridgeError as exc:
+            self._fail(push, f"could not post the writes: {exc}")
+            return
+        self._metrics.descriptors_posted += push.num_descs
+
+    def _post_writes(self, push: _Push, peer: Peer, spec: SendSpec) -> None:
+        """WRITE what the Push asks: round 0 every group decode does not stage, straight
+        into its blocks; every round the staged pages it names into decode's slots."""
+        msg, plan, layout = push.msg, peer.plan, peer.layout
+        assert plan is not None and layout is not None
+        if len(msg.block_ids) != len(plan.groups):
+            raise KVBridgeError(
+                f"Push names {len(msg.block_ids)} groups, the plan has {len(plan.groups)}"
+            )
+        pages = {p.group_id: p for p in msg.staged}
+        if len(pages) != len(msg.staged) or not pages.keys() <= {g.group_id for g in plan.groups}:
+            raise KVBridgeError(
+                f"Push names staging pages of groups {[p.group_id for p in msg.staged]}; the "
+                f"plan has groups 0..{len(plan.groups) - 1}, each at most once a round"
+            )
+        for g in plan.groups:
+            first = spec.first_block[g.group_id] if spec.first_block else 0
+            mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
+            staged = pages.get(g.group_id)
+            if g.split_from:
+                if staged is not None:
+                    assert layout.staging is not None  # negotiation refuses a push without
+                    num_slots = layout.staging.block_bytes // g.staging_bytes
+                    rows = staged_rows(g, staged.blocks, staged.slots, mine, first, num_slots)
+                    self._write(push, peer, g, rows)
+            elif staged is not None:
+                raise KVBridgeError(f"group {g.group_id} is not staged, yet the Push names slots")
+            elif msg.round == 0:  # decode's blocks of unstaged groups: with round 0 only
+                found = group_rows(
+                    g,
+                    layout.config.groups[g.group_id].spec,
+                    np.asarray(msg.block_ids[g.group_id], dtype=np.int64),
+                    mine,
+                    first,
+                    msg.start_token,
+                    msg.end_token,
+                )
+                self._write(push, peer, g, found.rows)
+
+    def _write(
+        self,
+        push: _Push,
+        peer: Peer,
+        g: GroupPlan,
+        rows: Sequence[tuple[int, np.ndarray, np.ndarray]],
+    ) -> None:
+        for i, reader_rows, writer_rows in rows:
+            stream = g.streams[i]
+            mine = self._targets.local_list(g, stream)
+            theirs = peer.remote_lists[(g.group_id, i)]
+            handle = self._engine.write(mine, writer_rows, theirs, reader_rows)
+            push.handles.append(handle)
+            push.num_descs += handle.num_descs  # a merged run counts once
+            push.num_bytes += int(reader_rows.size) * stream.length
+
+    def _poll(self, push: _Push, now: float) -> None:
+        try:
+            pending = [h for h in push.handles if self._engine.poll(h) is XferState.PENDING]
+        except TransferError as exc:
+            self._fail(push, f"write to decode {push.key} failed: {exc}")
+            self._targets.drop(push.key, f"transfer failed: {exc}")
+            return
+        if pending:
+            if now > push.deadline:
+                self._fail(push, f"writes not complete within {push.msg.timeout_s:.1f} s")
+            return
+        self._release(push)
+        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        self._metrics.pushes_written += 1
+        self._metrics.bytes_written += push.num_bytes
+        self._reply(
+            push.agent,
+            Pushed(
+                request_id=push.msg.request_id,
+                ok=True,
+                num_bytes=push.num_bytes,
+                num_descs=push.num_descs,
+                round=push.msg.round,
+            ),
+        )
+
+    def _fail(self, push: _Push, reason: str) -> None:
+        self._release(push)  # releasing an in-flight handle cancels it
+        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        self._refuse(push.agent, push.msg, reason)
+
+    def _refuse(self, agent: str, msg: Push, reason: str) -> None:
+        self._metrics.push_failures += 1
+        logger.warning("push of %s (round %d) refused: %s", msg.request_id, msg.round, reason)
+        self._reply(
+            agent, Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
+        )
+
+    def _release(self, push: _Push) -> None:
+        for h in push.handles:
+            self._engine.release(h)
+        push.handles.clear()

@@ -1,0 +1,355 @@
+"""Prefill side: keep finished requests' blocks for their reader, rewrite them on demand.
+
+Decode picks the prefill's request up only after prefill finished it, so the sender
+learns the reader's format from the reader: ``Prepare`` names, per group, the rewrite
+the plan wants (e.g. NHD 64-token blocks -> 4 x HND 16-token chunks). The sender applies
+it in place on the request's blocks ("permute after save"), answers ``Prepared``, and
+undoes it when the reader says ``Done`` (or the lease expires), so the blocks are exact
+again for prefill's own prefix cache.
+
+A block shared by two requests (prefix caching) is rewritten once and restored when its
+last reader is done; a conflicting rewrite of a block in use is refused, not applied.
+
+Under tensor parallelism several decode ranks may read one prefill rank's heads of a
+request: each sends ``Done`` naming itself and how many readers there are, and the blocks
+stay until the last of them (or the lease) ends it.
+
+Permute after save, really after save: the sender remembers the rewrites its last reader
+asked for and applies them as soon as the next request is added (the engine hands it over
+right after the forward pass saved it), so by the time that request's ``Prepare`` (or
+``Push``) comes the blocks are usually in the reader's format already and the answer is
+immediate. A reader that wants another format gets the blocks restored and rewritten its
+way (a miss: two extra passes, counted in ``eager_misses``). Only where rewrites are
+allowed at all (``rewrites_in_place``) and asked for (``rewrite_on_save``, which the
+handshake advertises: a reader that needs no rewrite then claims the blocks with an empty
+``Prepare`` before reading, so a guess never reaches it).
+
+A ``Done`` may arrive before the request does: an engine hands its worker the finished
+request with its next step, and an idle engine takes none, while decode (which needs no
+``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
+for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added. A ``Prepare`` may
+arrive that early too (a rewrite, or a decode claiming the blocks near the lease end): it
+is answered when the request is added, or refused after ``EARLY_PREPARE_TTL_S``; one for
+a request that already ended here is refused at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvbridge.connector.common.metadata import SendSpec
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.notifications import Done, Heartbeat, Prepare, Prepared
+from kvbridge.connector.worker.staging.host_stage import HostStage
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.arrangement import BlockArrangement
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.specs import AttentionSpec
+from kvbridge.layouts.transforms import rewrite_group
+
+logger = logging.getLogger(__name__)
+
+EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
+EARLY_PREPARE_TTL_S = 5.0  # how long a Prepare waits for its request to be added
+
+
+@dataclass
+class _Pending:
+    spec: SendSpec
+    deadline: float
+    rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
+    done_by: set[int] = field(default_factory=set)  # reader ranks that said Done
+    eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
+
+
+@dataclass
+class _BlockRewrite:
+    src: BlockArrangement
+    dst: BlockArrangement
+    readers: int
+
+
+class Sender:
+    """Requests whose blocks wait for a remote reader, with leases."""
+
+    def __init__(
+        self,
+        buffers: KVCacheBuffers,
+        metrics: ConnectorMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rewrites_in_place: bool = True,
+        rewrite_on_save: bool = False,
+        stage: HostStage | None = None,
+    ) -> None:
+        """``stage``: the host mirror NIXL moves instead of ``buffers`` (host staging);
+        kept blocks are copied there once they are in the format their reader gets."""
+        self._buffers = buffers
+        self._stage = stage
+        self._rewrite_on_save = rewrite_on_save and rewrites_in_place
+        self._rewrites_in_place = rewrites_in_place
+        self._metrics = metrics
+        self._clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._blocks: dict[tuple[int, int], _BlockRewrite] = {}  # (group, block) -> state
+        self._finished: set[str] = set()
+        self._expired: set[str] = set()
+        self._heartbeats: set[str] = set()
+        self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
+        # request -> (expiry, [(requester agent, Prepare)]) waiting for the request
+        self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
+        self._replies: list[tuple[str, Prepared]] = []  # deferred answers to send
+        self._ended: dict[str, float] = {}  # request -> when it ended here (recent ones)
+        # the rewrites the last reader asked for: applied on add (permute after save)
+        self._learned: dict[int, tuple[BlockArrangement, BlockArrangement]] = {}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, spec: SendSpec) -> None:
+        if spec.request_id in self._pending:
+            return
+        pending = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        self._pending[spec.request_id] = pending
+        if self._learned and self._rewrite_on_save:
+            self._rewrite_eagerly(pending)
+        self._stage_out(pending)
+        _, prepares = self._early_prepares.pop(spec.request_id, (0.0, []))
+        for agent, prepare in prepares:
+            reply = self.on_prepare(prepare, agent)
+            assert reply is not None  # the request is pending now
+            self._replies.append((agent, reply))
+        _, early = self._early.pop(spec.request_id, (0.0, []))
+        for msg in early:
+            self.on_done(msg)
+
+    def on_prepare(self, msg: Prepare, agent: str = "") -> Prepared | None:
+        """The answer to send ``agent``, or None: the request is not here yet, and the
+        answer comes from :meth:`take_replies` once it is (or it waited too long)."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
+                return _unknown(msg.request_id)
+            _, waiting = self._early_prepares.setdefault(
+                msg.request_id, (self._clock() + EARLY_PREPARE_TTL_S, [])
+            )
+            waiting.append((agent, msg))
+            return None
+        pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
+        self._heartbeats.add(msg.request_id)  # the scheduler's lease is extended too
+        if msg.rewrites and not self._rewrites_in_place:
+            return Prepared(
+                request_id=msg.request_id,
+                ok=False,
+                reason="this prefill does not rewrite blocks in place (its engine may read "
+                "them meanwhile); read them in their native arrangement",
+            )
+        wanted = {
+            rw.group_id: (rw.src.to_arrangement(), rw.dst.to_arrangement()) for rw in msg.rewrites
+        }
+        before = dict(pending.rewritten)
+        if pending.eager:
+            pending.eager = False  # a reader claims the format from now on
+            if pending.rewritten != wanted:
+                self._metrics.eager_misses += 1
+                self._restore(pending)
+            else:
+                self._metrics.eager_hits += 1
+        try:
+            for group_id, (src, dst) in wanted.items():
+                self._rewrite(pending, group_id, src, dst)
+        except KVBridgeError as exc:
+            self._restore(pending)
+            if before:  # the device holds native blocks again
+                self._stage_out(pending)
+            return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
+        if wanted:
+            self._learned = wanted
+        if pending.rewritten != before:
+            self._stage_out(pending)
+        return Prepared(request_id=msg.request_id, ok=True)
+
+    def _stage_out(self, pending: _Pending) -> None:
+        """Host staging: the mirror gets the request's blocks as the device holds them."""
+        if self._stage is None:
+            return
+        for group_id, ids in enumerate(pending.spec.block_ids):
+            if ids:
+                self._stage.to_host(group_id, np.asarray(ids, dtype=np.int64))
+
+    def _rewrite_eagerly(self, pending: _Pending) -> None:
+        """Rewrite a request just added into the last reader's format (a guess: undone
+        when its reader wants another one; skipped when a block is lent another way)."""
+        try:
+            for group_id, (src, dst) in self._learned.items():
+                self._rewrite(pending, group_id, src, dst)
+        except KVBridgeError as exc:
+            logger.debug("no rewrite on save for %s: %s", pending.spec.request_id, exc)
+            self._restore(pending)
+            return
+        pending.eager = True
+
+    def on_done(self, msg: Done) -> bool:
+        """A reader is done; the request ends with its last reader. False: unknown."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            if msg.request_id in self._finished or len(self._early) >= 4096:
+                return False
+            _, early = self._early.setdefault(
+                msg.request_id, (self._clock() + EARLY_DONE_TTL_S, [])
+            )
+            early.append(msg)
+            return True
+        if msg.reader_rank in pending.done_by:
+            return False
+        pending.done_by.add(msg.reader_rank)
+        if len(pending.done_by) < max(1, msg.readers):
+            return True
+        del self._pending[msg.request_id]
+        self._restore(pending)
+        self._finished.add(msg.request_id)
+        self._ended[msg.request_id] = self._clock()
+        return True
+
+    def kept(self, request_id: str) -> SendSpec | None:
+        """The spec of a request whose blocks are kept here (None: not, or not yet)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else pending.spec
+
+    def has_ended(self, request_id: str) -> bool:
+        """The request was kept here and has ended (Done, lease, abort): never again."""
+        return request_id in self._ended
+
+    def readers_done(self, request_id: str) -> tuple[int, ...] | None:
+        """Reader ranks that said Done for a held request (None: not held)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else tuple(sorted(pending.done_by))
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        now = self._clock()
+        for rid in msg.request_ids:
+            pending = self._pending.get(rid)
+            if pending is not None:
+                pending.deadline = now + pending.spec.lease_s
+                self._heartbeats.add(rid)
+
+    def abort(self, request_id: str, *, report: bool = True) -> None:
+        """Drop a kept request, restoring its blocks; ``report`` lists it as finished."""
+        pending = self._pending.pop(request_id, None)
+        self._ended[request_id] = self._clock()  # also when it never got here
+        _, waiting = self._early_prepares.pop(request_id, (0.0, []))
+        self._replies += [(agent, _unknown(request_id)) for agent, _ in waiting]
+        self._early.pop(request_id, None)
+        if pending is not None:
+            self._restore(pending)
+            if report:
+                self._finished.add(request_id)
+
+    def expire(self) -> None:
+        now = self._clock()
+        for rid, (expiry, _) in list(self._early.items()):
+            if now > expiry:
+                _, msgs = self._early.pop(rid)
+                self._metrics.bad_notifications += len(msgs)
+                logger.warning("Done for %s arrived but the request never did; dropped", rid)
+        for rid, (expiry, waiting) in list(self._early_prepares.items()):
+            if now > expiry:
+                del self._early_prepares[rid]
+                self._replies += [(agent, _unknown(rid)) for agent, _ in waiting]
+        for rid, ended in list(self._ended.items()):
+            if now - ended > EARLY_DONE_TTL_S:
+                del self._ended[rid]
+        for rid, pending in list(self._pending.items()):
+            if now > pending.deadline:
+                self._pending.pop(rid)
+                self._restore(pending)
+                self._finished.add(rid)
+                self._expired.add(rid)
+                self._ended[rid] = now
+                self._metrics.leases_expired += 1
+                logger.warning("lease of %s expired; freeing its blocks", rid)
+
+    def take_replies(self) -> list[tuple[str, Prepared]]:
+        """Deferred ``Prepared`` answers and the agents to send them to."""
+        out, self._replies = self._replies, []
+        return out
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        out = (self._finished, self._expired, self._heartbeats)
+        self._finished, self._expired, self._heartbeats = set(), set(), set()
+        return out
+
+    # -- rewrites -----------------------------------------------------------------------
+
+    def _rewrite(
+        self, pending: _Pending, group_id: int, src: BlockArrangement, dst: BlockArrangement
+    ) -> None:
+        groups = self._buffers.config.groups
+        if not 0 <= group_id < len(groups) or not isinstance(groups[group_id].spec, AttentionSpec):
+            raise KVBridgeError(f"rewrite names group {group_id}, which is not an attention group")
+        native = self._buffers.format.native_arrangement(groups[group_id].spec.block_size)
+        if src != native:
+            raise KVBridgeError(
+                f"group {group_id}: reader expects blocks in {src}, ours are {native}"
+            )
+        if group_id in pending.rewritten:
+            if pending.rewritten[group_id] == (src, dst):
+                return
+            raise KVBridgeError(f"group {group_id} already rewritten to another arrangement")
+        ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
+        fresh = []
+        for b in ids.tolist():
+            state = self._blocks.get((group_id, b))
+            if state is None:
+                fresh.append(b)
+            elif (state.src, state.dst) != (src, dst):
+                raise KVBridgeError(
+                    f"block {b} of group {group_id} is lent to another reader as {state.dst}; "
+                    f"cannot rewrite it as {dst} at the same time"
+                )
+        if fresh:
+            stats = rewrite_group(self._buffers, group_id, np.asarray(fresh), src, dst)
+            self._metrics.sender_rewrites += stats.num_blocks
+            if self._buffers.device.type == "cuda":  # NIXL reads what the kernels wrote
+                torch.cuda.synchronize(self._buffers.device)
+        for b in ids.tolist():
+            state = self._blocks.setdefault(
+                (group_id, b), _BlockRewrite(src=src, dst=dst, readers=0)
+            )
+            state.readers += 1
+        pending.rewritten[group_id] = (src, dst)
+
+    def _restore(self, pending: _Pending) -> None:
+        for group_id, (src, dst) in pending.rewritten.items():
+            ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
+            last = []
+            for b in ids.tolist():
+                state = self._blocks[(group_id, b)]
+                state.readers -= 1
+                if state.readers == 0:
+                    del self._blocks[(group_id, b)]
+                    last.append(b)
+            if last:
+                stats = rewrite_group(self._buffers, group_id, np.asarray(last), dst, src)
+                self._metrics.sender_restores += stats.num_blocks
+        pending.rewritten.clear()
+
+    def close(self) -> None:
+        for rid in list(self._pending):
+            self.abort(rid)
+
+
+def _unknown(request_id: str) -> Prepared:
+    return Prepared(
+        request_id=request_id,
+        ok=False,
+        reason=f"unknown request {request_id!r} on this prefill (never kept, already done, "
+        f"or its lease expired)",
+    )

@@ -1,0 +1,141 @@
+"""A worker's side channel: the description it serves to its peers, and how it asks theirs.
+
+Opened once the cache is registered with NIXL (the description carries NIXL's metadata)::
+
+    HandshakeListener    kv_ip : kv_port + rank (kv_port 0: an ephemeral port); serves the
+                         description; each valid request carries the requester's NIXL
+                         agent, queued on the listener thread and added to NIXL (once per
+                         agent) by :meth:`SideChannel.add_requesters` under the worker's lock,
+                         so that this worker can notify the requester
+    WorkerDescription    identity, the registered regions (and, for a push decode that
+                         stages pages, its staging arena: registered before, so that the
+                         NIXL metadata covers it), NIXL metadata, compat hash, the bound
+                         port (hence built after the listener), what the worker does
+    HandshakeClient      fetches a peer's description with this worker's MetadataRequest,
+                         so that the peer adds this worker's agent in turn
+
+Peer directories (:meth:`SideChannel.directory`) share the client and the local layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.peers import PeerDirectory
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.compat import compat_hash
+from kvbridge.handshake.description import WorkerIdentity, describe, parse_description
+from kvbridge.handshake.framing import HandshakeSecurity
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
+from kvbridge.handshake.messages import MetadataRequest, WorkerDescription
+from kvbridge.handshake.modes import TransferMode
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.region import KVRegion
+
+logger = logging.getLogger(__name__)
+
+
+class SideChannel:
+    """The listener (started here; :meth:`close` stops it), the description it serves and
+    the handshake client of one worker."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        identity: WorkerIdentity,
+        registered: KVCacheBuffers,
+        engine: TransferEngine,
+        *,
+        rewrites_in_place: bool,
+        transfer_mode: TransferMode,
+        can_repack: bool,
+        rewrites_on_save: bool,
+        staging: KVRegion | None = None,
+    ) -> None:
+        """``registered``: the buffers ``engine`` registered (the cache, or its host mirror);
+        ``staging``: the registered staging arena a pushing writer may write into."""
+        self._engine = engine
+        self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
+        self._known_agents: set[str] = set()
+        security = HandshakeSecurity(secret=config.secret_bytes)
+        port = config.kv_port + identity.rank if config.kv_port else 0
+        self._description: WorkerDescription | None = None
+        self.listener = HandshakeListener(
+            ListenerConfig(host=config.kv_ip, port=port, security=security),
+            describe=lambda: self.description,
+            on_request=self._requesters.put,
+        )
+        self.listener.start()
+        try:
+            self._description = describe(
+                identity,
+                registered,
+                nixl_metadata=engine.metadata(),
+                compat_hash=compat_hash(identity, registered.config),
+                side_channel_host=config.kv_ip,
+                side_channel_port=self.listener.port,
+                rewrites_in_place=rewrites_in_place,
+                transfer_mode=transfer_mode,
+                can_repack=can_repack,
+                rewrites_on_save=rewrites_on_save,
+                staging=staging,
+            )
+            request = MetadataRequest(
+                protocol_version=self._description.protocol_version,
+                requester_engine_id=identity.engine_id,
+                requester_rank=identity.rank,
+                requester_agent_name=identity.agent_name,
+                requester_nixl_metadata=self._description.nixl_metadata,
+            )
+            self.client = HandshakeClient(
+                ClientConfig(timeout_s=config.handshake_timeout_s, security=security),
+                request=request,
+            )
+            self._local_layout = parse_description(self._description)
+        except BaseException:
+            self.listener.close()  # nothing else holds it yet
+            raise
+
+    @property
+    def description(self) -> WorkerDescription:
+        if self._description is None:
+            raise KVBridgeError("the side channel is still being opened: no description yet")
+        return self._description
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    def add_requesters(self) -> None:
+        """Add the NIXL agents of the workers that asked for the description since the
+        last call (each once), so that this worker can notify them."""
+        while True:
+            try:
+                req = self._requesters.get_nowait()
+            except queue.Empty:
+                return
+            if not req.requester_agent_name or req.requester_agent_name in self._known_agents:
+                continue
+            try:
+                self._engine.add_peer(req.requester_nixl_metadata)
+                self._known_agents.add(req.requester_agent_name)
+            except KVBridgeError as exc:
+                logger.warning("cannot add requester %s: %s", req.requester_agent_name, exc)
+
+    def directory(self, *, can_repack: bool = False, writer: bool = False) -> PeerDirectory:
+        """Peers this worker reads from, or (``writer``) pushes to."""
+        return PeerDirectory(
+            self._engine,
+            self.client,
+            self.description,
+            self._local_layout,
+            can_repack=can_repack,
+            writer=writer,
+        )
+
+    def close(self) -> None:
+        self.listener.close()

@@ -1,0 +1,6 @@
+"""Staging memory of the worker side.
+
+``staging`` (registered landing slots for remote pages that do not fit local blocks),
+``staged_reads`` (loads through those slots), ``host_stage`` (a GPU cache moved through a
+pinned host mirror).
+"""

@@ -1,0 +1,175 @@
+"""Loads through staging slots: engine-packed remote pages larger than the local blocks.
+
+Such a page (``GroupPlan.split_from``) cannot be cut into local blocks by byte ranges, so
+it lands whole (or its slice of the heads) in a staging slot
+(``kvbridge.connector.worker.staging.staging``): read by decode (pull,
+:meth:`StagedReads.post_round`), or written by prefill into the slots decode leased for the round
+(push, :meth:`StagedReads.lease_round` and ``kvbridge.connector.worker.decode.push_rounds``). The
+engine then writes the tokens a load needs into its blocks (:meth:`Repacker.split`) and the slots go
+back. A load moves in rounds of as many slots as are free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
+from kvbridge.connector.worker.peers import Peer
+from kvbridge.connector.worker.staging.staging import StagingPool, StagingPools, slot_offsets
+from kvbridge.handshake.plan_model import GroupPlan
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
+
+
+class Repacker(Protocol):
+    """The engine's way back to its own page order after a load of whole remote pages
+    (engine-packed formats, ``CacheFormat.block_packing``; see kvbridge.handshake.packed_plan)."""
+
+    def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
+        """Local blocks ``block_ids`` each hold whole, smaller remote pages side by side."""
+
+    def split(
+        self,
+        group_id: int,
+        pages: Sequence[torch.Tensor],
+        remote_block_size: int,
+        slots: np.ndarray,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
+        ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
+        ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``.
+
+        ``heads`` ``(first, count)``: the pages hold only local heads ``first .. first +
+        count - 1`` (tensor parallelism, when the local heads come from several remote
+        ranks, each staged on its own); write just those heads of each token and leave
+        the others as they are. None: the pages hold every local head."""
+
+
+@dataclass
+class Staged:
+    """Remote pages of one group that go through staging slots."""
+
+    group: GroupPlan
+    remote_blocks: np.ndarray  # remote logical blocks not staged yet
+    lo: int  # tokens [lo, end) are written to local blocks
+    end: int
+    local_ids: np.ndarray  # local block ids by logical block
+    remote_ids: np.ndarray  # remote block ids by logical block - remote_first
+    remote_first: int
+
+
+@dataclass
+class StageBatch:
+    staged: Staged
+    remote_blocks: np.ndarray
+    pool: StagingPool
+    slots: np.ndarray
+    handles: list[XferHandle] = field(default_factory=list)
+
+
+class StagedReads:
+    """Posts staging rounds and hands arrived pages to the engine's repacker."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        pools: StagingPools,
+        buffers: KVCacheBuffers,
+        metrics: ConnectorMetrics,
+        repacker: Repacker | None,
+    ) -> None:
+        self._engine = engine
+        self._pools = pools
+        self._buffers = buffers
+        self._metrics = metrics
+        self._repacker = repacker
+
+    @property
+    def num_leased_bytes(self) -> int:
+        """Staging bytes out of the pool (rounds in flight, or held for push rounds)."""
+        return self._pools.num_leased_bytes
+
+    def lease_round(self, queue: list[Staged], max_pages: int | None = None) -> StageBatch | None:
+        """The next remote pages of ``queue[0]`` (at most ``max_pages``) with as many free
+        slots as there are for them; None when no slot is free (wait for another round)."""
+        staged = queue[0]
+        pool = self._pools.pool(staged.group.staging_bytes)
+        want = int(staged.remote_blocks.size)
+        slots = pool.lease(want if max_pages is None else min(want, max_pages))
+        if slots.size == 0:
+            return None
+        blocks, staged.remote_blocks = (
+            staged.remote_blocks[: slots.size],
+            staged.remote_blocks[slots.size :],
+        )
+        if staged.remote_blocks.size == 0:
+            queue.pop(0)
+        return StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
+
+    def post_round(self, queue: list[Staged], peer: Peer) -> tuple[StageBatch | None, int]:
+        """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
+        free: None, wait for another load's round). Returns the round and its bytes."""
+        batch = self.lease_round(queue)
+        if batch is None:
+            return None, 0
+        staged, g = batch.staged, batch.staged.group
+        rrows = staged.remote_ids[batch.remote_blocks - staged.remote_first]
+        num_bytes = 0
+        for i, (stream, offset) in enumerate(zip(g.streams, slot_offsets(g), strict=True)):
+            local = batch.pool.local_list(offset, stream.length)
+            remote = peer.remote_lists[(g.group_id, i)]
+            handle = self._engine.read(local, batch.slots, remote, rrows)
+            batch.handles.append(handle)
+            num_bytes += int(batch.slots.size) * stream.length
+            self._metrics.descriptors_posted += handle.num_descs
+        return batch, num_bytes
+
+    def split(self, batch: StageBatch) -> None:
+        """A round arrived: the engine writes its tokens into local blocks; slots return."""
+        for h in batch.handles:
+            self._engine.release(h)
+        batch.handles.clear()
+        staged, g = batch.staged, batch.staged.group
+        local_bs = self._buffers.config.groups[g.group_id].spec.block_size
+        tokens = batch.remote_blocks[:, None] * g.split_from + np.arange(g.split_from)
+        wanted = (tokens >= staged.lo) & (tokens < staged.end)
+        logical = np.where(wanted, tokens // local_bs, 0)
+        if logical.max() >= staged.local_ids.size:
+            batch.pool.give_back(batch.slots)
+            raise KVBridgeError(
+                f"group {g.group_id}: token {int(tokens[wanted].max())} has no local block "
+                f"({staged.local_ids.size} given)"
+            )
+        slots = np.where(wanted, staged.local_ids[logical] * local_bs + tokens % local_bs, -1)
+        pages, offset = [], 0
+        for stream in g.streams:
+            pages.append(batch.pool.pages(batch.slots, offset, stream.local_chunk_bytes))
+            offset += stream.local_chunk_bytes
+        batch.pool.give_back(batch.slots)
+        assert self._repacker is not None  # negotiation needs one for split plans
+        spec = self._buffers.config.groups[g.group_id].spec
+        if g.head_slice and g.head_slice[2] != getattr(spec, "num_kv_heads", 0):
+            # this source holds some of the local heads (others come from other ranks)
+            heads = (g.head_slice[0], g.head_slice[2])
+            self._repacker.split(g.group_id, pages, g.split_from, slots, heads=heads)
+        else:
+            self._repacker.split(g.group_id, pages, g.split_from, slots)
+        self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
+        self._metrics.staging_rounds += 1
+
+    def cancel(self, batch: StageBatch) -> None:
+        """Release a round's reads (cancelling them) and its slots."""
+        for h in batch.handles:
+            self._engine.release(h)
+        batch.handles.clear()
+        batch.pool.give_back(batch.slots)
+
+    def close(self) -> None:
+        self._pools.close()

@@ -1,0 +1,386 @@
+"""The worker-side connector: registers caches, serves handshakes, moves blocks.
+
+It owns one transfer engine (NIXL), a :class:`~kvbridge.connector.worker.side_channel.SideChannel`
+(the listener that describes this worker to readers, and the client that asks others), a peer
+directory (to read from others), a :class:`Sender` (prefill role) and a :class:`Receiver`
+(decode role); in push mode also a :class:`Pusher` and a second peer directory of the
+decode workers it writes to (prefill role). What arrives from peers goes through an
+:class:`~kvbridge.connector.worker.inbox.Inbox`, what leaves through an
+:class:`~kvbridge.connector.worker.outbox.Outbox`. This module wires them together at
+``register_kv_caches`` and runs them once per engine step. Every NIXL call happens under the
+engine-call lock; handshakes run in the background.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
+from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.decode.load_records import PushEndpoint
+from kvbridge.connector.worker.decode.receiver import Receiver
+from kvbridge.connector.worker.idle_progress import IdleProgress
+from kvbridge.connector.worker.inbox import Inbox
+from kvbridge.connector.worker.outbox import Outbox
+from kvbridge.connector.worker.peers import PeerDirectory
+from kvbridge.connector.worker.prefill.pushes import Pusher
+from kvbridge.connector.worker.prefill.sender import Sender
+from kvbridge.connector.worker.routing import Router
+from kvbridge.connector.worker.side_channel import SideChannel
+from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
+from kvbridge.connector.worker.staging.staged_reads import Repacker
+from kvbridge.connector.worker.staging.staging import StagingPools, staging_capacity
+from kvbridge.connector.worker.worker_setup import (
+    engine_call,
+    idle_progress_ms,
+    merge_runs,
+    nixl_engine,
+    progress_us,
+    rewrite_on_save,
+    transfer_mode,
+    warm_peers,
+)
+from kvbridge.handshake.affinity import unpinned
+from kvbridge.handshake.description import WorkerIdentity
+from kvbridge.handshake.messages import WorkerDescription
+from kvbridge.handshake.modes import TransferMode
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """The model a worker serves, as far as compatibility goes."""
+
+    model_name: str
+    dtype: str
+    num_kv_heads: int  # the model's KV heads (all ranks together; a rank holds a slice)
+    head_size: int
+
+
+class KVBridgeWorker:
+    """Implements :class:`kvbridge.connector.common.api.WorkerConnector`."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        model: ModelInfo,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        engine_factory: Callable[[str], TransferEngine] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rewrites_in_place: bool = True,
+        host_staging: bool | None = None,
+    ) -> None:
+        """``rewrites_in_place=False``: the engine may run its own requests on a block
+        while a reader holds it (a prefix cache that hits held blocks), so this worker
+        never rewrites blocks after save; readers read them natively (more descriptors).
+        ``host_staging``: None (default) decides from ``kv_buffer_device`` and where the
+        cache lives; True stages through a host mirror even for a cache in host memory
+        (the staging path without a GPU)."""
+        self.config = config
+        self._host_staging = host_staging
+        self._stage: HostStage | None = None
+        self.rewrites_in_place = rewrites_in_place
+        self._repacker: Repacker | None = None  # see set_repacker
+        self._staging_bytes = staging_capacity(config.extra)
+        self.transfer_mode = transfer_mode(config.extra)
+        self.rewrite_on_save = rewrite_on_save(config.extra) and rewrites_in_place
+        self._warm_peers = warm_peers(config.extra)
+        if self._warm_peers and not (config.is_consumer or self.transfer_mode is TransferMode.PUSH):
+            raise ConfigError(
+                "extra.warm_peers on a prefill in pull mode: it neither reads nor writes, its "
+                "readers connect to it (list the prefills on the decode side instead)"
+            )
+        self._router = Router(rank, tp_size, model.num_kv_heads)
+        self.model = model
+        self.rank = rank
+        self.tp_size = tp_size
+        self.metrics = ConnectorMetrics()
+        self._clock = clock
+        self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
+        delay_us = progress_us(config.extra)
+        shared = bool(idle_progress_ms(config.extra))  # engine called from two threads
+        merge = merge_runs(config.extra)
+        self._engine_factory = engine_factory or (
+            lambda name: nixl_engine(name, delay_us, shared=shared, merge=merge)
+        )
+        self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
+        self._engine: TransferEngine | None = None
+        self._buffers: KVCacheBuffers | None = None
+        self._side: SideChannel | None = None
+        self._peers: PeerDirectory | None = None
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        self._targets: PeerDirectory | None = None  # push mode: decode workers we write to
+        self._pusher: Pusher | None = None
+        self._outbox: Outbox | None = None
+        self._inbox: Inbox | None = None
+        self._meta = ConnectorMetadata()
+        self._closed = False
+        # the engine's calls and the idle-progress thread (if any) take turns
+        self._lock = threading.RLock()
+        idle_ms = idle_progress_ms(config.extra)
+        self._idle = (
+            IdleProgress(self._lock, self._progress, idle_ms / 1000)  # real time, always
+            if idle_ms
+            else None
+        )
+
+    # -- setup ----------------------------------------------------------------------------
+
+    @property
+    def description(self) -> WorkerDescription:
+        if self._side is None:
+            raise KVBridgeError("register_kv_caches() has not been called")
+        return self._side.description
+
+    @property
+    def side_channel_port(self) -> int:
+        return self._side.port if self._side else 0
+
+    def set_repacker(self, repacker: Repacker) -> None:
+        """For engine-packed pages (``CacheFormat.block_packing``): the engine's way to
+        rebuild its pages from whole remote pages (smaller ones side by side in a local
+        block, or larger ones in staging slots). Call it before ``register_kv_caches``."""
+        if self._engine is not None:
+            raise KVBridgeError("set_repacker() must come before register_kv_caches()")
+        self._repacker = repacker
+
+    def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
+        if self._engine is not None:
+            raise KVBridgeError("KV caches are already registered")
+        self._buffers = buffers
+        self._stage = host_stage_for(
+            self.config.kv_buffer_device,
+            buffers,
+            self.metrics,
+            forced=self._host_staging,
+            repacks=self._repacker is not None,
+        )
+        moved = self._stage.host_buffers if self._stage is not None else buffers
+        with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
+            engine = self._engine_factory(self.agent_name)
+        self._engine = engine
+        engine.register(moved.tensors)
+        staging = StagingPools(engine, self._staging_bytes, device=buffers.device)
+        if self._stages_pushes(buffers):
+            # prefill writes whole pages into these slots: registered before the
+            # description, so the NIXL metadata prefill gets in the handshake covers them
+            staging.open()
+        identity = WorkerIdentity(
+            engine_id=self.config.engine_id,
+            agent_name=self.agent_name,
+            model_name=self.model.model_name,
+            dtype=self.model.dtype,
+            num_layers=buffers.config.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_size=self.model.head_size,
+            rank=self.rank,
+            tp_size=self.tp_size,
+        )
+        self._side = side = SideChannel(
+            self.config,
+            identity,
+            moved,
+            engine,
+            rewrites_in_place=self.rewrites_in_place,
+            transfer_mode=self.transfer_mode,
+            can_repack=self._repacker is not None,
+            rewrites_on_save=self.rewrite_on_save,
+            staging=staging.region,
+        )
+        self._peers = side.directory(can_repack=self._repacker is not None)
+        self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
+        self._sender = Sender(
+            buffers,
+            self.metrics,
+            clock=self._clock,
+            rewrites_in_place=self.rewrites_in_place,
+            rewrite_on_save=self.rewrite_on_save,
+            stage=self._stage,
+        )
+        push = None
+        if self.transfer_mode is TransferMode.PUSH:
+            self._targets = side.directory(writer=True)
+            self._pusher = Pusher(
+                engine,
+                self._targets,
+                self._sender,
+                self.metrics,
+                outbox.send_raw,
+                clock=self._clock,
+            )
+            push = PushEndpoint(self.config.engine_id, self.rank, self.config.kv_ip, side.port)
+        self._receiver = Receiver(
+            engine,
+            self._peers,
+            buffers,
+            self.metrics,
+            outbox.send,
+            timeout_s=self.config.transfer_timeout_s,
+            clock=self._clock,
+            wall_clock=self._wall_clock,
+            repacker=self._repacker,
+            staging=staging,
+            router=self._router,
+            notify=outbox.queue_to,
+            push=push,
+            stage=self._stage,
+        )
+        self._inbox = Inbox(
+            engine,
+            outbox,
+            self.metrics,
+            sender=self._sender,
+            receiver=self._receiver,
+            pusher=self._pusher,
+        )
+        for host, peer_port in self._warm_peers:
+            if self.config.is_consumer:
+                self._peers.warm(host, peer_port)
+            elif self._targets is not None:
+                self._targets.warm(host, peer_port)
+        if self._idle is not None:
+            self._idle.start()
+
+    def _stages_pushes(self, buffers: KVCacheBuffers) -> bool:
+        """A decode in push mode whose engine repacks packed pages: a prefill with larger
+        (or non-dividing) pages writes them into its staging slots."""
+        return (
+            self.transfer_mode is TransferMode.PUSH
+            and self.config.is_consumer
+            and self._repacker is not None
+            and bool(buffers.format.block_packing)
+        )
+
+    # -- per step -------------------------------------------------------------------------
+
+    @engine_call
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._meta = metadata
+
+    @engine_call
+    def start_load_kv(self) -> None:
+        receiver, sender = self._ready()
+        assert self._outbox is not None
+        meta, self._meta = self._meta, ConnectorMetadata()
+        for rid in meta.reqs_freed:  # the scheduler already freed them: restore, forget
+            sender.abort(rid, report=False)
+        for spec in meta.reqs_to_send:
+            sender.add(spec)
+        for spec in meta.reqs_to_load:
+            receiver.add(spec)
+        for rid, params in meta.reqs_to_abort:
+            if not receiver.abort(rid):
+                self._outbox.queue_done(params, ok=False)
+        for _rid, params in meta.reqs_to_release:
+            self._outbox.queue_done(params, ok=True)
+        self._outbox.queue_heartbeats(meta.reqs_waiting)
+        self._progress()
+
+    @engine_call
+    def wait_for_save(self) -> None:
+        """Saves are synchronous here (the forward wrote the blocks); sends were recorded
+        in :meth:`start_load_kv`. Kept for the engine-facing API."""
+        self._ready()
+
+    @engine_call
+    def get_finished(self) -> WorkerOutput:
+        receiver, sender = self._ready()
+        self._progress()
+        sender.expire()
+        assert self._inbox is not None
+        self._inbox.send_replies()
+        done, failed = receiver.take_results()
+        finished, expired, heartbeats = sender.take_results()
+        return WorkerOutput(
+            finished_sending=frozenset(finished),
+            finished_recving=frozenset(done),
+            failed_loads=tuple(failed),
+            expired_leases=frozenset(expired),
+            heartbeats=frozenset(heartbeats),
+        )
+
+    @property
+    def num_live_handles(self) -> int:
+        """NIXL transfer handles not yet released (0 when idle: a leak shows here)."""
+        return int(getattr(self._engine, "num_live_handles", 0))
+
+    @property
+    def num_leased_staging_bytes(self) -> int:
+        """Staging-slot bytes lent to loads, or held for push rounds prefill has not
+        answered yet (0 when idle: a leak shows here)."""
+        return self._receiver.num_leased_staging_bytes if self._receiver is not None else 0
+
+    @engine_call
+    def readers_done(self, request_id: str) -> tuple[int, ...] | None:
+        """Prefill: decode ranks that finished reading a held request (None: not held)."""
+        _, sender = self._ready()
+        return sender.readers_done(request_id)
+
+    @engine_call
+    def abort_send(self, request_id: str) -> None:
+        """Prefill: a kept request is dropped (engine abort); restore and forget it."""
+        _, sender = self._ready()
+        sender.abort(request_id)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _ready(self) -> tuple[Receiver, Sender]:
+        if self._receiver is None or self._sender is None or self._closed:
+            raise KVBridgeError("worker connector is not registered or already shut down")
+        return self._receiver, self._sender
+
+    def _progress(self) -> None:
+        receiver, _ = self._ready()
+        assert self._side is not None and self._inbox is not None and self._outbox is not None
+        self._side.add_requesters()
+        self._inbox.handle_notifications()
+        if self._pusher is not None:
+            self._pusher.step()
+        receiver.step()
+        self._outbox.flush()
+        self._inbox.send_replies()
+        directories = [d for d in (self._peers, self._targets) if d is not None]
+        self.metrics.handshakes = sum(d.handshakes for d in directories)
+        self.metrics.handshake_failures = sum(d.failures for d in directories)
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._idle is not None:
+            self._idle.close()  # before the lock: it may be in a round right now
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        parts = (
+            self._receiver,
+            self._pusher,
+            self._sender,
+            self._side,
+            self._peers,
+            self._targets,
+            self._engine,  # last: the others may still release NIXL handles
+        )
+        for part in parts:
+            if part is not None:
+                part.close()
+
+    def __enter__(self) -> KVBridgeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
