@@ -28,6 +28,10 @@ class ConnectorMetrics:
     notifications_received: int = 0
     bad_notifications: int = 0
     leases_expired: int = 0
+    # decode: failed loads reported only after their in-flight READs ended (release is not
+    # cancel), and those whose READs still ran transfer_timeout_s after the failure
+    loads_held: int = 0
+    held_overdue: int = 0
     heartbeats_sent: int = 0
     # prefill: Push requests whose writes completed (one per load, or one per round of
     # decode's staging slots), and those answered with ok=False

@@ -21,7 +21,7 @@ class PeerDisconnectedError(TransferError):
 
 class TransferTimeoutError(TransferError):
     """A transfer stayed pending past its deadline (e.g. a frozen peer). Releasing the
-    handle cancels it."""
+    handle does not stop it: memory it targets stays its own until NIXL reports it ended."""
 
 
 class RegistrationError(TransferError):

@@ -249,7 +249,9 @@ class TransferEngine(Protocol):
         ...
 
     def release(self, handle: XferHandle) -> None:
-        """Free ``handle`` (cancelling it if in flight). Idempotent."""
+        """Free ``handle``. Idempotent. Release is not cancel: an RMA operation already
+        posted may still complete after this returns, so release a handle in flight only
+        where nothing reuses the memory it targets (``decode.quarantine``)."""
         ...
 
     def release_descs(self, descs: DescList) -> None:
@@ -289,7 +291,7 @@ def wait_done(
         if elapsed >= timeout_s:
             raise TransferTimeoutError(
                 f"agent {engine.agent_name!r}: {handle!r} still pending after "
-                f"{elapsed:.3f} s (timeout_s={timeout_s}); release it to cancel"
+                f"{elapsed:.3f} s (timeout_s={timeout_s}); it may still complete"
             )
         time.sleep(poll_interval_s)
 

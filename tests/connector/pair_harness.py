@@ -18,6 +18,7 @@ from kvbridge.connector.common.api import SchedulerEvents
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
+from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 from kvbridge.examples.block_pool import BlockPool
@@ -88,10 +89,12 @@ def make_side(
     repacker_for: Callable[[KVCacheBuffers], Repacker] | None = None,
     device: str = "cpu",
     host_staging: bool | None = None,
+    engine_factory: Callable[[str], TransferEngine] | None = None,
     **extra_config: object,
 ) -> Side:
     """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``;
-    ``repacker_for``: builds the engine's repacker on the side's buffers."""
+    ``repacker_for``: builds the engine's repacker on the side's buffers;
+    ``engine_factory``: the worker's transfer engine (default: NIXL)."""
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
     buffers = KVCacheBuffers(kv, fmt, device)
     for t in buffers.tensors:
@@ -112,6 +115,7 @@ def make_side(
         wall_clock=clock,
         rewrites_in_place=rewrites_in_place,
         host_staging=host_staging,
+        engine_factory=engine_factory,
     )
     if repacker_for is not None:
         repacker = repacker_for(buffers)

@@ -36,8 +36,8 @@ from kvbridge.connector.common.notifications import (
     Pushed,
     WireArrangement,
 )
-from kvbridge.connector.transfer.errors import TransferError
-from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
+from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
 from kvbridge.connector.worker.decode.load_records import (
     Load,
     LoadState,
@@ -49,10 +49,11 @@ from kvbridge.connector.worker.decode.load_records import (
 from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
 from kvbridge.connector.worker.decode.pull_reads import PullReads
 from kvbridge.connector.worker.decode.push_rounds import PushRounds
+from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.staging.host_stage import HostStage
-from kvbridge.connector.worker.staging.staged_reads import Repacker, StagedReads
+from kvbridge.connector.worker.staging.staged_reads import Repacker, StageBatch, StagedReads
 from kvbridge.connector.worker.staging.staging import DEFAULT_STAGING_MIB, StagingPools
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
@@ -100,6 +101,9 @@ class Receiver:
             PushRounds(self._staged, buffers, push, send, clock=clock) if push is not None else None
         )
         self._peers = peers
+        self._quarantine = Quarantine(
+            engine, self._staged, metrics, overdue_s=timeout_s, clock=clock
+        )
         self._buffers = buffers
         self._metrics = metrics
         self._send = send
@@ -115,7 +119,13 @@ class Receiver:
 
     @property
     def num_inflight(self) -> int:
-        return len(self._loads)
+        """Loads in flight, and failed loads whose READs may still run (held back)."""
+        return len(self._loads) + self._quarantine.num_held
+
+    @property
+    def num_held(self) -> int:
+        """Failed loads not yet reported: a READ of theirs may still write their blocks."""
+        return self._quarantine.num_held
 
     @property
     def num_leased_staging_bytes(self) -> int:
@@ -227,6 +237,7 @@ class Receiver:
                 )
         if self._rounds is not None:
             self._rounds.expire()
+        self._quarantine.step()
 
     def take_results(self) -> tuple[set[str], list[LoadFailure]]:
         done, failed = self._done, self._failed
@@ -312,11 +323,12 @@ class Receiver:
     def _poll_reads(self, load: Load, src: Source) -> None:
         try:
             done = self._reads.poll(load, src, self._ready_peer(src))
-        except TransferError as exc:
-            peer = self._peers.get(src.key)
+        except PeerDisconnectedError as exc:  # the peer is gone: every load from it fails
             self._finish_failed(load, f"read from {src.key} failed: {exc}")
-            if peer is not None:
-                self._peers.drop(peer.key, f"transfer failed: {exc}")
+            self._peers.drop(src.key, f"transfer failed: {exc}")
+            return
+        except TransferError as exc:  # this transfer failed: this load only
+            self._finish_failed(load, f"read from {src.key} failed: {exc}")
             return
         except KVBridgeError as exc:  # staging or splitting: this load only
             self._finish_failed(load, f"could not stage the remote pages: {exc}")
@@ -363,7 +375,7 @@ class Receiver:
         if src.batch is not None and src.state is LoadState.PUSHED:
             assert self._rounds is not None
             self._rounds.hold(load, src)  # prefill may still write into those slots
-        elif src.batch is not None:  # releasing in-flight reads cancels them
+        elif src.batch is not None:  # a source that is done: its rounds have ended
             self._staged.cancel(src.batch)
             src.batch = None
         src.staged.clear()
@@ -383,14 +395,31 @@ class Receiver:
             self._send(peer, msg)
 
     def _finish_failed(self, load: Load, reason: str, *, notify: bool = True) -> None:
-        for src in load.sources:  # releasing an in-flight handle cancels it
-            self._release_source(load, src)
-        if notify:
-            self._notify_done(load, ok=False)
+        """Fail ``load``. Releasing a handle does not stop a READ in flight, so the READs
+        and staging rounds it posted go to the quarantine; the engine hears of the failure
+        (and prefill gets Done) only when none of them can still land."""
+        handles: dict[PeerKey, list[XferHandle]] = {}
+        batches: list[StageBatch] = []
+        for src in load.sources:
+            if src.batch is not None and src.state is LoadState.PUSHED:
+                self._release_source(load, src)  # push rounds hold their own slots
+                continue
+            handles[src.key] = list(src.handles)
+            src.handles.clear()
+            if src.batch is not None:
+                batches.append(src.batch)
+                src.batch = None
+            src.staged.clear()
         self._forget(load)
         self._metrics.transfer_failures += 1
-        self._failed.append(failure(load.spec, reason))
         logger.warning("load %s failed: %s", load.spec.request_id, reason)
+
+        def end() -> None:
+            if notify:
+                self._notify_done(load, ok=False)
+            self._failed.append(failure(load.spec, reason))
+
+        self._quarantine.hold(load.spec.request_id, handles, batches, end)
 
     def _forget(self, load: Load) -> None:
         self._loads.pop(load.spec.request_id, None)
@@ -399,6 +428,7 @@ class Receiver:
     def close(self) -> None:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
+        self._quarantine.close()
         if self._rounds is not None:
             self._rounds.close()
         self._staged.close()

@@ -165,7 +165,8 @@ class StagedReads:
         self._metrics.staging_rounds += 1
 
     def cancel(self, batch: StageBatch) -> None:
-        """Release a round's reads (cancelling them) and its slots."""
+        """Release a round's reads and give its slots back: only for reads that ended
+        (release is not cancel; the receiver's quarantine waits for them)."""
         for h in batch.handles:
             self._engine.release(h)
         batch.handles.clear()

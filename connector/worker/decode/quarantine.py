@@ -1,0 +1,165 @@
+"""Failed loads whose READs may still be running: their blocks stay out of the engine's hands.
+
+Releasing a NIXL handle does not stop an RMA operation already posted (NIXL's UCX backend
+cancels the request, UCX does not cancel a GET in flight): a READ abandoned at its deadline
+can still write into decode's blocks. So a failed load is not reported to the engine, and
+its staging slots do not go back to their pool, until every READ it posted has *ended*::
+
+    load fails (deadline, abort, peer failed, shutdown)
+      -> Held: its handles and staging round, its failure kept back
+      -> each step: poll every handle        DONE / TransferError  -> ended, released
+      -> every handle ended                  -> slots back, failure reported
+      -> still running after ``overdue_s``   -> logged once and counted (held_overdue);
+                                                still held
+
+Tearing the peer down does not end a READ either: measured with NIXL 1.5 over
+``UCX_TLS=tcp`` (tests/connector/test_worker_multiprocess.py), a READ from a SIGSTOPped
+prefill whose handle was released and whose agent was removed still wrote decode's blocks
+once the prefill resumed. So the quarantine never tears a peer down to end a hold: a READ
+ends when NIXL reports it done or failed. A peer that died (disconnect, failed
+notification) is removed by the receiver and outbox; its released handles count as ended,
+since a dead process sends nothing more. The worst case for a frozen peer is therefore
+as long as it stays frozen: the load waits, visible in the log and the metrics, and no
+byte lands in a block the engine got back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.transfer.errors import TransferError
+from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferState
+from kvbridge.connector.worker.peers import PeerKey
+from kvbridge.connector.worker.staging.staged_reads import StageBatch, StagedReads
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class Held:
+    """One failed load's transfers that had not ended when it failed."""
+
+    request_id: str
+    on_end: Callable[[], None]  # report the failure (and tell prefill): blocks are safe
+    since: float
+    handles: dict[PeerKey, list[XferHandle]] = field(default_factory=dict)
+    batches: list[StageBatch] = field(default_factory=list)
+    overdue: bool = False
+
+    @property
+    def num_handles(self) -> int:
+        return sum(len(hs) for hs in self.handles.values()) + sum(
+            len(b.handles) for b in self.batches
+        )
+
+
+class Quarantine:
+    """Holds failed loads until NIXL says their READs ended; reports them afterwards."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        staged: StagedReads,
+        metrics: ConnectorMetrics,
+        *,
+        overdue_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``overdue_s``: after this long a held READ is logged (once) and counted as
+        overdue; it stays held until it ends."""
+        self._engine = engine
+        self._staged = staged
+        self._metrics = metrics
+        self._overdue_s = overdue_s
+        self._clock = clock
+        self._held: list[Held] = []
+
+    @property
+    def num_held(self) -> int:
+        """Failed loads not yet reported, because a READ of theirs may still run."""
+        return len(self._held)
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return [h.request_id for h in self._held]
+
+    def hold(
+        self,
+        request_id: str,
+        handles: dict[PeerKey, list[XferHandle]],
+        batches: list[StageBatch],
+        on_end: Callable[[], None],
+    ) -> None:
+        """Take a failed load's handles and staging rounds; call ``on_end`` once none of
+        them can still run (at once when none is running now, else from ``step``)."""
+        held = Held(
+            request_id=request_id, on_end=on_end, since=self._clock(), handles=handles,
+            batches=batches,
+        )
+        self._settle(held)
+        if held.num_handles == 0:
+            self._give_back(held)
+            on_end()
+            return
+        self._held.append(held)
+        self._metrics.loads_held += 1
+        logger.info(
+            "load %s failed with %d transfer(s) still running: its blocks stay held until "
+            "they end", request_id, held.num_handles,
+        )
+
+    def step(self) -> None:
+        """Poll held transfers; end (report) the loads whose transfers all ended."""
+        now = self._clock()
+        for held in list(self._held):
+            self._settle(held)
+            if held.num_handles and not held.overdue and now - held.since > self._overdue_s:
+                held.overdue = True
+                self._metrics.held_overdue += 1
+                peers = sorted({str(k) for k, hs in held.handles.items() if hs})
+                logger.warning(
+                    "load %s failed %.1f s ago and %d READ(s) from %s still run: its blocks "
+                    "stay held until NIXL reports them ended (a frozen or unreachable peer)",
+                    held.request_id, now - held.since, held.num_handles,
+                    ", ".join(peers) or "staging",
+                )
+            if held.num_handles == 0:
+                self._held.remove(held)
+                self._give_back(held)
+                held.on_end()
+
+    def _settle(self, held: Held) -> None:
+        """Drop (and release) every handle that ended: DONE, failed or already released."""
+        for key, hs in held.handles.items():
+            held.handles[key] = [h for h in hs if not self._ended(h)]
+        for batch in held.batches:
+            batch.handles[:] = [h for h in batch.handles if not self._ended(h)]
+
+    def _ended(self, handle: XferHandle) -> bool:
+        if handle.released:  # the peer was removed: its endpoint closed
+            return True
+        try:
+            state = self._engine.poll(handle)
+        except TransferError:
+            state = XferState.DONE  # failed: it ended, nothing more lands
+        if state is XferState.PENDING:
+            return False
+        self._engine.release(handle)
+        return True
+
+    def _give_back(self, held: Held) -> None:
+        for batch in held.batches:
+            self._staged.cancel(batch)  # no handle left: only the slots go back
+
+    def close(self) -> None:
+        """Shutdown: the engine's memory goes with the process; report every held load."""
+        for held in self._held:
+            for hs in held.handles.values():
+                for h in hs:
+                    self._engine.release(h)
+            self._give_back(held)
+            held.on_end()
+        self._held.clear()
