@@ -3,9 +3,10 @@
 In the spirit of ``--kv-transfer-config``::
 
     {"kv_role": "kv_producer", "engine_id": "prefill-0", "kv_port": 5600,
-     "failure_policy": "recompute", "lease_s": 30, "extra": {"kv_layout": "HND"}}
+     "failure_policy": "recompute", "lease_s": 30, "extra": {"transfer_mode": "pull"}}
 
-Unknown keys are an error (a typo must not silently fall back to a default).
+Unknown keys are an error, in ``extra`` too (a typo must not silently fall back to a
+default): ``EXTRA_KEYS`` lists every ``extra`` key a worker or scheduler reads.
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "secret": (str, type(None)),
     "extra": (dict,),
 }
+
+# Every key of ``extra`` kvbridge reads (kvbridge.connector.worker.worker_setup and
+# staging, the scheduler); max_peer_block_size is retired and refused by the scheduler
+# with its own message.
+EXTRA_KEYS = frozenset(
+    {
+        "transfer_mode",
+        "rewrite_on_save",
+        "staging_mib",
+        "warm_peers",
+        "nixl_progress_us",
+        "idle_progress_ms",
+        "merge_runs",
+        "engine_thread_nice",
+        "max_peer_block_size",
+    }
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +138,9 @@ class KVTransferConfig:
                     raise ConfigError(f"{name}={values[name]!r} is not one of {choices}") from None
         if not isinstance(values.get("extra", {}), dict):
             raise ConfigError("extra must be a JSON object")
+        unknown = sorted(set(values.get("extra", {})) - EXTRA_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown extra keys {unknown}; known: {sorted(EXTRA_KEYS)}")
         try:
             return cls(**values)
         except TypeError as exc:

@@ -130,6 +130,16 @@ def test_config_rejects_unknown_keys_and_lists_the_known_ones() -> None:
     assert "kv_port" in str(err.value)
 
 
+def test_config_rejects_unknown_extra_keys_and_lists_the_known_ones() -> None:
+    """A typo in ``extra`` (here ``transfer_mod``) must not silently keep the default."""
+    raw = {"kv_role": "kv_consumer", "engine_id": "e", "extra": {"transfer_mod": "push"}}
+    with pytest.raises(ConfigError, match=r"unknown extra keys \['transfer_mod'\]") as err:
+        KVTransferConfig.from_dict(raw)
+    assert "transfer_mode" in str(err.value)
+    ok = KVTransferConfig.from_dict({**raw, "extra": {"transfer_mode": "push"}})
+    assert ok.extra == {"transfer_mode": "push"}
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [

@@ -38,12 +38,16 @@ def test_transfer_config_maps_top_level_and_extra_keys():
         _vcfg(
             kv_port=6100,
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_ip": "127.0.0.2", "lease_s": 7, "extra": {"a": 1}},
+            kv_connector_extra_config={
+                "kv_ip": "127.0.0.2",
+                "lease_s": 7,
+                "extra": {"merge_runs": True},
+            },
         )
     )
     assert cfg.kv_role is KVRole.PRODUCER and cfg.engine_id == "p0"
     assert (cfg.kv_ip, cfg.kv_port, cfg.lease_s) == ("127.0.0.2", 6100, 7)
-    assert cfg.failure_policy is FailurePolicy.RECOMPUTE and cfg.extra == {"a": 1}
+    assert cfg.failure_policy is FailurePolicy.RECOMPUTE and cfg.extra == {"merge_runs": True}
 
 
 @pytest.mark.parametrize(
