@@ -44,7 +44,8 @@ def test_every_folder_with_modules_is_a_listed_package() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    # No build isolation: the test venv's setuptools builds it, with no download.
+    # No build isolation: the test venv's setuptools (the test extra pins >= 70.1) builds
+    # it, with no download.
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--quiet", "-w", str(out), str(REPO)],
