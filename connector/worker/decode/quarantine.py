@@ -139,7 +139,9 @@ class Quarantine:
             batch.handles[:] = [h for h in batch.handles if not self._ended(h)]
 
     def _ended(self, handle: XferHandle) -> bool:
-        if handle.released:  # the peer was removed: its endpoint closed
+        # released by remove_peer: the receiver and outbox remove a peer only once it is
+        # gone (disconnect, failed notification); a dead process sends nothing more
+        if handle.released:
             return True
         try:
             state = self._engine.poll(handle)
