@@ -62,8 +62,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         srv = self.server
         if self.path == "/health":
-            ok = srv.loop.healthy
-            self._json(200 if ok else 503, {"status": "ok" if ok else "unhealthy", **srv.info})
+            worker = srv.loop.worker
+            reason = worker.unhealthy_reason if worker is not None else None
+            ok = srv.loop.healthy and reason is None
+            body = {"status": "ok" if ok else "unhealthy", **srv.info}
+            if reason is not None:
+                body["reason"] = reason
+            self._json(200 if ok else 503, body)
         elif self.path == "/metrics":
             data = srv.metrics_text().encode()
             self.send_response(200)

@@ -96,4 +96,10 @@ class WorkerConnector(Protocol):
 
     def get_finished(self) -> WorkerOutput: ...
 
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the worker cannot serve as configured (a background thread died), or None;
+        a server's health endpoint says so."""
+        ...
+
     def shutdown(self) -> None: ...

@@ -32,6 +32,8 @@ class ConnectorMetrics:
     # cancel), and those whose READs still ran transfer_timeout_s after the failure
     loads_held: int = 0
     held_overdue: int = 0
+    # a background thread (idle progress) died: the worker reports itself unhealthy
+    background_thread_failures: int = 0
     heartbeats_sent: int = 0
     # prefill: Push requests whose writes completed (one per load, or one per round of
     # decode's staging slots), and those answered with ok=False

@@ -22,7 +22,17 @@ logger = logging.getLogger(__name__)
 
 
 class IdleProgress:
-    __slots__ = ("_clock", "_interval_s", "_last_call", "_lock", "_progress", "_stop", "_thread")
+    __slots__ = (
+        "_clock",
+        "_interval_s",
+        "_last_call",
+        "_lock",
+        "_on_failure",
+        "_progress",
+        "_stop",
+        "_thread",
+        "failure",
+    )
 
     def __init__(
         self,
@@ -31,8 +41,13 @@ class IdleProgress:
         interval_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        """``on_failure(reason)``: the thread died (a bug in a progress round); the worker
+        then reports itself unhealthy, and progress is left to the engine's calls."""
         self._lock = lock
+        self._on_failure = on_failure
+        self.failure: str | None = None  # why the thread stopped, if it died
         self._progress = progress
         self._interval_s = interval_s
         self._clock = clock
@@ -56,8 +71,10 @@ class IdleProgress:
                 continue  # the engine is in a call right now
             try:
                 self._progress()
-            except Exception:  # a bug: say so once, and leave progress to the engine
-                logger.exception("idle progress failed; stopping it")
+            except Exception as exc:  # a bug: say so loudly, and leave progress to the engine
+                logger.exception("idle progress failed; stopping it: the worker is unhealthy")
+                self.failure = f"idle progress thread died: {type(exc).__name__}: {exc}"
+                self._on_failure(self.failure)
                 return
             finally:
                 self._lock.release()

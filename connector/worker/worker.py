@@ -130,10 +130,20 @@ class KVBridgeWorker:
         self._lock = threading.RLock()
         idle_ms = idle_progress_ms(config.extra)
         self._idle = (
-            IdleProgress(self._lock, self._progress, idle_ms / 1000)  # real time, always
+            IdleProgress(  # real time, always
+                self._lock, self._progress, idle_ms / 1000, on_failure=self._thread_died
+            )
             if idle_ms
             else None
         )
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why this worker is unhealthy (a background thread died), or None."""
+        return self._idle.failure if self._idle is not None else None
+
+    def _thread_died(self, reason: str) -> None:
+        self.metrics.background_thread_failures += 1
 
     # -- setup ----------------------------------------------------------------------------
 

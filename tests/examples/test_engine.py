@@ -187,6 +187,8 @@ def test_bad_requests_raise_engine_errors():
 class StubWorker:
     """Worker side without NIXL: every posted load fails (or every hold ends) at once."""
 
+    unhealthy_reason: str | None = None
+
     def __init__(self) -> None:
         self.meta = ConnectorMetadata()
         self.loads: list = []

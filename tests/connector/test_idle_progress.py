@@ -1,0 +1,71 @@
+"""A background thread that dies says so: the worker reports itself unhealthy.
+
+Before, the idle-progress thread stopped for good after one exception and only a log line
+said so; an idle prefill then answered nothing and its decodes timed out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvbridge.connector.worker.idle_progress import IdleProgress
+from kvbridge.connector.worker.worker import KVBridgeWorker
+from kvbridge.layouts.allocation import CacheFormat
+from kvbridge.layouts.layout import KVLayout
+from tests.connector.pair_harness import FakeClock, make_side
+
+
+def _wait(condition, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.005)  # polling a background thread's state, bounded by the deadline
+
+
+def test_a_dying_idle_thread_reports_why() -> None:
+    reasons: list[str] = []
+
+    def progress() -> None:
+        raise RuntimeError("boom in a progress round")
+
+    idle = IdleProgress(threading.RLock(), progress, 0.002, on_failure=reasons.append)
+    idle.start()
+    try:
+        _wait(lambda: idle.failure is not None, "the idle thread's failure")
+    finally:
+        idle.close()
+    assert reasons == [idle.failure]
+    assert "RuntimeError: boom in a progress round" in idle.failure
+
+
+def test_the_worker_is_unhealthy_once_its_idle_thread_died(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(self: KVBridgeWorker) -> None:
+        raise ValueError("a bug in the worker's progress")
+
+    monkeypatch.setattr(KVBridgeWorker, "_progress", broken)
+    fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+    side = make_side(
+        "kv_producer", "p", 16, fmt, "F", FakeClock(), extra={"idle_progress_ms": 2}
+    )
+    try:
+        _wait(lambda: side.worker.unhealthy_reason is not None, "the worker to be unhealthy")
+        assert "ValueError: a bug in the worker's progress" in side.worker.unhealthy_reason
+        assert side.worker.metrics.background_thread_failures == 1
+        assert "kvbridge_background_thread_failures 1" in side.worker.metrics.prometheus()
+    finally:
+        side.worker.shutdown()
+
+
+def test_a_healthy_worker_says_so() -> None:
+    fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+    side = make_side("kv_producer", "p", 16, fmt, "F", FakeClock(), extra={"idle_progress_ms": 2})
+    try:
+        assert side.worker.unhealthy_reason is None
+    finally:
+        side.worker.shutdown()
