@@ -82,10 +82,6 @@ class Quarantine:
         """Failed loads not yet reported, because a READ of theirs may still run."""
         return len(self._held)
 
-    @property
-    def held_request_ids(self) -> list[str]:
-        return [h.request_id for h in self._held]
-
     def hold(
         self,
         request_id: str,
