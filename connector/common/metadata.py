@@ -47,9 +47,12 @@ class ConnectorMetadata:
     reqs_waiting: tuple[tuple[str, KVTransferParams], ...] = ()
     # decode: full local prefix hits, nothing to read, but prefill must still free
     reqs_to_release: tuple[tuple[str, KVTransferParams], ...] = ()
-    # prefill: sends the scheduler ended without a Done (lease ran out, request aborted):
-    # their blocks are being freed; drop their send state and never touch the blocks again
+    # prefill: sends aborted before any worker had them (their blocks are free): refuse
+    # their readers; never reported in finished_sending
     reqs_freed: tuple[str, ...] = ()
+    # prefill: held sends the engine aborted: end the hold (no sooner than the claims
+    # granted for it, after the pushes writing from it), then report it finished_sending
+    sends_to_end: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,4 +72,3 @@ class WorkerOutput:
     failed_loads: tuple[LoadFailure, ...] = ()
     expired_leases: frozenset[str] = frozenset()  # prefill: subset of finished_sending
     notes: dict[str, str] = field(default_factory=dict)  # request id -> why (logs, metrics)
-    heartbeats: frozenset[str] = frozenset()  # prefill: leases decode extended this step

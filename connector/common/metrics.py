@@ -35,6 +35,7 @@ class ConnectorMetrics:
     # a background thread (idle progress) died: the worker reports itself unhealthy
     background_thread_failures: int = 0
     heartbeats_sent: int = 0
+    claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
     # prefill: Push requests whose writes completed (one per load, or one per round of
     # decode's staging slots), and those answered with ok=False
     pushes_written: int = 0

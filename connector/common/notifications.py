@@ -3,9 +3,11 @@
 ::
 
     decode                                  prefill
-      Prepare(req, rewrites)   ------>      rewrite blocks after save (sender transform)
-                               <------      Prepared(req, ok, reason)
-      NIXL READ ...
+      Prepare(req, rewrites, hold_s) -->    claim: keep the blocks >= hold_s from now;
+                                            rewrite them after save (sender transform)
+                               <------      Prepared(req, ok, reason, held_s)
+      NIXL READ ... (posted with the claim when no rewrite is due; it counts only if it
+                     ended within held_s of the claim being sent)
       Done(req, ok, readers)   ------>      restore blocks, free them after the last reader
       Heartbeat([req, ...])    ------>      extend leases of requests still queued
 
@@ -21,8 +23,17 @@
                                <------      Pushed(round 0)    decode splits, frees slots
       Push(round 1, staged=[...]) ------>   WRITE only the named pages
                                <------      Pushed(round 1) ... until no page is left
-      Done(req, ok=False)      ------>      a round still unanswered is cancelled and
-                               <------      answered Pushed(ok=False): its slots are free
+      Done(req, ok=False)      ------>      a round still unanswered is cancelled and,
+                                            once its WRITEs ended,
+                               <------      answered Pushed(ok=False): its blocks and
+                                            slots are free
+
+Every Push round is answered exactly once, and only after NIXL reported each WRITE it
+posted ended: decode gives the blocks a round names back to its engine only then.
+
+Durations, never wall clocks: ``hold_s`` and ``held_s`` are measured by the side that
+holds the blocks, from the moment it answers. Decode counts ``held_s`` from when it sent
+the claim (earlier than the answer), so it never assumes a hold longer than the holder's.
 
 Encoded with msgspec (MessagePack), tagged, one decoder built once. Keep them small
 (NIXL notifications are meant for <= 64 KiB).
@@ -88,15 +99,21 @@ class GroupRewrite(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Prepare(msgspec.Struct, frozen=True, tag=True):
+    """A claim on a kept request's blocks (and the rewrites the reader's plan wants)."""
+
     request_id: str
     rewrites: list[GroupRewrite]
     version: int = NOTIF_PROTOCOL_VERSION
+    hold_s: float = 0.0  # keep the blocks at least this long from now (capped by prefill)
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     ok: bool
     reason: str = ""
+    # ok: the blocks stay this request's for at least this long from this answer, on the
+    # holder's clock (an abort or lease end waits for it; only the readers' Done is sooner)
+    held_s: float = 0.0
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
@@ -149,8 +166,9 @@ class Push(msgspec.Struct, frozen=True, tag=True):
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):
     """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not.
-    Every Push that names staging slots gets exactly one (written, refused, or cancelled
-    by decode's ``Done``): decode lends those slots to nobody else until then."""
+    Every Push round gets exactly one (written, refused, or cancelled by decode's
+    ``Done``), sent only once every WRITE it posted ended: decode gives the round's
+    blocks and slots back only then."""
 
     request_id: str
     ok: bool

@@ -9,11 +9,14 @@ Decode (consumer) requests, by where their remote KV stands::
     MATCHED | FULL_HIT | ALLOCATED --abort--> ABORTED        nothing in flight
     LOADING --abort--> ABORTING --recv | failed--> ABORTED   blocks free only now
 
-Prefill (producer) requests, from ``request_finished`` to the release of their blocks::
+Prefill (producer) requests, from ``request_finished`` to the release of their blocks;
+only the workers end a hold (one clock: theirs), the scheduler follows their reports::
 
-    PENDING --meta--> HELD --finished_sending----> DONE
-    PENDING | HELD ---------lease ran out--------> EXPIRED
-    PENDING | HELD ---------request_aborted------> ABORTED
+    PENDING --meta--> HELD --finished_sending (every rank)--> DONE
+                      HELD --finished_sending, a lease ran out--> EXPIRED
+                      HELD --request_aborted: the workers end the holds once no claim
+                             they granted runs--> finished_sending --> ABORTED
+    PENDING --request_aborted (no worker has it)--> ABORTED
 
 Terminal states end the record (its id may come back only as a counted, ignored
 notification). Engine calls that break the machine raise :class:`LifecycleError`; worker
@@ -49,9 +52,9 @@ class LoadState(enum.Enum):
 
 class SendState(enum.Enum):
     PENDING = enum.auto()  # blocks kept; the SendSpec leaves with the next metadata
-    HELD = enum.auto()  # SendSpec sent; the lease runs
+    HELD = enum.auto()  # SendSpec sent; the workers hold the blocks under their lease
     DONE = enum.auto()  # decode reported it finished reading
-    EXPIRED = enum.auto()  # the lease ran out first
+    EXPIRED = enum.auto()  # a worker's lease ran out first
     ABORTED = enum.auto()  # the prefill engine dropped the request
 
 
@@ -59,7 +62,6 @@ class Ignored(enum.Enum):
     """Notifications and calls that matched no live request (unknown or already ended)."""
 
     FINISHED_SENDING = enum.auto()
-    HEARTBEAT = enum.auto()
     FINISHED_RECVING = enum.auto()
     FAILED_LOAD = enum.auto()
     ABORT = enum.auto()
@@ -82,7 +84,7 @@ LOAD_TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
 
 _SS = SendState
 SEND_TRANSITIONS: dict[SendState, frozenset[SendState]] = {
-    _SS.PENDING: frozenset({_SS.HELD, _SS.DONE, _SS.EXPIRED, _SS.ABORTED}),
+    _SS.PENDING: frozenset({_SS.HELD, _SS.ABORTED}),  # the worker never had it
     _SS.HELD: frozenset({_SS.DONE, _SS.EXPIRED, _SS.ABORTED}),
     _SS.DONE: frozenset(),
     _SS.EXPIRED: frozenset(),

@@ -19,14 +19,15 @@ that state in an extra *resume block* when ``E`` is not a block boundary (it pas
     window       f   f   f   f   f   K   K       f = freed at request_finished
     state        f   f   f   f   f   f   f   + R (state after token 100)
 
-How long. Kept blocks are held under a lease (``lease_s`` on the scheduler's clock),
-extended by decode heartbeats, ended by decode's Done, the lease running out, or an abort.
-The :class:`LeaseBook` hands each block back exactly once.
+How long. One clock decides, the prefill worker's (``kvbridge.connector.worker.prefill
+.sender``): a hold ends when its last reader said Done, when its lease ran out (extended
+by decode's heartbeats and claims), or, after an engine abort, once no claim the worker
+granted runs and no push writes from the blocks. The scheduler keeps no lease clock: it
+frees kept blocks only when every worker rank reported the request in
+``finished_sending``. The :class:`LeaseBook` hands each block back exactly once.
 """
 
 from __future__ import annotations
-
-import heapq
 
 from kvbridge.connector.scheduler.lifecycle import SEND_TRANSITIONS, SendState, check_transition
 from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec
@@ -62,16 +63,26 @@ class SendRecord:
     engine now. A release (done, lease, abort) moves the kept blocks to the free side.
     """
 
-    __slots__ = ("expiry", "free_block_ids", "kept_block_ids", "request_id", "state")
+    __slots__ = (
+        "abort_queued",
+        "expired",
+        "free_block_ids",
+        "kept_block_ids",
+        "ranks_reported",
+        "request_id",
+        "state",
+    )
 
     def __init__(
-        self, request_id: str, kept_block_ids: list[int], free_block_ids: list[int], expiry: float
+        self, request_id: str, kept_block_ids: list[int], free_block_ids: list[int]
     ) -> None:
         self.request_id = request_id
         self.state = SendState.PENDING
         self.kept_block_ids = kept_block_ids
         self.free_block_ids = free_block_ids
-        self.expiry = expiry
+        self.ranks_reported = 0  # worker ranks whose hold ended (finished_sending)
+        self.expired = False  # a rank's hold ended by its lease
+        self.abort_queued = False  # the engine aborted it; the workers end their holds
 
     @property
     def is_live(self) -> bool:
@@ -85,20 +96,18 @@ class SendRecord:
     def __repr__(self) -> str:
         return (
             f"SendRecord({self.request_id!r}, {self.state.name}, kept={self.kept_block_ids}, "
-            f"to_free={self.free_block_ids}, expiry={self.expiry})"
+            f"to_free={self.free_block_ids}, ranks_reported={self.ranks_reported})"
         )
 
 
 class LeaseBook:
-    """Held prefill requests, their leases (a heap; stale entries skipped), and the
-    blocks the engine may free."""
+    """Held prefill requests and the blocks the engine may free (no clock: the workers
+    say when a hold ended)."""
 
-    __slots__ = ("_heap", "_records", "lease_s")
+    __slots__ = ("_records",)
 
-    def __init__(self, lease_s: float) -> None:
-        self.lease_s = lease_s
+    def __init__(self) -> None:
         self._records: dict[str, SendRecord] = {}
-        self._heap: list[tuple[float, str]] = []
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._records
@@ -111,25 +120,8 @@ class LeaseBook:
         record = self._records.get(request_id)
         return None if record is None else record.state
 
-    def hold(self, request_id: str, kept: list[int], free: list[int], now: float) -> None:
-        record = SendRecord(request_id, kept, free, now + self.lease_s)
-        self._records[request_id] = record
-        heapq.heappush(self._heap, (record.expiry, request_id))
-
-    def extend(self, record: SendRecord, now: float) -> None:
-        if now + self.lease_s > record.expiry:
-            record.expiry = now + self.lease_s
-            heapq.heappush(self._heap, (record.expiry, record.request_id))
-
-    def expired(self, now: float) -> list[SendRecord]:
-        """Live records whose lease ran out by ``now`` (the caller releases them)."""
-        out, heap = [], self._heap
-        while heap and heap[0][0] <= now:
-            expiry, request_id = heapq.heappop(heap)
-            record = self._records.get(request_id)
-            if record is not None and record.is_live and record.expiry == expiry:
-                out.append(record)
-        return out
+    def hold(self, request_id: str, kept: list[int], free: list[int]) -> None:
+        self._records[request_id] = SendRecord(request_id, kept, free)
 
     @staticmethod
     def release(record: SendRecord, why: SendState) -> None:

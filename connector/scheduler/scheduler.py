@@ -185,9 +185,8 @@ class KVBridgeScheduler:
 
     def build_connector_meta(self) -> ConnectorMetadata:
         """The step's work for the workers; empties the queues."""
-        self._sends.expire(self._clock())
         to_load, to_abort, waiting, to_release = self._loads.drain()
-        to_send, freed = self._sends.drain()
+        to_send, freed, to_end = self._sends.drain()
         return ConnectorMetadata(
             reqs_to_load=to_load,
             reqs_to_send=to_send,
@@ -195,28 +194,20 @@ class KVBridgeScheduler:
             reqs_waiting=waiting,
             reqs_to_release=to_release,
             reqs_freed=freed,
+            sends_to_end=to_end,
         )
 
     def update_connector_output(self, output: WorkerOutput) -> SchedulerEvents:
         """Fold one worker rank's report in (under tensor parallelism once per rank: a
         load ends when every rank has reported it); unknown or repeated ids are counted
         in ``ignored``."""
-        now = self._clock()
         book = self._sends.book
-        for rid in output.heartbeats:
-            send = book.live(rid)
-            if send is None:
-                self.ignored[Ignored.HEARTBEAT] += 1
-                continue
-            book.extend(send, now)
         for rid in output.finished_sending:
             send = book.live(rid)
-            if send is None:
+            if send is None or send.state is SendState.PENDING:  # no worker has it yet
                 self.ignored[Ignored.FINISHED_SENDING] += 1
                 continue
-            why = SendState.EXPIRED if rid in output.expired_leases else SendState.DONE
-            self._sends.release(send, why, by_worker=True)
-        self._sends.expire(now)
+            self._sends.finished(send, expired=rid in output.expired_leases)
         loaded, recompute, failed = self._loads.fold(output)
         return SchedulerEvents(
             free_request_ids=frozenset(self._loads.take_freed() | self._sends.take_released()),
@@ -227,7 +218,9 @@ class KVBridgeScheduler:
 
     def request_aborted(self, request_id: str) -> None:
         """Decode: tell prefill to free; blocks a load may still write wait for
-        free_request_ids (see ``defers_free``). Prefill: the kept blocks are freed at once."""
+        free_request_ids (see ``defers_free``). Prefill: the workers end the hold (no
+        sooner than the claims they granted, after the pushes writing from it) and the
+        kept blocks come in free_request_ids; not sent to a worker yet: freed at once."""
         self._loads.forget(request_id)
         handled = False
         if request_id in self._loads:
@@ -235,7 +228,7 @@ class KVBridgeScheduler:
             handled = True
         send = self._sends.book.live(request_id)
         if send is not None:
-            self._sends.release(send, SendState.ABORTED, by_worker=False)
+            self._sends.abort(send)
             handled = True
         if not handled:
             self.ignored[Ignored.ABORT] += 1

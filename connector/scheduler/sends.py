@@ -2,8 +2,9 @@
 
 :class:`Sends` turns a finished ``do_remote_decode`` request into the blocks kept for the
 reader (``kvbridge.connector.scheduler.retention``), the :class:`SendSpec` for the workers and the
-``kv_transfer_params`` for the decode; it holds them under a lease and releases them on
-Done, lease expiry or abort, each exactly once.
+``kv_transfer_params`` for the decode; it holds them until every worker rank reported the
+request finished (Done, a lease ended on the worker's clock, or an abort the workers
+ended), and releases each exactly once.
 :class:`~kvbridge.connector.scheduler.scheduler.KVBridgeScheduler` owns one and forwards the
 engine's calls.
 """
@@ -38,9 +39,10 @@ class Sends:
         self._specs = tuple(specs)
         self._block_size = specs[0].block_size
         self._state_groups = [g for g, s in enumerate(specs) if s.kind is KVCacheKind.STATE]
-        self.book = LeaseBook(config.lease_s)
+        self.book = LeaseBook()
         self.to_send: dict[str, SendSpec] = {}  # the next metadata's new sends
-        self.freed: list[str] = []  # released before the worker reported them
+        self.freed: list[str] = []  # aborted before any worker had them
+        self.to_end: list[str] = []  # aborted held sends: the workers end their holds
         self.released: set[str] = set()
         self.outcomes: Counter[SendState] = Counter()
 
@@ -94,7 +96,7 @@ class Sends:
             kept.extend(b for b in group_kept if b >= 0)
             held = set(group_kept)
             free.extend(b for b in ids if b >= 0 and b not in held)
-        self.book.hold(rid, kept, free, now)
+        self.book.hold(rid, kept, free)
         self.to_send[rid] = SendSpec(
             request_id=rid,
             block_ids=tuple(map(tuple, kept_lists)),
@@ -116,28 +118,45 @@ class Sends:
             resume_tokens=end,
         )
 
-    def release(self, record: SendRecord, why: SendState, *, by_worker: bool) -> None:
+    def finished(self, record: SendRecord, *, expired: bool) -> bool:
+        """A worker rank's hold ended; True once every rank's has (the blocks are free)."""
+        record.ranks_reported += 1
+        record.expired = record.expired or expired
+        if record.ranks_reported < self.tp_size:
+            return False  # another rank may still serve a READ of its blocks
+        if record.abort_queued:
+            why = SendState.ABORTED
+        else:
+            why = SendState.EXPIRED if record.expired else SendState.DONE
+        self._release(record, why)
+        return True
+
+    def abort(self, record: SendRecord) -> None:
+        """The engine dropped a held request. A worker that has it ends the hold (no
+        sooner than the claims it granted) and reports it; one that never had it
+        (PENDING) is told to refuse its readers, and the blocks are free at once."""
         if record.state is SendState.PENDING:
-            del self.to_send[record.request_id]  # the worker never heard of it, but a
-            self.freed.append(record.request_id)  # reader may ask: it must refuse
-        elif not by_worker:
-            self.freed.append(record.request_id)  # the worker must drop it too
+            del self.to_send[record.request_id]
+            self.freed.append(record.request_id)
+            self._release(record, SendState.ABORTED)
+        elif not record.abort_queued:
+            record.abort_queued = True
+            self.to_end.append(record.request_id)
+
+    def _release(self, record: SendRecord, why: SendState) -> None:
         self.book.release(record, why)
         self.outcomes[why] += 1
         self.released.add(record.request_id)
 
-    def expire(self, now: float) -> None:
-        for record in self.book.expired(now):
-            self.release(record, SendState.EXPIRED, by_worker=False)
-
-    def drain(self) -> tuple[tuple[SendSpec, ...], tuple[str, ...]]:
-        """The next metadata's new sends (now HELD) and sends freed behind the worker."""
+    def drain(self) -> tuple[tuple[SendSpec, ...], tuple[str, ...], tuple[str, ...]]:
+        """The next metadata's new sends (now HELD), sends aborted before any worker had
+        them, and held sends whose holds the workers must end (aborted)."""
         for rid in self.to_send:
             send = self.book.live(rid)
             assert send is not None, f"queued SendSpec of {rid!r} outlived its record"
             send.advance(SendState.HELD)
-        out = tuple(self.to_send.values()), tuple(self.freed)
-        self.to_send, self.freed = {}, []
+        out = tuple(self.to_send.values()), tuple(self.freed), tuple(self.to_end)
+        self.to_send, self.freed, self.to_end = {}, [], []
         return out
 
     def take_released(self) -> set[str]:

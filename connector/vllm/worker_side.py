@@ -131,7 +131,6 @@ class VLLMWorkerSide:
             or out.finished_recving
             or out.failed_loads
             or out.expired_leases
-            or out.heartbeats
         )
         return None if empty else KVBridgeWorkerMetadata(out)
 

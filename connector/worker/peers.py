@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -104,6 +105,9 @@ class PeerDirectory:
         self._local_lists: dict[tuple, DescList] = {}
         self.handshakes = 0
         self.failures = 0
+        # called with a peer's agent once it is removed (found dead: transfers posted to
+        # it end, notifications it owed never come)
+        self.on_drop: list[Callable[[str], None]] = []
 
     def get(self, key: PeerKey) -> Peer | None:
         return self._peers.get(key)
@@ -240,14 +244,16 @@ class PeerDirectory:
         for dl in peer.remote_lists.values():
             dl.release()
         peer.remote_lists.clear()
-        if peer.agent:
+        agent, peer.agent = peer.agent, ""
+        if agent:
             try:
-                self._engine.remove_peer(peer.agent)
+                self._engine.remove_peer(agent)
             except KVBridgeError as exc:
-                logger.warning("removing peer %s: %s", peer.agent, exc)
-        peer.agent = ""
+                logger.warning("removing peer %s: %s", agent, exc)
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
+        for hook in self.on_drop if agent else ():
+            hook(agent)
 
     def _their_rows(
         self, layout: PeerLayout, group: GroupPlan, i: int

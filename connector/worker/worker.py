@@ -76,7 +76,6 @@ class KVBridgeWorker:
         tp_size: int = 1,
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
         rewrites_in_place: bool = True,
         host_staging: bool | None = None,
     ) -> None:
@@ -106,7 +105,6 @@ class KVBridgeWorker:
         self.tp_size = tp_size
         self.metrics = ConnectorMetrics()
         self._clock = clock
-        self._wall_clock = wall_clock  # dates kv_transfer_params (both workers read it)
         delay_us = progress_us(config.extra)
         shared = bool(idle_progress_ms(config.extra))  # engine called from two threads
         merge = merge_runs(config.extra)
@@ -238,7 +236,6 @@ class KVBridgeWorker:
             outbox.send,
             timeout_s=self.config.transfer_timeout_s,
             clock=self._clock,
-            wall_clock=self._wall_clock,
             repacker=self._repacker,
             staging=staging,
             router=self._router,
@@ -283,8 +280,10 @@ class KVBridgeWorker:
         receiver, sender = self._ready()
         assert self._outbox is not None
         meta, self._meta = self._meta, ConnectorMetadata()
-        for rid in meta.reqs_freed:  # the scheduler already freed them: restore, forget
+        for rid in meta.reqs_freed:  # aborted before this worker had them: refuse readers
             sender.abort(rid, report=False)
+        for rid in meta.sends_to_end:  # aborted: end the hold (after granted claims)
+            sender.abort(rid)
         for spec in meta.reqs_to_send:
             sender.add(spec)
         for spec in meta.reqs_to_load:
@@ -311,13 +310,12 @@ class KVBridgeWorker:
         assert self._inbox is not None
         self._inbox.send_replies()
         done, failed = receiver.take_results()
-        finished, expired, heartbeats = sender.take_results()
+        finished, expired = sender.take_results()
         return WorkerOutput(
             finished_sending=frozenset(finished),
             finished_recving=frozenset(done),
             failed_loads=tuple(failed),
             expired_leases=frozenset(expired),
-            heartbeats=frozenset(heartbeats),
         )
 
     @property

@@ -112,7 +112,6 @@ def make_side(
         config,
         MODEL,
         clock=clock,
-        wall_clock=clock,
         rewrites_in_place=rewrites_in_place,
         host_staging=host_staging,
         engine_factory=engine_factory,

@@ -118,3 +118,154 @@ def test_a_read_that_runs_on_keeps_its_load_held_however_long(clock, pair):
     late.land(prefill.step)  # nothing is left that could land
     decode.step()
     assert torch.equal(_blocks(decode, d), given_back)
+
+
+# ------------------------------------------------------------------ one lease, one clock
+
+
+def _answered(prefill: Side, decode: Side, n: int) -> None:
+    """Step both until decode got prefill's answer to its ``n``-th claim (the only
+    notifications prefill sends a pull decode before Done are Prepared)."""
+    run_until(
+        [prefill, decode],
+        lambda: decode.worker.metrics.notifications_received >= n,
+        f"prefill's answer to claim {n}",
+    )
+
+
+@pytest.fixture
+def long_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
+    """Decode's deadline (1000 s) is longer than any hold prefill grants (MAX_HOLD_S)."""
+    transports: list[LateTransport] = []
+
+    def late(name: str) -> LateTransport:
+        transports.append(LateTransport(nixl_engine(name)))
+        return transports[-1]
+
+    prefill = make_side("kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0)
+    decode = make_side(
+        "kv_consumer", "decode", 16, FMT, "F", clock, engine_factory=late,
+        transfer_timeout_s=1000.0,
+    )
+    try:
+        yield prefill, decode, transports[0]
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_a_read_is_claimed_and_counts_only_within_the_hold_prefill_promised(clock, long_pair):
+    """Decode sends its claim with the READ; prefill answers a hold as a duration on its
+    own clock (capped at MAX_HOLD_S). Decode's engine then stalls past that hold: the READ
+    it finds landed may have read blocks prefill gave back, so the load fails, although
+    decode's own deadline is far away."""
+    from kvbridge.connector.worker.prefill.sender import MAX_HOLD_S
+
+    prefill, decode, late = long_pair
+    d = _start_load(prefill, decode, late)
+    _answered(prefill, decode, 1)  # held MAX_HOLD_S from when decode sent it
+    clock.now += MAX_HOLD_S + 10  # decode's engine stalls; prefill's lease ends meanwhile
+    prefill.step()
+    assert "p1" in prefill.freed
+    late.land(prefill.step)  # the READ lands (what it read is no longer p1's)
+    decode.step()
+    [failure] = failed(decode, d.request_id)
+    assert "after the hold prefill promised" in failure.reason
+    assert not loaded(decode, d.request_id)
+
+
+def test_a_read_running_past_half_its_hold_claims_again(clock, long_pair):
+    """A long READ refreshes its claim at half the hold; prefill extends it; the READ
+    that lands later than the first hold counts."""
+    from kvbridge.connector.worker.prefill.sender import MAX_HOLD_S
+
+    prefill, decode, late = long_pair
+    d = _start_load(prefill, decode, late)
+    _answered(prefill, decode, 1)
+    clock.now += MAX_HOLD_S / 2 + 1
+    decode.step()
+    assert decode.worker.metrics.claims_sent == 2
+    _answered(prefill, decode, 2)  # the refresh: another MAX_HOLD_S
+    clock.now += MAX_HOLD_S / 2 + 10  # past the first hold, within the second
+    prefill.step()
+    assert "p1" not in prefill.freed
+    late.land(prefill.step)
+    run_until([decode, prefill], lambda: loaded(decode, d.request_id), "the load")
+    assert not failed(decode, d.request_id)
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free on Done")
+
+
+def test_an_abort_on_prefill_waits_for_the_claim_it_granted(clock, pair):
+    """The prefill engine aborts a request decode is reading (claim granted): the blocks
+    stay the request's until decode's Done, and the load lands exactly."""
+    prefill, decode, late = pair
+    d = _start_load(prefill, decode, late)
+    _answered(prefill, decode, 1)
+    prefill.sched.request_aborted("p1")
+    for _ in range(3):
+        prefill.step()
+    assert "p1" not in prefill.freed, "an abort freed blocks a granted claim covers"
+    assert prefill.sched.defers_free("p1")
+    late.land(prefill.step)
+    run_until([decode, prefill], lambda: loaded(decode, d.request_id), "the load")
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free on Done")
+
+
+# ------------------------------------------------------------------ push mode
+
+
+@pytest.fixture
+def push_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
+    """Push mode; prefill's WRITEs go through a LateTransport."""
+    transports: list[LateTransport] = []
+
+    def late(name: str) -> LateTransport:
+        transports.append(LateTransport(nixl_engine(name)))
+        return transports[-1]
+
+    push = {"transfer_mode": "push"}
+    prefill = make_side(
+        "kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0, engine_factory=late,
+        extra=push,
+    )
+    decode = make_side(
+        "kv_consumer", "decode", 16, FMT, "F", clock, transfer_timeout_s=TIMEOUT_S, extra=push,
+    )
+    try:
+        yield prefill, decode, transports[0]
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_a_push_past_decodes_deadline_holds_its_blocks_until_prefill_answers(clock, push_pair):
+    """Prefill's WRITE is still on the wire at decode's deadline: decode fails the load
+    but keeps its blocks out of the engine's hands (and prefill keeps its own pinned)
+    until the WRITE ended and prefill answered; afterwards nothing changes them."""
+    prefill, decode, late = push_pair
+    p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([decode, prefill], lambda: late.num_in_flight > 0, "prefill's WRITE to be posted")
+
+    clock.now += TIMEOUT_S + 1
+    for _ in range(3):
+        decode.step()
+        prefill.step()  # gets Done(ok=False): cancels, but the WRITE is still running
+    assert not failed(decode, "d1"), "a failed load was reported while a WRITE could land"
+    assert decode.sched.defers_free("d1")
+    assert "p1" not in prefill.freed, "prefill freed blocks its WRITE still reads"
+    assert decode.worker.metrics.loads_held == 1
+
+    late.land(decode.step)  # the cancelled WRITE lands after all
+    run_until([prefill, decode], lambda: bool(failed(decode, "d1")), "the held failure")
+    assert not loaded(decode, "d1")
+    given_back = _blocks(decode, d)
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1")
+    assert late.num_in_flight == 0
+    for _ in range(3):
+        decode.step()
+        prefill.step()
+    assert torch.equal(_blocks(decode, d), given_back)
+    assert prefill.worker.num_live_handles == 0

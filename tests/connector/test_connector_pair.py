@@ -609,12 +609,14 @@ def test_near_the_first_lease_end_decode_claims_the_blocks_before_reading(clock)
 
 
 def test_blocks_whose_lease_ran_out_are_never_read(clock):
-    """Decode took the request at 25 s; prefill's lease ran out at 30 s before the load
-    started. The claim is refused, nothing is read, decode recomputes."""
+    """Decode took the request at 25 s; prefill's lease (on its worker's clock, from when
+    the worker got the request) ran out at 30 s before the load started. The claim is
+    refused, nothing is read, decode recomputes."""
     prefill, decode = _same_format_pair(clock)
     try:
         p = Request("p1", token_ids(100), _remote_decode())
         params = prefill_finish(prefill, p)
+        prefill.step()  # the worker holds it from now
         clock.now += 25.0
         d = Request("d1", p.prompt_token_ids, params)
         assert decode_admit(decode, d) == 99

@@ -14,7 +14,6 @@ import torch
 from kvbridge.connector.common.notifications import Push, decode_notification, encode_notification
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import SendState
-from kvbridge.connector.worker.decode.push_rounds import PUSH_MARGIN_S
 from kvbridge.handshake.description import parse_description
 from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
 from kvbridge.layouts.layout import KVLayout
@@ -366,12 +365,13 @@ def test_an_abort_between_pushed_rounds_returns_every_slot_and_frees_prefill(mak
     _pools_full(prefill, decode)
 
 
-def test_slots_of_a_round_prefill_never_answers_come_back_after_its_deadline(
+def test_a_round_prefill_has_not_answered_holds_its_blocks_and_slots_until_it_does(
     make_staged_pair, clock
 ):
-    """Prefill never sees round 0 (it does not step): after decode gives up, the round's
-    slots stay held until prefill can no longer be writing (the round's timeout plus the
-    margin), then come back."""
+    """Prefill does not step (frozen): after decode gives up, round 0's blocks and slots
+    stay out of the engine's hands however long it takes (a WRITE already posted cannot
+    be cancelled), counted overdue after the transfer timeout; prefill's answer, once its
+    WRITEs ended, gives them back and reports the failed load."""
     prefill, decode = make_staged_pair(128, 32, staging_slots=2.5)
     p = Request("p1", token_ids(600), _remote_decode())
     params = prefill_finish(prefill, p)
@@ -382,13 +382,18 @@ def test_slots_of_a_round_prefill_never_answers_come_back_after_its_deadline(
     assert decode.worker.num_leased_staging_bytes == slots
     decode.sched.request_aborted("d1")
     decode.step()
-    clock.now += decode.worker.config.transfer_timeout_s - 1.0  # before the round's end
-    decode.step()
-    assert decode.worker.num_leased_staging_bytes == slots
-    clock.now += 2.0 + PUSH_MARGIN_S
-    decode.step()
+    for _ in range(3):  # far past the round's timeout: still held
+        clock.now += 2 * decode.worker.config.transfer_timeout_s
+        decode.step()
+        assert decode.worker.num_leased_staging_bytes == slots
+        assert "d1" not in decode.freed and decode.sched.defers_free("d1")
+    assert decode.worker.metrics.held_overdue == 1
+    run_until(
+        [prefill, decode],
+        lambda: "p1" in prefill.freed and "d1" in decode.freed,
+        "prefill to answer the round and both sides to free",
+    )
     assert decode.worker.num_leased_staging_bytes == 0
-    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free")
     decode.pool.free([b for ids in d.block_ids for b in ids])
     _pools_full(prefill, decode)
 

@@ -242,8 +242,8 @@ def test_hybrid_without_a_resume_block_falls_back_to_the_last_state_boundary() -
     assert params.remote_block_ids == [full[:6], window[4:6], [state[5]]]
     assert eng.pool.num_used == 6 + 2 + 1
     eng.step()
-    eng.clock.advance(LEASE_S)
-    _, events = eng.step()
+    out = WorkerOutput(finished_sending=frozenset({"r"}), expired_leases=frozenset({"r"}))
+    _, events = eng.step(out)
     assert events.free_request_ids == {"r"}
     eng.assert_clean()
 
@@ -282,19 +282,22 @@ def test_state_placeholders_are_trimmed_and_never_freed() -> None:
     eng.assert_clean()
 
 
-def test_lease_expiry_frees_and_tells_the_worker() -> None:
+def test_the_scheduler_keeps_no_lease_clock() -> None:
+    """One clock decides when a hold ends: the worker's (it may have granted a decode a
+    claim past the lease). The scheduler frees only on the worker's report."""
     eng = Engine(KVRole.PRODUCER)
     eng.finish(remote_decode("r", 20))
     eng.step()
-    eng.clock.advance(LEASE_S - 0.5)
-    _, events = eng.step()
+    eng.clock.advance(10 * LEASE_S)
+    meta, events = eng.step()
+    assert meta.reqs_freed == () and meta.sends_to_end == ()
     assert events.free_request_ids == frozenset()
-    eng.clock.advance(0.5)
-    meta, events = eng.step()  # expired in build_connector_meta, freed in this update
-    assert meta.reqs_freed == ("r",)
+    assert eng.sched.defers_free("r")
+    out = WorkerOutput(finished_sending=frozenset({"r"}), expired_leases=frozenset({"r"}))
+    _, events = eng.step(out)
     assert events.free_request_ids == {"r"}
     assert eng.sched.send_outcomes == {SendState.EXPIRED: 1}
-    # Decode's late Done must not free again.
+    # a repeated report must not free again
     _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
     assert events.free_request_ids == frozenset()
     assert eng.sched.ignored[Ignored.FINISHED_SENDING] == 1
@@ -314,49 +317,36 @@ def test_lease_expired_on_the_worker_side() -> None:
     eng.assert_clean()
 
 
-def test_lease_is_checked_on_update_as_well() -> None:
-    eng = Engine(KVRole.PRODUCER)
-    eng.finish(remote_decode("r", 20))
-    eng.sched.build_connector_meta()
-    eng.clock.advance(LEASE_S + 1)
-    events = eng.sched.update_connector_output(WorkerOutput())
-    assert events.free_request_ids == {"r"}
-    eng.pool.free(eng.sched.take_blocks_to_free("r"))
-    eng.assert_clean()
-
-
-def test_heartbeats_extend_the_lease() -> None:
-    eng = Engine(KVRole.PRODUCER)
+def test_finished_sending_under_tp_waits_for_every_rank() -> None:
+    eng = Engine(KVRole.PRODUCER, tp_size=2)
     eng.finish(remote_decode("r", 20))
     eng.step()
-    for _ in range(5):  # 5 x 25 s = 125 s, far past one 30 s lease
-        eng.clock.advance(25.0)
-        _, events = eng.step(WorkerOutput(heartbeats=frozenset({"r"})))
-        assert events.free_request_ids == frozenset()
-    eng.clock.advance(29.0)
-    _, events = eng.step()
-    assert events.free_request_ids == frozenset()
-    eng.clock.advance(1.0)
-    _, events = eng.step()
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    assert events.free_request_ids == frozenset()  # rank 1 may still serve a READ
+    assert eng.sched.defers_free("r")
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
     assert events.free_request_ids == {"r"}
-    _, events = eng.step(WorkerOutput(heartbeats=frozenset({"r", "nobody"})))
-    assert eng.sched.ignored[Ignored.HEARTBEAT] == 2
     eng.assert_clean()
 
 
-def test_prefill_abort_while_held_frees_at_once() -> None:
+def test_prefill_abort_while_held_waits_for_the_worker() -> None:
+    """A held request the engine aborts: the worker ends the hold (after any claim it
+    granted a decode) and reports it; the blocks are freed only then, exactly once."""
     eng = Engine(KVRole.PRODUCER)
     eng.finish(remote_decode("r", 50))
     eng.step()
     eng.sched.request_aborted("r")
-    assert not eng.sched.defers_free("r")
-    kept = eng.sched.take_blocks_to_free("r")  # the engine may free right away
-    assert sorted(kept) == sorted(eng.held["r"][0])
-    eng.pool.free(kept)
-    meta, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
-    assert meta.reqs_freed == ("r",)
-    assert events.free_request_ids == {"r"}  # taking again yields nothing: no double free
+    eng.sched.request_aborted("r")  # twice: queued once
+    assert eng.sched.defers_free("r")
+    assert eng.sched.take_blocks_to_free("r") == ()
+    meta, events = eng.step()
+    assert meta.sends_to_end == ("r",) and meta.reqs_freed == ()
+    assert events.free_request_ids == frozenset()
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    assert events.free_request_ids == {"r"}
     assert eng.sched.send_outcomes == {SendState.ABORTED: 1}
+    _, events = eng.step(WorkerOutput(finished_sending=frozenset({"r"})))
+    assert events.free_request_ids == frozenset()  # no double free
     assert eng.sched.ignored[Ignored.FINISHED_SENDING] == 1
     eng.assert_clean()
 
@@ -757,13 +747,23 @@ def test_decode_engine_misuse_raises() -> None:
 
 
 class Wire:
-    """Fake workers: decode's Done / heartbeats reach prefill's finished_sending / heartbeats;
+    """Fake workers: decode's Done and heartbeats reach a prefill worker that holds each
+    request under its lease (the one clock) and reports it finished_sending once;
     loads complete (or fail) when the test says so."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
         self.done: set[str] = set()  # prefill ids decode is finished with
         self.beats: set[str] = set()
         self.loading: dict[str, str] = {}  # decode rid -> prefill rid
+        self.holds: dict[str, float] = {}  # prefill worker: rid -> lease end
+        self.ended: set[str] = set()
+        self.to_end: set[str] = set()
+
+    def prefill_meta(self, meta: ConnectorMetadata) -> None:
+        for spec in meta.reqs_to_send:
+            self.holds[spec.request_id] = self.clock.now + spec.lease_s
+        self.to_end |= set(meta.sends_to_end)
 
     def decode_meta(self, meta: ConnectorMetadata) -> None:
         for spec in meta.reqs_to_load:
@@ -784,9 +784,29 @@ class Wire:
         return WorkerOutput(finished_recving=frozenset(finish), failed_loads=failures)
 
     def prefill_output(self) -> WorkerOutput:
-        out = WorkerOutput(finished_sending=frozenset(self.done), heartbeats=frozenset(self.beats))
-        self.done, self.beats = set(), set()
-        return out
+        now, finished, expired = self.clock.now, set(), set()
+        for rid in list(self.holds):
+            if rid in self.beats:
+                self.holds[rid] = max(self.holds[rid], now + LEASE_S)
+            if rid in self.done or rid in self.to_end:
+                finished.add(rid)
+            elif now > self.holds[rid]:
+                finished.add(rid)
+                expired.add(rid)
+        for rid in finished:
+            del self.holds[rid]
+        assert not finished & self.ended, "a hold reported finished twice"
+        self.ended |= finished
+        self.done, self.beats, self.to_end = set(), set(), self.to_end - finished
+        return WorkerOutput(
+            finished_sending=frozenset(finished), expired_leases=frozenset(expired)
+        )
+
+    def prefill_step(self, prefill: Engine) -> None:
+        self.prefill_meta(prefill.sched.build_connector_meta())
+        events = prefill.sched.update_connector_output(self.prefill_output())
+        for rid in events.free_request_ids:
+            prefill.pool.free(prefill.sched.take_blocks_to_free(rid))
 
 
 PLANS = [
@@ -855,7 +875,7 @@ def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng
     clock = FakeClock()  # one time line for both sides
     prefill = Engine(KVRole.PRODUCER, HYBRID, clock=clock)
     decode = Engine(KVRole.CONSUMER, HYBRID, clock=clock, failure_policy=FailurePolicy.FAIL)
-    wire = Wire()
+    wire = Wire(clock)
     plans, reqs = {}, {}
     for i, plan in enumerate(plan_list):
         rid, n = f"r{i}", rng.randint(40, 120)
@@ -871,7 +891,7 @@ def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng
                 if rng.random() < 0.3:
                     prefill.sched.request_aborted(rid)
         _decode_step(decode, wire, plans, outcomes, rng)
-        prefill.step(wire.prefill_output())
+        wire.prefill_step(prefill)
         clock.advance(rng.choice([0.5, 2.0, 8.0]))
     for rid in reqs:  # still waiting for blocks after 30 steps: give up
         if decode.sched.load_state(rid) is LoadState.MATCHED:
@@ -880,9 +900,9 @@ def test_prefill_and_decode_end_clean_whatever_happens(plan_list: list[str], rng
     _decode_step(decode, wire, plans, outcomes, None)  # every load left completes
     for rid in list(decode.blocks):
         decode.free_own(rid)  # loaded and released requests run to their end
-    prefill.step(wire.prefill_output())
-    clock.advance(LEASE_S)
-    prefill.step()
+    wire.prefill_step(prefill)
+    clock.advance(LEASE_S + 1)
+    wire.prefill_step(prefill)
     assert outcomes.keys() == reqs.keys()
     for rid, plan in plans.items():
         assert outcomes[rid] == EXPECTED.get(plan, outcomes[rid]), (rid, plan)

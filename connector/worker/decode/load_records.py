@@ -3,8 +3,9 @@
 A load reads from one prefill rank, or from several under tensor parallelism. Each source
 moves through::
 
-    pull  WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE)--> done
-               |                   (skipped when the plan needs no sender rewrite)
+    pull  WAITING_PEER --(peer ready)--> PREPARING --(Prepared)--> READING --(all DONE and
+               |                   (skipped when no     the claim covers them)--> done
+               |                    rewrite is due: the READ is posted with the claim)
     push  WAITING_PEER --(peer ready)--> PUSHED --(Pushed: prefill wrote)--> done
                                            ^  |  (staged pages left: the next round)
                                            |  v
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
-from kvbridge.connector.common.notifications import Push
+from kvbridge.connector.common.notifications import GroupRewrite, Push
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import XferHandle
 from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
@@ -64,8 +65,13 @@ class Source:
     batch: StageBatch | None = None  # the staging round in flight (read, or pushed)
     push: Push | None = None  # push mode: round 0 as sent; later rounds copy it
     round: int = 0  # push mode: the round in flight (or the next one)
-    round_agent: str = ""  # ... the agent asked, and when prefill surely stopped writing
-    round_expires: float = 0.0
+    round_agent: str = ""  # ... and the agent asked
+    # pull: the claim (Prepare) in flight and what the answered ones proved, on our clock
+    rewrites: list[GroupRewrite] = field(default_factory=list)  # every claim repeats them
+    claim_sent: float = 0.0  # when the claim in flight was sent (0: none in flight)
+    held_until: float = 0.0  # prefill holds the blocks at least until then
+    held_s: float = 0.0  # the last answered claim's hold (a refresh goes out at half)
+    reads_done: float = 0.0  # when the READs were seen complete (0: not yet)
 
 
 @dataclass

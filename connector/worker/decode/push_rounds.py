@@ -10,11 +10,12 @@
              no slot free: the source waits (STAGING) for another load to give some back
 
 Without staged groups (``GroupPlan.split_from``) a load is round 0 alone. Prefill answers
-every round that names slots exactly once: written, refused, or cancelled by our
-``Done(ok=False)``. A load that ends before that answer (abort, failure, deadline) leaves
-the round's slots *held*: lent to no other load until the answer comes, or until prefill
-can no longer be writing (it starts no write later than the round's ``timeout_s`` after it
-got the Push, cancels what still runs then, and we wait ``PUSH_MARGIN_S`` more).
+every round exactly once, once every WRITE it posted for the round ended: written,
+refused, or cancelled by our ``Done(ok=False)``. A load that fails before that answer
+(abort, failure, deadline) hands the round to the quarantine
+(``kvbridge.connector.worker.decode.quarantine``): its blocks and slots stay out of the
+engine's hands until the answer comes (a WRITE already posted cannot be cancelled), or
+until prefill is found gone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 
@@ -36,20 +36,13 @@ from kvbridge.connector.common.notifications import (
 )
 from kvbridge.connector.worker.decode.load_records import Load, LoadState, PushEndpoint, Source
 from kvbridge.connector.worker.peers import Peer
-from kvbridge.connector.worker.staging.staged_reads import StageBatch, StagedReads
+from kvbridge.connector.worker.staging.staged_reads import StagedReads
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
 
-PUSH_MARGIN_S = 1.0  # decode keeps a push's blocks and slots this long after prefill's last start
 MAX_PAGES_PER_ROUND = 1024  # keeps a round's Push far below the 64 KiB notification limit
-
-
-@dataclass
-class _Held:
-    batch: StageBatch
-    until: float  # prefill surely wrote nothing more into the slots after this
 
 
 class PushRounds:
@@ -69,11 +62,6 @@ class PushRounds:
         self._endpoint = endpoint
         self._send = send
         self._clock = clock
-        self._held: dict[tuple[str, str, int], _Held] = {}  # (agent, request, round)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
 
     def ask(self, load: Load, src: Source, peer: Peer, rewrites: list[GroupRewrite]) -> None:
         """Send round 0. Raises :class:`KVBridgeError` naming why prefill could not be
@@ -119,9 +107,8 @@ class PushRounds:
         if batch is None and src.round > 0:
             src.state = LoadState.STAGING
             return
-        now = self._clock()
-        # prefill starts no write after this; we keep the blocks PUSH_MARGIN_S longer
-        timeout = max(load.deadline - now - PUSH_MARGIN_S, 0.001)
+        # prefill starts no write after this (and answers once those it started ended)
+        timeout = max(load.deadline - self._clock(), 0.001)
         pages = []
         if batch is not None:
             pages = [
@@ -137,12 +124,13 @@ class PushRounds:
                 self._staged.cancel(batch)  # never asked for: the slots are free
             raise KVBridgeError(f"prefill {peer.key} unreachable for Push")
         src.batch, src.state = batch, LoadState.PUSHED
-        src.round_agent, src.round_expires = peer.agent, now + timeout + PUSH_MARGIN_S
+        src.round_agent = peer.agent
 
     def answered(self, load: Load, src: Source, msg: Pushed, peer: Peer | None) -> None:
         """Prefill answered the round in flight: split its pages, then ask the next round
         or mark the source DONE. Raises :class:`KVBridgeError` when the load fails."""
         batch, src.batch = src.batch, None
+        src.round_agent = ""  # answered: no WRITE of the round runs any more
         if not msg.ok:
             if batch is not None:
                 self._staged.cancel(batch)  # prefill released its writes before answering
@@ -155,39 +143,3 @@ class PushRounds:
             self.next_round(load, src, peer)
         else:
             src.state = LoadState.DONE
-
-    def hold(self, load: Load, src: Source) -> None:
-        """The load ends while a round that names slots is unanswered: keep those slots
-        until prefill answers it or cannot be writing any more."""
-        if src.batch is None:
-            return
-        key = (src.round_agent, load.spec.params.remote_request_id, src.round)
-        self._held[key] = _Held(batch=src.batch, until=src.round_expires)
-        src.batch = None
-
-    def late(self, msg: Pushed, agent: str) -> bool:
-        """A Pushed for a round whose load ended: its slots go back. False: not one."""
-        held = self._held.pop((agent, msg.request_id, msg.round), None)
-        if held is None:
-            return False
-        self._staged.cancel(held.batch)
-        return True
-
-    def expire(self) -> None:
-        """Give back the held slots of rounds prefill can no longer be writing."""
-        now = self._clock()
-        for key, held in list(self._held.items()):
-            if now > held.until:
-                del self._held[key]
-                self._staged.cancel(held.batch)
-                logger.warning(
-                    "push round %d of %s never answered by %s; its staging slots are free again",
-                    key[2],
-                    key[1],
-                    key[0],
-                )
-
-    def close(self) -> None:
-        for held in self._held.values():
-            self._staged.cancel(held.batch)
-        self._held.clear()

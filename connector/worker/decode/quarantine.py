@@ -1,4 +1,4 @@
-"""Failed loads whose READs may still be running: their blocks stay out of the engine's hands.
+"""Failed loads whose transfers may still run: their blocks stay out of the engine's hands.
 
 Releasing a NIXL handle does not stop an RMA operation already posted (NIXL's UCX backend
 cancels the request, UCX does not cancel a GET in flight): a READ abandoned at its deadline
@@ -12,15 +12,20 @@ its staging slots do not go back to their pool, until every READ it posted has *
       -> still running after ``overdue_s``   -> logged once and counted (held_overdue);
                                                 still held
 
+Push mode the same way: a failed load whose Push round prefill has not answered yet (its
+WRITEs may still land in our blocks and slots) is held until that round's ``Pushed``
+comes (prefill answers each round once, after every WRITE it posted ended), or until
+prefill is found gone.
+
 Tearing the peer down does not end a READ either: measured with NIXL 1.5 over
 ``UCX_TLS=tcp`` (tests/connector/test_worker_multiprocess.py), a READ from a SIGSTOPped
 prefill whose handle was released and whose agent was removed still wrote decode's blocks
 once the prefill resumed. So the quarantine never tears a peer down to end a hold: a READ
 ends when NIXL reports it done or failed. A peer that died (disconnect, failed
-notification) is removed by the receiver and outbox; its released handles count as ended,
-since a dead process sends nothing more. The worst case for a frozen peer is therefore
-as long as it stays frozen: the load waits, visible in the log and the metrics, and no
-byte lands in a block the engine got back.
+notification) is removed by the receiver and outbox; its released handles and its
+unanswered rounds count as ended, since a dead process sends nothing more. The worst case
+for a frozen peer is therefore as long as it stays frozen: the load waits, visible in the
+log and the metrics, and no byte lands in a block the engine got back.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from kvbridge.connector.worker.staging.staged_reads import StageBatch, StagedRea
 
 logger = logging.getLogger(__name__)
 
+Round = tuple[str, str, int]  # a push round: (prefill agent, prefill's request id, round)
+
 @dataclass
 class Held:
     """One failed load's transfers that had not ended when it failed."""
@@ -47,12 +54,16 @@ class Held:
     since: float
     handles: dict[PeerKey, list[XferHandle]] = field(default_factory=dict)
     batches: list[StageBatch] = field(default_factory=list)
+    rounds: set[Round] = field(default_factory=set)  # push rounds prefill has not answered
     overdue: bool = False
 
     @property
     def num_handles(self) -> int:
-        return sum(len(hs) for hs in self.handles.values()) + sum(
-            len(b.handles) for b in self.batches
+        """Transfers that may still land: READs, staging READs, unanswered push rounds."""
+        return (
+            sum(len(hs) for hs in self.handles.values())
+            + sum(len(b.handles) for b in self.batches)
+            + len(self.rounds)
         )
 
 
@@ -88,12 +99,14 @@ class Quarantine:
         handles: dict[PeerKey, list[XferHandle]],
         batches: list[StageBatch],
         on_end: Callable[[], None],
+        rounds: set[Round] | None = None,
     ) -> None:
-        """Take a failed load's handles and staging rounds; call ``on_end`` once none of
-        them can still run (at once when none is running now, else from ``step``)."""
+        """Take a failed load's handles, staging rounds and unanswered push rounds; call
+        ``on_end`` once none of them can still run (at once when none is running now,
+        else from ``step`` or ``answered``)."""
         held = Held(
             request_id=request_id, on_end=on_end, since=self._clock(), handles=handles,
-            batches=batches,
+            batches=batches, rounds=set(rounds or ()),
         )
         self._settle(held)
         if held.num_handles == 0:
@@ -107,6 +120,23 @@ class Quarantine:
             "they end", request_id, held.num_handles,
         )
 
+    def answered(self, round_: Round) -> bool:
+        """Prefill answered a push round of a failed load: its WRITEs ended. False: no
+        held load waits for it."""
+        for held in self._held:
+            if round_ in held.rounds:
+                held.rounds.discard(round_)
+                self.step()
+                return True
+        return False
+
+    def peer_gone(self, agent: str) -> None:
+        """``agent`` was removed (found dead): its rounds will never be answered, and
+        nothing more comes from it."""
+        for held in self._held:
+            held.rounds = {r for r in held.rounds if r[0] != agent}
+        self.step()
+
     def step(self) -> None:
         """Poll held transfers; end (report) the loads whose transfers all ended."""
         now = self._clock()
@@ -116,9 +146,10 @@ class Quarantine:
                 held.overdue = True
                 self._metrics.held_overdue += 1
                 peers = sorted({str(k) for k, hs in held.handles.items() if hs})
+                peers += sorted({f"agent {r[0]} (push round {r[2]})" for r in held.rounds})
                 logger.warning(
-                    "load %s failed %.1f s ago and %d READ(s) from %s still run: its blocks "
-                    "stay held until NIXL reports them ended (a frozen or unreachable peer)",
+                    "load %s failed %.1f s ago and %d transfer(s) from %s may still land: "
+                    "its blocks stay held until they end (a frozen or unreachable peer)",
                     held.request_id, now - held.since, held.num_handles,
                     ", ".join(peers) or "staging",
                 )
@@ -158,6 +189,7 @@ class Quarantine:
             for hs in held.handles.values():
                 for h in hs:
                     self._engine.release(h)
+            held.rounds.clear()
             self._give_back(held)
             held.on_end()
         self._held.clear()

@@ -4,14 +4,22 @@ A load reads from one prefill rank, or from several under tensor parallelism (ea
 some of this decode rank's KV heads; ``kvbridge.connector.worker.routing``). Each source moves
 through the states of ``kvbridge.connector.worker.decode.load_records``::
 
-    pull  WAITING_PEER --> PREPARING (only for a sender rewrite or a claim) --> READING --> done
+    pull  WAITING_PEER --> PREPARING (a sender rewrite is due) --> READING --> done
     push  WAITING_PEER --> PUSHED <--> STAGING (push rounds, decode.push_rounds) --> done
                `--- handshake failed / Prepared or Pushed not ok / TransferError /
-                    deadline --> failed
+                    deadline / the READ outlived the claimed hold --> failed
 
 and the load fails as soon as one source fails. Receiver rewrites (merge after load) run
 when every source's reads completed; then every prefill rank the route names is told
 ``Done`` so it frees its blocks.
+
+Every pull source claims its blocks (``Prepare`` with ``hold_s``, our remaining time).
+Prefill answers with the hold it guarantees, as a duration on its own clock
+(``Prepared.held_s``); we count it from when we *sent* the claim, so we never assume more
+than prefill promised. When no rewrite is due the READ goes out with the claim, not after
+its answer, and the source is done only once the answer came and the READs ended within
+the hold; a READ still running at half the hold sends a fresh claim. A READ that ended
+after the hold it was promised may have read blocks prefill gave back: the load fails.
 
 Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) land
 whole in staging slots, in rounds of as many slots as are free: read by decode
@@ -49,7 +57,7 @@ from kvbridge.connector.worker.decode.load_records import (
 from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
 from kvbridge.connector.worker.decode.pull_reads import PullReads
 from kvbridge.connector.worker.decode.push_rounds import PushRounds
-from kvbridge.connector.worker.decode.quarantine import Quarantine
+from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.staging.host_stage import HostStage
@@ -78,7 +86,6 @@ class Receiver:
         *,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
         repacker: Repacker | None = None,
         staging: StagingPools | None = None,
         router: Router | None = None,
@@ -104,6 +111,7 @@ class Receiver:
         self._quarantine = Quarantine(
             engine, self._staged, metrics, overdue_s=timeout_s, clock=clock
         )
+        peers.on_drop.append(self._quarantine.peer_gone)
         self._buffers = buffers
         self._metrics = metrics
         self._send = send
@@ -111,7 +119,6 @@ class Receiver:
         self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
-        self._wall_clock = wall_clock
         self._loads: dict[str, Load] = {}
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
@@ -169,12 +176,19 @@ class Receiver:
         rid = self._by_remote.get(request_id)
         load = self._loads.get(rid) if rid else None
         for src in load.sources if load is not None else ():
-            if src.state is state and (not agent or self._agent_of(src.key) == agent):
+            if state is LoadState.PREPARING and src.state is LoadState.READING:
+                if not src.claim_sent:
+                    continue  # no claim in flight: an answer to nothing
+            elif src.state is not state:
+                continue
+            if not agent or self._agent_of(src.key) == agent:
                 if state is not LoadState.PUSHED or src.round == push_round:
                     return load, src
         return None
 
     def on_prepared(self, msg: Prepared, agent: str = "") -> None:
+        """Prefill answered a claim: post the READs (a rewrite was due), or extend what
+        we know of the hold under READs already posted."""
         found = self._awaiting(msg.request_id, LoadState.PREPARING, agent)
         if found is None:
             self._metrics.bad_notifications += 1
@@ -183,13 +197,25 @@ class Receiver:
         if not msg.ok:
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
             return
-        self._post(load, src)
+        if msg.held_s <= 0:
+            self._finish_failed(
+                load,
+                f"prefill {src.key} did not say how long it holds the blocks (Prepared.held_s "
+                f"is 0: a kvbridge older than this decode? upgrade prefill first)",
+            )
+            return
+        src.held_until = max(src.held_until, src.claim_sent + msg.held_s)
+        src.held_s, src.claim_sent = msg.held_s, 0.0
+        if src.state is LoadState.PREPARING:
+            self._post(load, src)
+        elif src.reads_done:
+            self._settle_claim(load, src)
 
     def on_pushed(self, msg: Pushed, agent: str = "") -> None:
         """Prefill wrote a round of a load into our blocks and slots (or says why not)."""
         found = self._awaiting(msg.request_id, LoadState.PUSHED, agent, msg.round)
         if found is None:
-            if self._rounds is None or not self._rounds.late(msg, agent):
+            if not self._quarantine.answered((agent, msg.request_id, msg.round)):
                 self._metrics.bad_notifications += 1
             return
         assert self._rounds is not None  # PUSHED sources exist in push mode only
@@ -223,7 +249,10 @@ class Receiver:
                 # complete inside the post, and waiting for the engine's next step cost
                 # a whole step (bench_e2e: ~2 ms of a 2.3 ms load)
                 if src.state is LoadState.READING and load.spec.request_id in self._loads:
-                    self._poll_reads(load, src)
+                    if not src.reads_done:
+                        self._poll_reads(load, src)
+                    if load.spec.request_id in self._loads and not src.reads_done:
+                        self._refresh_claim(load, src, now)
             if load.spec.request_id not in self._loads:
                 continue
             if all(s.state is LoadState.DONE for s in load.sources):
@@ -235,8 +264,6 @@ class Receiver:
                     load,
                     f"load timed out: not complete within {self._timeout_s:.1f} s ({states})",
                 )
-        if self._rounds is not None:
-            self._rounds.expire()
         self._quarantine.step()
 
     def take_results(self) -> tuple[set[str], list[LoadFailure]]:
@@ -265,24 +292,56 @@ class Receiver:
             )
             for gid, rw in peer.plan.sender_rewrites().items()
         ]
-        params = load.spec.params
         if self._rounds is not None:
             self._ask_push(load, src, peer, rewrites)
             return
-        # A read that needs no rewrite goes straight to the blocks, unless prefill's first
-        # lease may be running out: then claim them first (an empty Prepare), so a block
-        # whose lease ran out is never read as if it were still the request's.
-        claim = bool(params.expires_at) and self._wall_clock() > params.expires_at - CLAIM_MARGIN_S
-        # a sender that rewrites on save may hold the blocks in another reader's format
-        claim = claim or bool(peer.layout and peer.layout.rewrites_on_save)
-        if rewrites or claim:
-            msg = Prepare(request_id=params.remote_request_id, rewrites=rewrites)
-            if self._send(peer, msg):
-                src.state = LoadState.PREPARING
-            else:
-                self._finish_failed(load, f"prefill {peer.key} unreachable for Prepare")
+        src.rewrites = rewrites
+        if not self._claim(load, src, peer):
+            return
+        # a rewrite is due, or a sender that rewrites on save may hold the blocks in
+        # another reader's format: read once prefill answered; else read right away
+        if rewrites or (peer.layout is not None and peer.layout.rewrites_on_save):
+            src.state = LoadState.PREPARING
             return
         self._post(load, src)
+
+    def _claim(self, load: Load, src: Source, peer: Peer) -> bool:
+        """Ask prefill to hold the blocks for the rest of our deadline (and to apply the
+        rewrites); False: it is unreachable and the load failed."""
+        now = self._clock()
+        msg = Prepare(
+            request_id=load.spec.params.remote_request_id,
+            rewrites=src.rewrites,
+            hold_s=max(load.deadline - now, 0.0),
+        )
+        if not self._send(peer, msg):
+            self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
+            return False
+        src.claim_sent = now
+        self._metrics.claims_sent += 1
+        return True
+
+    def _refresh_claim(self, load: Load, src: Source, now: float) -> None:
+        """READs still running past half the hold we know of: claim again."""
+        if src.claim_sent or not src.held_until or now < src.held_until - src.held_s / 2:
+            return
+        peer = self._ready_peer(src)
+        if peer is None:
+            self._finish_failed(load, f"peer {src.key} went away during the read")
+            return
+        self._claim(load, src, peer)
+
+    def _settle_claim(self, load: Load, src: Source) -> None:
+        """The READs ended: the source is done if they ended within the hold; it waits
+        while a claim is unanswered; otherwise the blocks may have been given back."""
+        if src.reads_done <= src.held_until:
+            src.state = LoadState.DONE
+        elif not src.claim_sent:
+            self._finish_failed(
+                load,
+                f"read from {src.key} ended {src.reads_done - src.held_until:.1f} s after the "
+                f"hold prefill promised: its blocks may have been given back, nothing kept",
+            )
 
     def _ask_push(self, load: Load, src: Source, peer: Peer, rewrites: list[GroupRewrite]) -> None:
         """Push mode: name our blocks (and slots, round by round) to prefill; it writes
@@ -335,7 +394,8 @@ class Receiver:
             return
         if done:
             self._release_source(load, src)
-            src.state = LoadState.DONE
+            src.reads_done = self._clock()
+            self._settle_claim(load, src)
 
     def _complete(self, load: Load) -> None:
         """Every source's reads are in: rewrite or repack what the plan asks, report."""
@@ -369,13 +429,11 @@ class Receiver:
         self._done.add(load.spec.request_id)
 
     def _release_source(self, load: Load, src: Source) -> None:
+        """A source whose transfers ended: handles and its staging round go back."""
         for h in src.handles:
             self._engine.release(h)
         src.handles.clear()
-        if src.batch is not None and src.state is LoadState.PUSHED:
-            assert self._rounds is not None
-            self._rounds.hold(load, src)  # prefill may still write into those slots
-        elif src.batch is not None:  # a source that is done: its rounds have ended
+        if src.batch is not None:
             self._staged.cancel(src.batch)
             src.batch = None
         src.staged.clear()
@@ -395,15 +453,19 @@ class Receiver:
             self._send(peer, msg)
 
     def _finish_failed(self, load: Load, reason: str, *, notify: bool = True) -> None:
-        """Fail ``load``. Releasing a handle does not stop a READ in flight, so the READs
-        and staging rounds it posted go to the quarantine; the engine hears of the failure
-        (and prefill gets Done) only when none of them can still land."""
+        """Fail ``load``. Releasing a handle does not stop a READ in flight, nor can we
+        stop prefill's WRITEs of a Push round it has not answered; so the READs, staging
+        rounds and unanswered push rounds go to the quarantine, and the engine hears of
+        the failure only when none of them can still land. Prefill gets ``Done(ok=False)``
+        then too (pull: it keeps the blocks until our READs ended), or at once when a push
+        round is unanswered (it stops writing, answers once its WRITEs ended)."""
         handles: dict[PeerKey, list[XferHandle]] = {}
         batches: list[StageBatch] = []
+        rounds: set[Round] = set()
+        rid = load.spec.params.remote_request_id
         for src in load.sources:
-            if src.batch is not None and src.state is LoadState.PUSHED:
-                self._release_source(load, src)  # push rounds hold their own slots
-                continue
+            if src.state is LoadState.PUSHED and src.round_agent:
+                rounds.add((src.round_agent, rid, src.round))
             handles[src.key] = list(src.handles)
             src.handles.clear()
             if src.batch is not None:
@@ -413,13 +475,16 @@ class Receiver:
         self._forget(load)
         self._metrics.transfer_failures += 1
         logger.warning("load %s failed: %s", load.spec.request_id, reason)
+        told = notify and bool(rounds)
+        if told:
+            self._notify_done(load, ok=False)  # the cancel: prefill stops, then answers
 
         def end() -> None:
-            if notify:
+            if notify and not told:
                 self._notify_done(load, ok=False)
             self._failed.append(failure(load.spec, reason))
 
-        self._quarantine.hold(load.spec.request_id, handles, batches, end)
+        self._quarantine.hold(load.spec.request_id, handles, batches, end, rounds)
 
     def _forget(self, load: Load) -> None:
         self._loads.pop(load.spec.request_id, None)
@@ -429,9 +494,5 @@ class Receiver:
         for load in list(self._loads.values()):
             self._finish_failed(load, "connector shut down")
         self._quarantine.close()
-        if self._rounds is not None:
-            self._rounds.close()
         self._staged.close()
 
-
-CLAIM_MARGIN_S = 10.0  # read without asking only while prefill's first lease has this left

@@ -5,9 +5,19 @@ each one::
 
     WAITING --(request kept here, decode described)--> WRITING --(all DONE)--> Pushed(ok)
        |                                                   |
-       `-- request ended / decode unreachable or           `-- TransferError / deadline
-           incompatible / plans differ / rewrite refused /
-           deadline                                      --> Pushed(ok=False, reason)
+       `-- request ended / decode unreachable or           `-- TransferError / deadline /
+           incompatible / plans differ / rewrite refused /     decode's Done(ok=False)
+           deadline                                                |
+                                        --> Pushed(ok=False)   ENDING: until NIXL reports
+                                                               every WRITE ended
+                                                                   `--> Pushed(ok=False)
+
+Releasing a handle does not stop a WRITE already posted (NIXL's UCX backend cannot cancel
+an RMA operation), so a push that fails or is cancelled while WRITEs run is answered only
+once each of them ended: decode keeps the blocks and slots the round names out of its
+engine's hands until that answer. Every Push round is answered exactly once. While a push
+writes, the request's blocks are pinned in the :class:`Sender` (its hold does not end, its
+rewrites are not undone, whatever ends the lease).
 
 Prefill looks decode up with its own handshake (``PeerDirectory(writer=True)``), so it
 plans exactly as decode did: the same pure ``negotiate`` on the same two descriptions,
@@ -15,7 +25,8 @@ checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.work
 very function decode uses to READ; here they become WRITEs from this worker's blocks (rewritten
 after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
 ``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
-(it gave up) cancels the writes first.
+(it gave up) cancels the push: no WRITE starts any more, and the answer follows once the
+ones posted ended.
 
 Engine-packed pages decode must stage (``GroupPlan.split_from``) go whole into the slots of
 decode's staging arena (advertised in its description, addressed by slot id), one ``Push``
@@ -38,7 +49,7 @@ import numpy as np
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
-from kvbridge.connector.transfer.errors import TransferError
+from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferState
 from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
@@ -54,6 +65,7 @@ MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
 class PushState(enum.Enum):
     WAITING = "waiting"  # for the request to be kept here and for decode's description
     WRITING = "writing"
+    ENDING = "ending"  # failed or cancelled: answered once every WRITE posted ended
 
 
 @dataclass
@@ -67,6 +79,9 @@ class _Push:
     handles: list[XferHandle] = field(default_factory=list)
     num_bytes: int = 0
     num_descs: int = 0
+    pinned: bool = False  # the request's blocks are pinned in the Sender
+    reason: str = ""  # ENDING: why it failed
+    overdue: bool = False  # ENDING longer than its timeout: logged once
 
 
 class Pusher:
@@ -134,18 +149,11 @@ class Pusher:
         )
 
     def cancel(self, request_id: str, reader_rank: int) -> None:
-        """Decode gave up on this push (``Done(ok=False)``): stop writing. A round that
-        names staging slots is answered all the same: decode lends them again only then."""
-        push = self._pushes.pop((request_id, reader_rank), None)
-        if push is None:
-            return
-        self._release(push)
-        if push.msg.staged:
-            reason = "cancelled: decode gave the load up"
-            self._reply(
-                push.agent,
-                Pushed(request_id=request_id, ok=False, reason=reason, round=push.msg.round),
-            )
+        """Decode gave up on this push (``Done(ok=False)``): start no WRITE any more; the
+        round is answered once the WRITEs posted ended (decode holds the blocks till then)."""
+        push = self._pushes.get((request_id, reader_rank))
+        if push is not None and push.state is not PushState.ENDING:
+            self._fail(push, "cancelled: decode gave the load up")
 
     def step(self) -> None:
         """Start pushes whose request and decode are ready; finish the written ones."""
@@ -158,10 +166,14 @@ class Pusher:
                 self._try_start(push, now)
             elif push.state is PushState.WRITING:
                 self._poll(push, now)
+            else:
+                self._settle(push, now)
 
     def close(self) -> None:
+        """Shutdown: the memory goes with the process; answer every push."""
         for push in list(self._pushes.values()):
-            self._fail(push, "prefill connector shut down")
+            self._release(push)
+            self._answer(push, ok=False, reason=push.reason or "prefill connector shut down")
 
     # -- internals ----------------------------------------------------------------------
 
@@ -202,13 +214,15 @@ class Pusher:
         spec = self._sender.kept(msg.request_id)
         assert spec is not None  # on_prepare just found it
         push.state = PushState.WRITING
+        self._sender.pin(msg.request_id)
+        push.pinned = True
         try:
             self._post_writes(push, peer, spec)
-        except TransferError as exc:
+        except PeerDisconnectedError as exc:  # decode is gone: nothing it holds matters
             self._fail(push, f"write to decode {push.key} failed: {exc}")
             self._targets.drop(push.key, f"transfer failed: {exc}")
             return
-        except KVBridgeError as exc:
+        except KVBridgeError as exc:  # this push only (the WRITEs posted so far end first)
             self._fail(push, f"could not post the writes: {exc}")
             return
         self._metrics.descriptors_posted += push.num_descs
@@ -271,33 +285,76 @@ class Pusher:
     def _poll(self, push: _Push, now: float) -> None:
         try:
             pending = [h for h in push.handles if self._engine.poll(h) is XferState.PENDING]
-        except TransferError as exc:
+        except PeerDisconnectedError as exc:
             self._fail(push, f"write to decode {push.key} failed: {exc}")
             self._targets.drop(push.key, f"transfer failed: {exc}")
+            return
+        except TransferError as exc:  # one WRITE failed: this push fails once all ended
+            self._fail(push, f"write to decode {push.key} failed: {exc}")
             return
         if pending:
             if now > push.deadline:
                 self._fail(push, f"writes not complete within {push.msg.timeout_s:.1f} s")
             return
         self._release(push)
-        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
         self._metrics.pushes_written += 1
         self._metrics.bytes_written += push.num_bytes
+        self._answer(push, ok=True)
+
+    def _fail(self, push: _Push, reason: str) -> None:
+        """The push fails: answered at once when no WRITE of it can still run, else once
+        NIXL reported each ended (ENDING)."""
+        self._metrics.push_failures += 1
+        logger.warning(
+            "push of %s (round %d) failed: %s", push.msg.request_id, push.msg.round, reason
+        )
+        push.state, push.reason = PushState.ENDING, reason
+        self._settle(push, self._clock())
+
+    def _settle(self, push: _Push, now: float) -> None:
+        """ENDING: drop the WRITEs that ended; answer once none is left."""
+        push.handles[:] = [h for h in push.handles if not self._ended(h)]
+        if not push.handles:
+            self._answer(push, ok=False, reason=push.reason)
+        elif not push.overdue and now > push.deadline + push.msg.timeout_s:
+            push.overdue = True
+            self._metrics.held_overdue += 1
+            logger.warning(
+                "push of %s (round %d) failed (%s) and %d WRITE(s) to %s still run: decode "
+                "keeps those blocks until NIXL reports them ended (a frozen or unreachable "
+                "decode)", push.msg.request_id, push.msg.round, push.reason,
+                len(push.handles), push.key,
+            )
+
+    def _ended(self, handle: XferHandle) -> bool:
+        if handle.released:  # by remove_peer: decode was found gone
+            return True
+        try:
+            state = self._engine.poll(handle)
+        except TransferError:
+            state = XferState.DONE  # failed: it ended, nothing more lands
+        if state is XferState.PENDING:
+            return False
+        self._engine.release(handle)
+        return True
+
+    def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
+        """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
+        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        if push.pinned:
+            push.pinned = False
+            self._sender.unpin(push.msg.request_id)
         self._reply(
             push.agent,
             Pushed(
                 request_id=push.msg.request_id,
-                ok=True,
-                num_bytes=push.num_bytes,
-                num_descs=push.num_descs,
+                ok=ok,
+                reason=reason,
+                num_bytes=push.num_bytes if ok else 0,
+                num_descs=push.num_descs if ok else 0,
                 round=push.msg.round,
             ),
         )
-
-    def _fail(self, push: _Push, reason: str) -> None:
-        self._release(push)  # releasing an in-flight handle cancels it
-        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
-        self._refuse(push.agent, push.msg, reason)
 
     def _refuse(self, agent: str, msg: Push, reason: str) -> None:
         self._metrics.push_failures += 1

@@ -24,6 +24,17 @@ allowed at all (``rewrites_in_place``) and asked for (``rewrite_on_save``, which
 handshake advertises: a reader that needs no rewrite then claims the blocks with an empty
 ``Prepare`` before reading, so a guess never reaches it).
 
+One clock decides when a hold ends: this one. The scheduler frees kept blocks only when
+this sender reports the request finished (``finished_sending``), never on a clock of its
+own. A claim (``Prepare``) extends the hold to at least ``max(lease_s, hold_s)`` from now
+and answers how long it lasts (``Prepared.held_s``); the hold then ends no sooner, not
+even on an engine abort (which waits for the claims it granted), unless every reader said
+``Done``. A push writing from the blocks *pins* them (:meth:`Sender.pin`): the hold does
+not end, whatever ends it, until the push's WRITEs ended::
+
+    kept --(Done from the last reader | lease ran out | abort past granted claims)-->
+         ending (pinned: wait for the pushes' WRITEs) --> restored, reported finished
+
 A ``Done`` may arrive before the request does: an engine hands its worker the finished
 request with its next step, and an idle engine takes none, while decode (which needs no
 ``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
@@ -57,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
 EARLY_PREPARE_TTL_S = 5.0  # how long a Prepare waits for its request to be added
+MAX_HOLD_S = 600.0  # the longest hold one claim may ask for (Prepare.hold_s)
 
 
 @dataclass
@@ -66,6 +78,9 @@ class _Pending:
     rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
     done_by: set[int] = field(default_factory=set)  # reader ranks that said Done
     eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
+    claimed_until: float = 0.0  # the latest hold end a claim was promised
+    pins: int = 0  # pushes whose WRITEs may still read the blocks
+    ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
 
 
 @dataclass
@@ -100,7 +115,6 @@ class Sender:
         self._blocks: dict[tuple[int, int], _BlockRewrite] = {}  # (group, block) -> state
         self._finished: set[str] = set()
         self._expired: set[str] = set()
-        self._heartbeats: set[str] = set()
         self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
         # request -> (expiry, [(requester agent, Prepare)]) waiting for the request
         self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
@@ -134,6 +148,11 @@ class Sender:
         """The answer to send ``agent``, or None: the request is not here yet, and the
         answer comes from :meth:`take_replies` once it is (or it waited too long)."""
         pending = self._pending.get(msg.request_id)
+        if pending is not None and not pending.ending and self._clock() > pending.deadline:
+            self.expire()  # its lease ran out before this step's expire(): so it ended
+            pending = self._pending.get(msg.request_id)
+        if pending is not None and pending.ending:
+            return _unknown(msg.request_id)  # its hold is ending: no new claim
         if pending is None:
             if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
                 return _unknown(msg.request_id)
@@ -142,8 +161,6 @@ class Sender:
             )
             waiting.append((agent, msg))
             return None
-        pending.deadline = max(pending.deadline, self._clock() + pending.spec.lease_s)
-        self._heartbeats.add(msg.request_id)  # the scheduler's lease is extended too
         if msg.rewrites and not self._rewrites_in_place:
             return Prepared(
                 request_id=msg.request_id,
@@ -174,7 +191,11 @@ class Sender:
             self._learned = wanted
         if pending.rewritten != before:
             self._stage_out(pending)
-        return Prepared(request_id=msg.request_id, ok=True)
+        now = self._clock()
+        hold = max(pending.spec.lease_s, min(max(msg.hold_s, 0.0), MAX_HOLD_S))
+        pending.deadline = max(pending.deadline, now + hold)
+        pending.claimed_until = pending.deadline
+        return Prepared(request_id=msg.request_id, ok=True, held_s=pending.deadline - now)
 
     def _stage_out(self, pending: _Pending) -> None:
         """Host staging: the mirror gets the request's blocks as the device holds them."""
@@ -212,20 +233,35 @@ class Sender:
         pending.done_by.add(msg.reader_rank)
         if len(pending.done_by) < max(1, msg.readers):
             return True
-        del self._pending[msg.request_id]
-        self._restore(pending)
-        self._finished.add(msg.request_id)
-        self._ended[msg.request_id] = self._clock()
+        pending.claimed_until = 0.0  # every reader is done: no claim left to honour
+        self._end(pending, "done")
         return True
 
     def kept(self, request_id: str) -> SendSpec | None:
-        """The spec of a request whose blocks are kept here (None: not, or not yet)."""
+        """The spec of a request whose blocks are kept here (None: not, not yet, or its
+        hold is ending)."""
         pending = self._pending.get(request_id)
-        return None if pending is None else pending.spec
+        return None if pending is None or pending.ending else pending.spec
+
+    def pin(self, request_id: str) -> None:
+        """A push starts WRITEs from the request's blocks: its hold does not end (nor its
+        rewrites get undone) until :meth:`unpin`."""
+        self._pending[request_id].pins += 1
+
+    def unpin(self, request_id: str) -> None:
+        """The push's WRITEs ended; a hold that ended meanwhile ends now."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return
+        pending.pins -= 1
+        if pending.ending:
+            self._end(pending, pending.ending)
 
     def has_ended(self, request_id: str) -> bool:
-        """The request was kept here and has ended (Done, lease, abort): never again."""
-        return request_id in self._ended
+        """The request was kept here and its hold ended or is ending (Done, lease,
+        abort): never again."""
+        pending = self._pending.get(request_id)
+        return request_id in self._ended or (pending is not None and bool(pending.ending))
 
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Reader ranks that said Done for a held request (None: not held)."""
@@ -236,21 +272,44 @@ class Sender:
         now = self._clock()
         for rid in msg.request_ids:
             pending = self._pending.get(rid)
-            if pending is not None:
-                pending.deadline = now + pending.spec.lease_s
-                self._heartbeats.add(rid)
+            if pending is not None and not pending.ending:
+                pending.deadline = max(pending.deadline, now + pending.spec.lease_s)
 
     def abort(self, request_id: str, *, report: bool = True) -> None:
-        """Drop a kept request, restoring its blocks; ``report`` lists it as finished."""
-        pending = self._pending.pop(request_id, None)
-        self._ended[request_id] = self._clock()  # also when it never got here
+        """The engine drops a kept request: its hold ends (blocks restored, reported
+        finished when ``report``) once no claim granted for it runs and no push writes
+        from it. ``report=False``: the scheduler freed it before this worker got it."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            self._ended.setdefault(request_id, self._clock())  # also when it never got here
         _, waiting = self._early_prepares.pop(request_id, (0.0, []))
         self._replies += [(agent, _unknown(request_id)) for agent, _ in waiting]
         self._early.pop(request_id, None)
         if pending is not None:
-            self._restore(pending)
-            if report:
-                self._finished.add(request_id)
+            self._end(pending, "aborted", report=report)
+
+    def _end(self, pending: _Pending, why: str, *, report: bool = True) -> None:
+        """End the hold now, or mark it ending when a push still writes from the blocks
+        or (an abort) a granted claim still runs; :meth:`expire` / :meth:`unpin` end it
+        later."""
+        now = self._clock()
+        rid = pending.spec.request_id
+        if pending.pins or (why == "aborted" and now < pending.claimed_until):
+            if not pending.ending:
+                logger.info(
+                    "hold of %s ends (%s) once %s", rid, why,
+                    "its pushes' WRITEs ended" if pending.pins else
+                    f"the claim granted for {pending.claimed_until - now:.1f} s more ran out",
+                )
+            pending.ending = why
+            return
+        del self._pending[rid]
+        self._restore(pending)
+        self._ended[rid] = now
+        if report:
+            self._finished.add(rid)
+        if why == "expired":
+            self._expired.add(rid)
 
     def expire(self) -> None:
         now = self._clock()
@@ -267,23 +326,22 @@ class Sender:
             if now - ended > EARLY_DONE_TTL_S:
                 del self._ended[rid]
         for rid, pending in list(self._pending.items()):
-            if now > pending.deadline:
-                self._pending.pop(rid)
-                self._restore(pending)
-                self._finished.add(rid)
-                self._expired.add(rid)
-                self._ended[rid] = now
+            if pending.ending:
+                self._end(pending, pending.ending)  # pinned or claimed: maybe over now
+            elif now > pending.deadline:
                 self._metrics.leases_expired += 1
                 logger.warning("lease of %s expired; freeing its blocks", rid)
+                self._end(pending, "expired")
 
     def take_replies(self) -> list[tuple[str, Prepared]]:
         """Deferred ``Prepared`` answers and the agents to send them to."""
         out, self._replies = self._replies, []
         return out
 
-    def take_results(self) -> tuple[set[str], set[str], set[str]]:
-        out = (self._finished, self._expired, self._heartbeats)
-        self._finished, self._expired, self._heartbeats = set(), set(), set()
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished, expired): each request once, the moment its hold ended here."""
+        out = (self._finished, self._expired)
+        self._finished, self._expired = set(), set()
         return out
 
     # -- rewrites -----------------------------------------------------------------------
@@ -342,8 +400,10 @@ class Sender:
         pending.rewritten.clear()
 
     def close(self) -> None:
-        for rid in list(self._pending):
-            self.abort(rid)
+        """Shutdown: the memory goes with the process (the pushes were closed first)."""
+        for pending in list(self._pending.values()):
+            pending.pins, pending.claimed_until = 0, 0.0
+            self._end(pending, "aborted")
 
 
 def _unknown(request_id: str) -> Prepared:
