@@ -424,11 +424,6 @@ def test_producer_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"share one block size.*\[16, 32\]"):
         KVBridgeScheduler(transfer_config(KVRole.PRODUCER), kv)
     KVBridgeScheduler(transfer_config(KVRole.CONSUMER), kv)  # fine for a consumer
-    with pytest.raises(ConfigError, match=r"extra\.max_peer_block_size is no longer used"):
-        KVBridgeScheduler(
-            transfer_config(KVRole.PRODUCER, extra={"max_peer_block_size": 64}),
-            kv_config((FULL,), 16),
-        )
 
 
 @settings(max_examples=300, deadline=None)
