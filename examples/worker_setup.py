@@ -13,10 +13,10 @@ kv-transfer-config sets it: ``--device cuda`` alone moves the cache's VRAM, and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kvbridge.connector.common.config import ConfigError, KVRole, KVTransferConfig
@@ -85,7 +85,7 @@ def transfer_config(args: argparse.Namespace, device: torch.device) -> KVTransfe
             f"kv-transfer-config says {config.kv_role.value!r}"
         )
     if "kv_buffer_device" not in _given_keys(raw):
-        config = dataclasses.replace(config, kv_buffer_device=device.type)
+        config = msgspec.structs.replace(config, kv_buffer_device=device.type)
     return config
 
 
@@ -113,6 +113,6 @@ def _connector(config: KVTransferConfig, runner: ModelRunner, info: dict):
     worker = KVBridgeWorker(config, model)
     worker.register_kv_caches(runner.buffers)
     if not config.kv_port:  # an ephemeral side channel: advertise the bound port
-        config = dataclasses.replace(config, kv_port=worker.side_channel_port)
+        config = msgspec.structs.replace(config, kv_port=worker.side_channel_port)
     info |= {"engine_id": config.engine_id, "kv_port": config.kv_port}
     return KVBridgeScheduler(config, runner.kv_config), worker

@@ -47,9 +47,20 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # No build isolation: the test venv's setuptools (the test extra pins >= 70.1) builds
     # it, with no download.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "-w", str(out), str(REPO)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
     )
     (path,) = out.glob("kvbridge-*.whl")
     return path
@@ -68,18 +79,34 @@ def test_every_module_imports_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    fresh_site = Path(subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip())
+    fresh_site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     # The dependencies (torch, nixl, vllm, ...) come from the test venv through a plain
     # path entry: a path in a .pth file is not a site dir, so the test venv's own editable
     # kvbridge (its finder .pth) is not loaded there.
     (fresh_site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--no-deps", "--no-index", "--disable-pip-version-check", str(wheel)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
     )
     with zipfile.ZipFile(wheel) as archive:
         modules = sorted(
@@ -99,7 +126,11 @@ def test_every_module_imports_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
         "sys.exit(1 if bad else 0)\n"
     )
     run = subprocess.run(
-        [str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [str(python), "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert len(modules) > 100

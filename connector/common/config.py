@@ -1,24 +1,28 @@
-"""Connector configuration, read once at the edge (CLI / JSON) into a frozen dataclass.
+"""Connector configuration, read once at the edge (CLI / JSON) into a frozen, typed Struct.
 
 In the spirit of ``--kv-transfer-config``::
 
     {"kv_role": "kv_producer", "engine_id": "prefill-0", "kv_port": 5600,
      "failure_policy": "recompute", "lease_s": 30, "extra": {"transfer_mode": "pull"}}
 
-Unknown keys are an error, in ``extra`` too (a typo must not silently fall back to a
-default): ``EXTRA_KEYS`` lists every ``extra`` key a worker or scheduler reads.
+One typed decoder (``msgspec.convert`` into :class:`KVTransferConfig`) reads it: an unknown
+key, in ``extra`` too, is an error naming it and the known keys (a typo must not silently
+fall back to a default), and a value of the wrong type is an error naming the key and the
+type wanted. Ranges and relations between keys are checked in ``__post_init__``, which runs
+for keyword construction, decoding and ``msgspec.structs.replace`` alike.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
+from kvbridge.connector.common.struct_errors import explain
+from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.errors import KVBridgeError
 
 
@@ -37,41 +41,85 @@ class FailurePolicy(enum.Enum):
     FAIL = "fail"  # end the request with the reason
 
 
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "kv_role": (KVRole,),
-    "engine_id": (str,),
-    "kv_ip": (str,),
-    "kv_port": (int,),
-    "kv_buffer_device": (str,),
-    "failure_policy": (FailurePolicy,),
-    "lease_s": (int, float),
-    "heartbeat_s": (int, float),
-    "handshake_timeout_s": (int, float),
-    "transfer_timeout_s": (int, float),
-    "secret": (str, type(None)),
-    "extra": (dict,),
+DEFAULT_STAGING_MIB = 64
+
+# Keys that once existed: whoever still sets one is told why it went.
+_RETIRED = {
+    "extra.max_peer_block_size": (
+        "is no longer used: decode resumes at the prompt's last token whatever the two block "
+        "sizes are, and prefill keeps exactly what that needs; remove the key"
+    ),
 }
 
-# Every key of ``extra`` kvbridge reads (kvbridge.connector.worker.worker_setup and
-# staging, the scheduler); max_peer_block_size is retired and refused by the scheduler
-# with its own message.
-EXTRA_KEYS = frozenset(
-    {
-        "transfer_mode",
-        "rewrite_on_save",
-        "staging_mib",
-        "warm_peers",
-        "nixl_progress_us",
-        "idle_progress_ms",
-        "merge_runs",
-        "engine_thread_nice",
-        "max_peer_block_size",
-    }
-)
+
+class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``extra`` object: the worker side's settings (README "Configuration keys")."""
+
+    # "pull": decode READs prefill's blocks; "push": prefill WRITEs into decode's. Prefill
+    # and decode must set the same (the handshake refuses a pair that disagrees).
+    transfer_mode: TransferMode = TransferMode.PULL
+    # false: rewrite a kept request's blocks when its reader asks (Prepare / Push); true:
+    # into the last reader's format as soon as they are saved, off the critical path
+    rewrite_on_save: bool = False
+    # the staging arena: landing pages for remote blocks larger than the local ones
+    staging_mib: float = DEFAULT_STAGING_MIB
+    # side-channel listeners ("host:port", one per remote rank) to handshake with at
+    # startup: a decode lists its prefills, a pushing prefill its decodes
+    warm_peers: tuple[str, ...] = ()
+    # > 0: NIXL's progress thread with that sleep between rounds (engines that stop
+    # calling the connector while idle); 0 leaves progress to the worker's calls
+    nixl_progress_us: int = 0
+    # > 0: a thread advances transfers whenever the engine has not called for that long
+    idle_progress_ms: float = 0.0
+    # true: post each run of blocks adjacent on both sides as one descriptor (NIXL
+    # already coalesces adjacent ones itself: kvbridge.connector.transfer.nixl_config)
+    merge_runs: bool = False
+    # 1-19: lower the engine's thread (it busy-waits between steps) to that nice value once
+    # kvbridge's threads run, so they are not starved where busy threads outnumber cores
+    engine_thread_nice: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staging_mib <= 0:
+            raise ConfigError(
+                f"extra.staging_mib={self.staging_mib:g} must be a positive number of MiB "
+                f"(landing pages for remote blocks larger than the local ones)"
+            )
+        if self.nixl_progress_us < 0:
+            raise ConfigError(
+                f"extra.nixl_progress_us={self.nixl_progress_us} must be >= 0 (microseconds)"
+            )
+        if self.idle_progress_ms < 0:
+            raise ConfigError(
+                f"extra.idle_progress_ms={self.idle_progress_ms:g} must be >= 0 (milliseconds)"
+            )
+        if not 0 <= self.engine_thread_nice <= 19:
+            raise ConfigError(
+                f"extra.engine_thread_nice={self.engine_thread_nice} must be an integer from "
+                f"0 (leave the engine thread's priority alone) to 19 (lowest)"
+            )
+        for item in self.warm_peers:
+            _peer_address(item)
+
+    @property
+    def staging_bytes(self) -> int:
+        return int(self.staging_mib * (1 << 20))
+
+    @property
+    def warm_peer_addresses(self) -> list[tuple[str, int]]:
+        return [_peer_address(item) for item in self.warm_peers]
 
 
-@dataclass(frozen=True, kw_only=True)
-class KVTransferConfig:
+def _peer_address(item: str) -> tuple[str, int]:
+    host, sep, port = item.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"extra.warm_peers entry {item!r} is not 'host:port' (a side-channel listener, "
+            f"port 1-65535)"
+        )
+    return host, int(port)
+
+
+class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kv_role: KVRole
     engine_id: str
     kv_ip: str = "127.0.0.1"
@@ -85,14 +133,16 @@ class KVTransferConfig:
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     secret: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: ExtraConfig = msgspec.field(default_factory=ExtraConfig)
 
     def __post_init__(self) -> None:
-        for name, types in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, types):
-                expected = " or ".join(t.__name__ for t in types)
-                raise ConfigError(f"{name}={value!r} must be of type {expected}")
+        # Types are the decoder's job (from_dict / from_json); keyword callers pass typed
+        # values. extra is checked here because it was once a plain dict.
+        if not isinstance(self.extra, ExtraConfig):
+            raise ConfigError(
+                f"extra={self.extra!r} must be an ExtraConfig (KVTransferConfig.from_dict "
+                f"reads a plain dict)"
+            )
         if not self.engine_id:
             raise ConfigError("engine_id must be a non-empty string")
         if self.kv_buffer_device != "auto":
@@ -101,11 +151,18 @@ class KVTransferConfig:
             raise ConfigError(f"kv_port={self.kv_port} must lie in [0, 65535]")
         for name in ("lease_s", "heartbeat_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+                raise ConfigError(f"{name}={getattr(self, name):g} must be positive")
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(
-                f"heartbeat_s={self.heartbeat_s} must be shorter than lease_s={self.lease_s}, "
+                f"heartbeat_s={self.heartbeat_s:g} must be shorter than lease_s={self.lease_s:g}, "
                 f"or leases expire between heartbeats"
+            )
+        if self.extra.warm_peers and not (
+            self.is_consumer or self.extra.transfer_mode is TransferMode.PUSH
+        ):
+            raise ConfigError(
+                "extra.warm_peers on a prefill in pull mode: it neither reads nor writes, its "
+                "readers connect to it (list the prefills on the decode side instead)"
             )
 
     @property
@@ -120,31 +177,21 @@ class KVTransferConfig:
     def secret_bytes(self) -> bytes | None:
         return self.secret.encode() if self.secret else None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form :meth:`from_dict` reads back."""
+        return msgspec.to_builtins(self)
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"unknown kv-transfer-config keys {unknown}; known: {sorted(known)}")
-        values = dict(raw)
-        if "kv_role" not in values:
-            raise ConfigError("kv_role is required (kv_producer, kv_consumer or kv_both)")
-        for name, enum_type in (("kv_role", KVRole), ("failure_policy", FailurePolicy)):
-            if name in values:
-                try:
-                    values[name] = enum_type(values[name])
-                except ValueError:
-                    choices = [member.value for member in enum_type]
-                    raise ConfigError(f"{name}={values[name]!r} is not one of {choices}") from None
-        if not isinstance(values.get("extra", {}), dict):
-            raise ConfigError("extra must be a JSON object")
-        unknown = sorted(set(values.get("extra", {})) - EXTRA_KEYS)
-        if unknown:
-            raise ConfigError(f"unknown extra keys {unknown}; known: {sorted(EXTRA_KEYS)}")
+    def from_dict(cls, raw: object) -> KVTransferConfig:
+        """Decode ``raw`` (a dict, as JSON gives it: enums by value); ``ConfigError`` names
+        the key path of the first bad key."""
         try:
-            return cls(**values)
-        except TypeError as exc:
-            raise ConfigError(f"bad kv-transfer-config: {exc}") from None
+            return msgspec.convert(raw, type=cls)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, ConfigError):  # raised by a __post_init__
+                raise exc.__cause__ from None
+            message = explain(exc, cls, raw, name="kv-transfer-config", retired=_RETIRED)
+            raise ConfigError(message) from None
 
     @classmethod
     def from_json(cls, text_or_path: str) -> KVTransferConfig:
@@ -156,12 +203,13 @@ class KVTransferConfig:
                 raise ConfigError(f"kv-transfer-config {text_or_path!r} is neither JSON nor a file")
             text = path.read_text()
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
+            raw = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
             raise ConfigError(f"kv-transfer-config is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("kv-transfer-config must be a JSON object")
         return cls.from_dict(raw)
+
+
+EXTRA_KEYS = frozenset(ExtraConfig.__struct_fields__)
 
 
 def parse_buffer_device(kv_buffer_device: str) -> torch.device:

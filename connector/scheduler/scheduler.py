@@ -54,15 +54,6 @@ from kvbridge.layouts.groups import KVCacheConfig
 logger = logging.getLogger(__name__)
 
 
-def _refuse_margin(config: KVTransferConfig) -> None:
-    if "max_peer_block_size" in config.extra:
-        raise ConfigError(
-            "extra.max_peer_block_size is no longer used: decode resumes at the prompt's last "
-            "token whatever the two block sizes are, and prefill keeps exactly what that "
-            "needs; remove the key"
-        )
-
-
 class KVBridgeScheduler:
     """The :class:`~kvbridge.connector.common.api.SchedulerConnector` of kvbridge, for either
     role."""
@@ -93,7 +84,6 @@ class KVBridgeScheduler:
                 f"carry a single remote_block_size); got {block_sizes} for groups "
                 f"0..{len(self._specs) - 1}"
             )
-        _refuse_margin(config)
         self._signer = ParamsSigner(config.secret_bytes, wall_clock=wall_clock)
         if not self._signer.enabled:
             logger.warning(

@@ -33,6 +33,12 @@ _VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
 # prefill's prefix hit to the frontend); they are vLLM's, not kvbridge's, and are dropped.
 _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
 
+# vLLM calls the connector only while it has work: an idle prefill must still answer the
+# READs (UCX's control traffic) of decodes that read its blocks, and their notifications
+# (a claim's Prepare, Done). Inside vLLM these replace ExtraConfig's defaults; a value the
+# user sets in "extra" wins.
+VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
+
 NULL_BLOCK_ID = 0  # vLLM's block pool hands block 0 out as the "null" placeholder
 
 
@@ -42,7 +48,7 @@ def transfer_config(vllm_kv_config: Any) -> KVTransferConfig:
     Top-level vLLM keys map one to one; ``kv_load_failure_policy`` is the failure policy
     (vLLM's scheduler applies it, so kvbridge must agree); every other kvbridge key
     (``kv_ip``, ``lease_s``, ``secret``, ``extra``, ...) goes in
-    ``kv_connector_extra_config``.
+    ``kv_connector_extra_config``. ``extra`` starts from :data:`VLLM_EXTRA_DEFAULTS`.
     """
     extra_config = dict(getattr(vllm_kv_config, "kv_connector_extra_config", None) or {})
     clash = sorted(set(extra_config) & {*_TOP_LEVEL, "failure_policy", "kv_role"})
@@ -67,6 +73,9 @@ def transfer_config(vllm_kv_config: Any) -> KVTransferConfig:
         "failure_policy": getattr(vllm_kv_config, "kv_load_failure_policy", "fail"),
         **extra_config,
     }
+    extra = raw.get("extra", {})
+    if isinstance(extra, dict):  # anything else: the decoder names the key and the type
+        raw["extra"] = {**VLLM_EXTRA_DEFAULTS, **extra}
     return KVTransferConfig.from_dict(raw)
 
 

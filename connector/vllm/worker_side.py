@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,6 @@ from kvbridge.connector.vllm.packing import CpuAttnRepacker
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
-from kvbridge.connector.worker.worker_setup import engine_thread_nice
 from kvbridge.layouts.external import adopt_kv_caches
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.layout import KVLayout
@@ -48,12 +46,7 @@ class VLLMWorkerSide:
         caches hold its share of the model's ``total_kv_heads`` KV heads."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
-        # vLLM calls the connector only while it has work: an idle prefill must still
-        # answer the READs (UCX's control traffic) of decodes that read its blocks, and
-        # their notifications (a claim's Prepare, Done)
-        defaults = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
-        config = replace(config, extra={**defaults, **config.extra})
-        self._engine_nice = engine_thread_nice(config.extra)
+        self._engine_nice = config.extra.engine_thread_nice
         spec = kv_config.groups[0].spec
         assert isinstance(spec, AttentionSpec)
         self.worker = KVBridgeWorker(
@@ -127,10 +120,7 @@ class VLLMWorkerSide:
     def worker_meta(self) -> KVBridgeWorkerMetadata | None:
         out, self._output = self._output, WorkerOutput()
         empty = not (
-            out.finished_sending
-            or out.finished_recving
-            or out.failed_loads
-            or out.expired_leases
+            out.finished_sending or out.finished_recving or out.failed_loads or out.expired_leases
         )
         return None if empty else KVBridgeWorkerMetadata(out)
 

@@ -1,7 +1,7 @@
 """The worker side: ``KVBridgeWorker`` and what both roles share.
 
-``worker`` (the object an engine's model runner calls), ``worker_setup`` (settings from
-``extra``, the NIXL engine, the engine lock), ``side_channel`` and ``peers`` (handshakes,
+``worker`` (the object an engine's model runner calls), ``worker_setup`` (the NIXL engine,
+the engine lock), ``side_channel`` and ``peers`` (handshakes,
 plans and descriptor lists per peer), ``inbox``/``outbox`` (notifications in and out),
 ``routing`` (which prefill ranks a decode rank reads from), ``load_rows`` (descriptor rows
 of one load), ``idle_progress`` and ``engine_thread`` (threads that keep transfers moving).

@@ -109,6 +109,11 @@ class PeerDirectory:
         # it end, notifications it owed never come)
         self.on_drop: list[Callable[[str], None]] = []
 
+    @property
+    def num_connecting(self) -> int:
+        """Handshakes in flight (their answers are applied by the next ``poll``)."""
+        return sum(p.state is PeerState.CONNECTING for p in self._peers.values())
+
     def get(self, key: PeerKey) -> Peer | None:
         return self._peers.get(key)
 

@@ -19,9 +19,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbridge.connector.common.config import ConfigError, KVTransferConfig
+from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.load_records import PushEndpoint
 from kvbridge.connector.worker.decode.receiver import Receiver
@@ -35,17 +36,8 @@ from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
 from kvbridge.connector.worker.staging.staged_reads import Repacker
-from kvbridge.connector.worker.staging.staging import StagingPools, staging_capacity
-from kvbridge.connector.worker.worker_setup import (
-    engine_call,
-    idle_progress_ms,
-    merge_runs,
-    nixl_engine,
-    progress_us,
-    rewrite_on_save,
-    transfer_mode,
-    warm_peers,
-)
+from kvbridge.connector.worker.staging.staging import StagingPools
+from kvbridge.connector.worker.worker_setup import engine_call, nixl_engine
 from kvbridge.handshake.affinity import unpinned
 from kvbridge.handshake.description import WorkerIdentity
 from kvbridge.handshake.messages import WorkerDescription
@@ -90,24 +82,20 @@ class KVBridgeWorker:
         self._stage: HostStage | None = None
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
-        self._staging_bytes = staging_capacity(config.extra)
-        self.transfer_mode = transfer_mode(config.extra)
-        self.rewrite_on_save = rewrite_on_save(config.extra) and rewrites_in_place
-        self._warm_peers = warm_peers(config.extra)
-        if self._warm_peers and not (config.is_consumer or self.transfer_mode is TransferMode.PUSH):
-            raise ConfigError(
-                "extra.warm_peers on a prefill in pull mode: it neither reads nor writes, its "
-                "readers connect to it (list the prefills on the decode side instead)"
-            )
+        extra = config.extra
+        self._staging_bytes = extra.staging_bytes
+        self.transfer_mode = extra.transfer_mode
+        self.rewrite_on_save = extra.rewrite_on_save and rewrites_in_place
+        self._warm_peers = extra.warm_peer_addresses
         self._router = Router(rank, tp_size, model.num_kv_heads)
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
         self.metrics = ConnectorMetrics()
         self._clock = clock
-        delay_us = progress_us(config.extra)
-        shared = bool(idle_progress_ms(config.extra))  # engine called from two threads
-        merge = merge_runs(config.extra)
+        delay_us = extra.nixl_progress_us
+        shared = bool(extra.idle_progress_ms)  # engine called from two threads
+        merge = MergeRuns.ON if extra.merge_runs else MergeRuns.OFF
         self._engine_factory = engine_factory or (
             lambda name: nixl_engine(name, delay_us, shared=shared, merge=merge)
         )
@@ -126,7 +114,7 @@ class KVBridgeWorker:
         self._closed = False
         # the engine's calls and the idle-progress thread (if any) take turns
         self._lock = threading.RLock()
-        idle_ms = idle_progress_ms(config.extra)
+        idle_ms = extra.idle_progress_ms
         self._idle = (
             IdleProgress(  # real time, always
                 self._lock, self._progress, idle_ms / 1000, on_failure=self._thread_died
@@ -317,6 +305,12 @@ class KVBridgeWorker:
             failed_loads=tuple(failed),
             expired_leases=frozenset(expired),
         )
+
+    @property
+    def num_connecting_peers(self) -> int:
+        """Handshakes with peers still in flight (0 when every peer answered)."""
+        dirs = (self._peers, self._targets)
+        return sum(d.num_connecting for d in dirs if d is not None)
 
     @property
     def num_live_handles(self) -> int:

@@ -51,8 +51,13 @@ class LateTransport:
 
     def _queue(self, op: XferOp, local, local_idx, remote, remote_idx, notif) -> XferHandle:
         handle = XferHandle(
-            object(), self, op=op, peer=remote.peer, num_descs=int(np.asarray(local_idx).size),
-            num_bytes=int(local.lens[np.asarray(local_idx)].sum()), notif=notif,
+            object(),
+            self,
+            op=op,
+            peer=remote.peer,
+            num_descs=int(np.asarray(local_idx).size),
+            num_bytes=int(local.lens[np.asarray(local_idx)].sum()),
+            notif=notif,
         )
         self.queued.append(
             Late(handle, local, np.asarray(local_idx), remote, np.asarray(remote_idx), notif)

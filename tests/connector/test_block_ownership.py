@@ -50,7 +50,13 @@ def pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
 
     prefill = make_side("kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0)
     decode = make_side(
-        "kv_consumer", "decode", 16, FMT, "F", clock, engine_factory=late,
+        "kv_consumer",
+        "decode",
+        16,
+        FMT,
+        "F",
+        clock,
+        engine_factory=late,
         transfer_timeout_s=TIMEOUT_S,
     )
     try:
@@ -144,7 +150,13 @@ def long_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
 
     prefill = make_side("kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0)
     decode = make_side(
-        "kv_consumer", "decode", 16, FMT, "F", clock, engine_factory=late,
+        "kv_consumer",
+        "decode",
+        16,
+        FMT,
+        "F",
+        clock,
+        engine_factory=late,
         transfer_timeout_s=1000.0,
     )
     try:
@@ -225,11 +237,25 @@ def push_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
 
     push = {"transfer_mode": "push"}
     prefill = make_side(
-        "kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0, engine_factory=late,
+        "kv_producer",
+        "prefill",
+        16,
+        FMT,
+        "F",
+        clock,
+        lease_s=120.0,
+        engine_factory=late,
         extra=push,
     )
     decode = make_side(
-        "kv_consumer", "decode", 16, FMT, "F", clock, transfer_timeout_s=TIMEOUT_S, extra=push,
+        "kv_consumer",
+        "decode",
+        16,
+        FMT,
+        "F",
+        clock,
+        transfer_timeout_s=TIMEOUT_S,
+        extra=push,
     )
     try:
         yield prefill, decode, transports[0]

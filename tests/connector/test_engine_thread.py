@@ -7,22 +7,9 @@ import threading
 
 import pytest
 
-from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
-from kvbridge.connector.worker.worker_setup import engine_thread_nice
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs setpriority")
-
-
-def test_engine_thread_nice_defaults_to_leaving_the_thread_alone():
-    assert engine_thread_nice({}) == 0
-    assert engine_thread_nice({"engine_thread_nice": 19}) == 19
-
-
-@pytest.mark.parametrize("value", [-1, 20, 2.5, True, "19", None])
-def test_engine_thread_nice_refuses_values_outside_0_to_19_by_name(value):
-    with pytest.raises(ConfigError, match=r"extra\.engine_thread_nice=.* from 0 .* to 19"):
-        engine_thread_nice({"engine_thread_nice": value})
 
 
 def _in_thread(fn):

@@ -50,9 +50,7 @@ def test_the_worker_is_unhealthy_once_its_idle_thread_died(
 
     monkeypatch.setattr(KVBridgeWorker, "_progress", broken)
     fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
-    side = make_side(
-        "kv_producer", "p", 16, fmt, "F", FakeClock(), extra={"idle_progress_ms": 2}
-    )
+    side = make_side("kv_producer", "p", 16, fmt, "F", FakeClock(), extra={"idle_progress_ms": 2})
     try:
         _wait(lambda: side.worker.unhealthy_reason is not None, "the worker to be unhealthy")
         assert "ValueError: a bug in the worker's progress" in side.worker.unhealthy_reason

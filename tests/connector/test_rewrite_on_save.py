@@ -101,12 +101,3 @@ def test_a_reader_that_needs_no_rewrite_claims_and_gets_the_native_blocks(sides)
     _finish_decode(hnd, a[1])
     _finish_decode(same, b[1])
     _pools_full(prefill, hnd, same)
-
-
-def test_rewrite_on_save_must_be_a_boolean():
-    from kvbridge.connector.common.config import ConfigError
-    from kvbridge.connector.worker.worker_setup import rewrite_on_save
-
-    assert rewrite_on_save({}) is False
-    with pytest.raises(ConfigError, match="rewrite_on_save='yes' must be true or false"):
-        rewrite_on_save({"rewrite_on_save": "yes"})

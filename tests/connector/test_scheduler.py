@@ -414,11 +414,6 @@ def test_producer_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"share one block size.*\[16, 32\]"):
         KVBridgeScheduler(transfer_config(KVRole.PRODUCER), kv)
     KVBridgeScheduler(transfer_config(KVRole.CONSUMER), kv)  # fine for a consumer
-    with pytest.raises(ConfigError, match=r"extra\.max_peer_block_size is no longer used"):
-        KVBridgeScheduler(
-            transfer_config(KVRole.PRODUCER, extra={"max_peer_block_size": 64}),
-            kv_config((FULL,), 16),
-        )
 
 
 @settings(max_examples=300, deadline=None)
@@ -798,9 +793,7 @@ class Wire:
         assert not finished & self.ended, "a hold reported finished twice"
         self.ended |= finished
         self.done, self.beats, self.to_end = set(), set(), self.to_end - finished
-        return WorkerOutput(
-            finished_sending=frozenset(finished), expired_leases=frozenset(expired)
-        )
+        return WorkerOutput(finished_sending=frozenset(finished), expired_leases=frozenset(expired))
 
     def prefill_step(self, prefill: Engine) -> None:
         self.prefill_meta(prefill.sched.build_connector_meta())

@@ -1,6 +1,6 @@
 """Staging slots (connector/worker/staging/staging.py) on a real NIXL agent: leases, slot sizes
-sharing one arena, the descriptor rows a read (or a pushing writer) lands in, and the config
-knob."""
+sharing one arena, and the descriptor rows a read (or a pushing writer) lands in
+(``extra.staging_mib`` itself: tests/connector/test_config_decoder.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
 from kvbridge.connector.worker.staging.staging import (
-    DEFAULT_STAGING_MIB,
     StagingPools,
     slot_offsets,
     slot_region,
-    staging_capacity,
 )
 from kvbridge.layouts.descriptors import block_descriptors
 from kvbridge.layouts.errors import KVBridgeError
@@ -125,14 +122,3 @@ def test_slot_offsets_put_a_plans_streams_back_to_back():
     )
     assert slot_offsets(g) == (0, 256, 768)
     assert g.staging_bytes == 896
-
-
-@pytest.mark.parametrize("bad", [0, -1, "64", True])
-def test_staging_mib_must_be_a_positive_number(bad):
-    with pytest.raises(ConfigError, match=r"extra\.staging_mib"):
-        staging_capacity({"staging_mib": bad})
-
-
-def test_staging_mib_defaults_and_fractions():
-    assert staging_capacity({}) == DEFAULT_STAGING_MIB << 20
-    assert staging_capacity({"staging_mib": 0.5}) == 1 << 19

@@ -399,7 +399,9 @@ def test_prefill_fault_while_read_in_flight(
 
     # past the deadline, and past it again: held (and overdue), never reported
     cluster.pump(
-        [decode], lambda: decode.worker.metrics.held_overdue == 1, "the held load to be overdue",
+        [decode],
+        lambda: decode.worker.metrics.held_overdue == 1,
+        "the held load to be overdue",
         2 * timeout_s + FAILURE_BOUND_S,
     )
     assert decode.worker.metrics.loads_held == 1

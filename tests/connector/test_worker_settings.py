@@ -4,21 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.transfer.nixl_config import MergeRuns, ProgressMode
-from kvbridge.connector.worker.worker_setup import merge_runs, nixl_engine
-
-
-def test_merge_runs_defaults_off_and_reads_true():
-    assert merge_runs({}) is MergeRuns.OFF
-    assert merge_runs({"merge_runs": False}) is MergeRuns.OFF
-    assert merge_runs({"merge_runs": True}) is MergeRuns.ON
-
-
-@pytest.mark.parametrize("value", ["yes", 1, None])
-def test_merge_runs_refuses_anything_but_a_bool_by_name(value):
-    with pytest.raises(ConfigError, match=r"extra\.merge_runs=.* must be true or false"):
-        merge_runs({"merge_runs": value})
+from kvbridge.connector.worker.worker_setup import nixl_engine
 
 
 @pytest.mark.parametrize(

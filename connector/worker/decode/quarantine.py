@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 Round = tuple[str, str, int]  # a push round: (prefill agent, prefill's request id, round)
 
+
 @dataclass
 class Held:
     """One failed load's transfers that had not ended when it failed."""
@@ -105,8 +106,12 @@ class Quarantine:
         ``on_end`` once none of them can still run (at once when none is running now,
         else from ``step`` or ``answered``)."""
         held = Held(
-            request_id=request_id, on_end=on_end, since=self._clock(), handles=handles,
-            batches=batches, rounds=set(rounds or ()),
+            request_id=request_id,
+            on_end=on_end,
+            since=self._clock(),
+            handles=handles,
+            batches=batches,
+            rounds=set(rounds or ()),
         )
         self._settle(held)
         if held.num_handles == 0:
@@ -116,8 +121,9 @@ class Quarantine:
         self._held.append(held)
         self._metrics.loads_held += 1
         logger.info(
-            "load %s failed with %d transfer(s) still running: its blocks stay held until "
-            "they end", request_id, held.num_handles,
+            "load %s failed with %d transfer(s) still running: its blocks stay held until they end",
+            request_id,
+            held.num_handles,
         )
 
     def answered(self, round_: Round) -> bool:
@@ -150,7 +156,9 @@ class Quarantine:
                 logger.warning(
                     "load %s failed %.1f s ago and %d transfer(s) from %s may still land: "
                     "its blocks stay held until they end (a frozen or unreachable peer)",
-                    held.request_id, now - held.since, held.num_handles,
+                    held.request_id,
+                    now - held.since,
+                    held.num_handles,
                     ", ".join(peers) or "staging",
                 )
             if held.num_handles == 0:

@@ -495,4 +495,3 @@ class Receiver:
             self._finish_failed(load, "connector shut down")
         self._quarantine.close()
         self._staged.close()
-

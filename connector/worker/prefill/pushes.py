@@ -104,6 +104,8 @@ class Pusher:
         self._reply = reply
         self._clock = clock
         self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
+        # answers waiting for decode's agent to be known here (our handshake with it)
+        self._outgoing: list[tuple[PeerKey, tuple[str, int] | None, str, Pushed]] = []
 
     @property
     def num_inflight(self) -> int:
@@ -168,6 +170,7 @@ class Pusher:
                 self._poll(push, now)
             else:
                 self._settle(push, now)
+        self._flush()
 
     def close(self) -> None:
         """Shutdown: the memory goes with the process; answer every push."""
@@ -322,8 +325,12 @@ class Pusher:
             logger.warning(
                 "push of %s (round %d) failed (%s) and %d WRITE(s) to %s still run: decode "
                 "keeps those blocks until NIXL reports them ended (a frozen or unreachable "
-                "decode)", push.msg.request_id, push.msg.round, push.reason,
-                len(push.handles), push.key,
+                "decode)",
+                push.msg.request_id,
+                push.msg.round,
+                push.reason,
+                len(push.handles),
+                push.key,
             )
 
     def _ended(self, handle: XferHandle) -> bool:
@@ -344,24 +351,53 @@ class Pusher:
         if push.pinned:
             push.pinned = False
             self._sender.unpin(push.msg.request_id)
-        self._reply(
-            push.agent,
-            Pushed(
-                request_id=push.msg.request_id,
-                ok=ok,
-                reason=reason,
-                num_bytes=push.num_bytes if ok else 0,
-                num_descs=push.num_descs if ok else 0,
-                round=push.msg.round,
-            ),
+        answer = Pushed(
+            request_id=push.msg.request_id,
+            ok=ok,
+            reason=reason,
+            num_bytes=push.num_bytes if ok else 0,
+            num_descs=push.num_descs if ok else 0,
+            round=push.msg.round,
         )
+        self._send_answer(push.msg, push.agent, answer)
+
+    def _send_answer(self, msg: Push, agent: str, answer: Pushed) -> None:
+        """Decode holds the round's blocks until this answer comes: it is sent once our
+        handshake with decode (which loads its agent here) is through."""
+        key = (msg.reader_engine_id, msg.reader_rank)
+        usable = bool(msg.reader_host) and 0 < msg.reader_port < 65536
+        self._outgoing.append(
+            (key, (msg.reader_host, msg.reader_port) if usable else None, agent, answer)
+        )
+        self._flush()
+
+    def _flush(self) -> None:
+        keep = []
+        for key, endpoint, agent, answer in self._outgoing:
+            peer = self._targets.get(key)
+            if peer is None and endpoint is not None:
+                self._targets.ensure(key, *endpoint)
+                keep.append((key, endpoint, agent, answer))
+                continue
+            if peer is not None and peer.state is PeerState.CONNECTING:
+                keep.append((key, endpoint, agent, answer))
+                continue
+            if not self._reply(agent, answer):  # READY or INCOMPATIBLE: its agent is known
+                logger.warning(
+                    "answer to push round %d of %s lost: decode %s unreachable (%s); it keeps "
+                    "the round's blocks until it finds this prefill gone",
+                    answer.round,
+                    answer.request_id,
+                    key,
+                    peer.reason if peer is not None else "no address",
+                )
+        self._outgoing = keep
 
     def _refuse(self, agent: str, msg: Push, reason: str) -> None:
         self._metrics.push_failures += 1
         logger.warning("push of %s (round %d) refused: %s", msg.request_id, msg.round, reason)
-        self._reply(
-            agent, Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
-        )
+        answer = Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
+        self._send_answer(msg, agent, answer)
 
     def _release(self, push: _Push) -> None:
         for h in push.handles:

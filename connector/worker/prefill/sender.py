@@ -221,8 +221,8 @@ class Sender:
         """A reader is done; the request ends with its last reader. False: unknown."""
         pending = self._pending.get(msg.request_id)
         if pending is None:
-            if msg.request_id in self._finished or len(self._early) >= 4096:
-                return False
+            if msg.request_id in self._ended or len(self._early) >= 4096:
+                return False  # ended here already (a late Done), or too many waiting
             _, early = self._early.setdefault(
                 msg.request_id, (self._clock() + EARLY_DONE_TTL_S, [])
             )
@@ -297,9 +297,12 @@ class Sender:
         if pending.pins or (why == "aborted" and now < pending.claimed_until):
             if not pending.ending:
                 logger.info(
-                    "hold of %s ends (%s) once %s", rid, why,
-                    "its pushes' WRITEs ended" if pending.pins else
-                    f"the claim granted for {pending.claimed_until - now:.1f} s more ran out",
+                    "hold of %s ends (%s) once %s",
+                    rid,
+                    why,
+                    "its pushes' WRITEs ended"
+                    if pending.pins
+                    else f"the claim granted for {pending.claimed_until - now:.1f} s more ran out",
                 )
             pending.ending = why
             return

@@ -25,25 +25,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbridge.connector.common.config import ConfigError
+# re-exported for the decode side's receiver, which sizes its own pools when none are handed
+# in; the default lives with the key (ExtraConfig.staging_mib)
+from kvbridge.connector.common.config import DEFAULT_STAGING_MIB as DEFAULT_STAGING_MIB
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.descriptors import block_descriptors
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.region import KVRegion, MemoryKind
-
-DEFAULT_STAGING_MIB = 64
-
-
-def staging_capacity(extra: dict[str, object]) -> int:
-    """Bytes of the staging arena from ``extra["staging_mib"]`` (default 64 MiB)."""
-    mib = extra.get("staging_mib", DEFAULT_STAGING_MIB)
-    if isinstance(mib, bool) or not isinstance(mib, int | float) or mib <= 0:
-        raise ConfigError(
-            f"extra.staging_mib={mib!r} must be a positive number of MiB (landing pages for "
-            f"remote blocks larger than the local ones)"
-        )
-    return int(mib * (1 << 20))
 
 
 def slot_region(arena: KVRegion, slot_bytes: int) -> KVRegion:

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec as VSliding,
 )
 
-from kvbridge.connector.common.config import ConfigError, FailurePolicy, KVRole
+from kvbridge.connector.common.config import ConfigError, ExtraConfig, FailurePolicy, KVRole
 from kvbridge.connector.common.params import ParamsError
 from kvbridge.connector.vllm import translate
 from kvbridge.layouts.layout import KVLayout
@@ -47,7 +47,15 @@ def test_transfer_config_maps_top_level_and_extra_keys():
     )
     assert cfg.kv_role is KVRole.PRODUCER and cfg.engine_id == "p0"
     assert (cfg.kv_ip, cfg.kv_port, cfg.lease_s) == ("127.0.0.2", 6100, 7)
-    assert cfg.failure_policy is FailurePolicy.RECOMPUTE and cfg.extra == {"merge_runs": True}
+    assert cfg.failure_policy is FailurePolicy.RECOMPUTE
+    # vLLM's own defaults for the progress keys, under what the user set
+    assert cfg.extra == ExtraConfig(merge_runs=True, nixl_progress_us=1000, idle_progress_ms=5)
+
+
+def test_a_user_value_wins_over_vllms_extra_defaults():
+    extra = {"extra": {"nixl_progress_us": 0}}
+    cfg = translate.transfer_config(_vcfg(kv_connector_extra_config=extra))
+    assert (cfg.extra.nixl_progress_us, cfg.extra.idle_progress_ms) == (0, 5)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +64,10 @@ def test_transfer_config_maps_top_level_and_extra_keys():
         ({"failure_policy": "fail"}, r"failure_policy -> kv_load_failure_policy"),
         ({"kv_port": 1}, r"top level"),
         ({"lease_s": -1}, r"lease_s=-1 must be positive"),
-        ({"typo_key": 1}, r"unknown kv-transfer-config keys \['typo_key'\]"),
+        ({"typo_key": 1}, r"unknown kv-transfer-config key 'typo_key'; known keys: \["),
+        ({"extra": {"merge_run": True}}, r"unknown kv-transfer-config key 'extra\.merge_run'"),
+        ({"extra": {"merge_runs": "yes"}}, r"extra\.merge_runs='yes' must be of type bool"),
+        ({"extra": [1]}, r"extra=\[1\] must be of type object"),
     ],
 )
 def test_bad_transfer_config_is_a_config_error(extra, message):
