@@ -18,7 +18,11 @@ import torch
 
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from kvbridge.connector.vllm.metadata import (
+    KVBridgeHandshakeMetadata,
+    KVBridgeMetadata,
+    KVBridgeWorkerMetadata,
+)
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
@@ -101,6 +105,11 @@ class VLLMWorkerSide:
         self.worker.register_kv_caches(buffers)
         if self._engine_nice:  # after kvbridge's threads started: they keep their priority
             lower_calling_thread_priority(self._engine_nice)
+
+    def handshake_metadata(self) -> KVBridgeHandshakeMetadata | None:
+        """This rank's bound side-channel port; None before ``register_kv_caches``."""
+        port = self.worker.side_channel_port
+        return KVBridgeHandshakeMetadata(self.worker.rank, port) if port else None
 
     def bind(self, metadata: Any) -> None:
         if not isinstance(metadata, KVBridgeMetadata):
