@@ -1,4 +1,11 @@
-"""HTTP services as subprocesses: free loopback ports, health wait, whole-group teardown.
+"""HTTP services as subprocesses: loopback ports, health wait, whole-group teardown.
+
+Ports: a service that can bind port 0 and say which port it got does so (kvbridge's
+proxy: ``--port 0 --ready-file``, read back here; kvbridge's side channels: ``kv_port``
+0). :func:`free_port` is the one place left that probes for a port another process binds
+later, for what cannot report an ephemeral port: vLLM's HTTP server (``--port``) and vLLM's
+own NixlConnector side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT``, ranks at base + rank).
+A service that died because such a port was taken meanwhile is relaunched (below).
 
 A :class:`Service` runs one command in its own session (``start_new_session=True``, so
 its process group id is its pid and every process it forks stays in that group), writes
@@ -14,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
@@ -74,17 +82,30 @@ def _bindable(host: str, port: int) -> bool:
 
 @dataclass
 class Launch:
-    """One way to start a service: command, extra environment, the port it serves on."""
+    """One way to start a service: command, extra environment, the port it serves on
+    (0 with a ``ready_file``: the service binds an ephemeral port and writes it there)."""
 
     argv: list[str]
     env: dict[str, str]
     port: int
     host: str = HOST
     details: dict[str, object] = field(default_factory=dict)
+    ready_file: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def read_port(self) -> bool:
+        """Whether the port is known (read from the ready file once it exists)."""
+        if self.port:
+            return True
+        assert self.ready_file is not None, "port 0 without a ready file"
+        try:
+            self.port = int(json.loads(self.ready_file.read_text())["port"])
+        except FileNotFoundError:
+            return False
+        return True
 
 
 class ServiceError(RuntimeError):
@@ -191,6 +212,8 @@ class Service:
                 self.start()
                 return False
             raise ServiceError(self, f"exited with code {code} before it was healthy")
+        if self.launch is not None and not self.launch.read_port():
+            return False  # not bound yet
         if self.healthy():
             self.ready_s = time.monotonic() - self.started_at
             return True
