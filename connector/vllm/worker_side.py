@@ -48,7 +48,8 @@ class VLLMWorkerSide:
         rank: int,
         tp_size: int,
     ) -> None:
-        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` and its
+        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
+        ephemeral port, reported by :meth:`handshake_metadata`) and its
         caches hold its share of the model's ``total_kv_heads`` KV heads."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
