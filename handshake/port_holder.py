@@ -38,6 +38,21 @@ def _socket_inodes(port: int, proc: Path) -> tuple[list[int], list[int]]:
     return listening, other
 
 
+def _links(fd_dir: Path) -> set[str]:
+    """What a process's descriptors point at; empty for another user's process."""
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:  # gone meanwhile, or another user's
+        return set()
+    links = set()
+    for fd in fds:
+        try:
+            links.add(os.readlink(fd))
+        except OSError:  # closed meanwhile (its threads keep running)
+            continue
+    return links
+
+
 def _owners(inodes: set[int], proc: Path) -> list[str]:
     """``pid N (command line)`` of every process holding one of ``inodes``."""
     wanted = {f"socket:[{i}]" for i in inodes}
@@ -45,11 +60,7 @@ def _owners(inodes: set[int], proc: Path) -> list[str]:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            links = {os.readlink(fd) for fd in (entry / "fd").iterdir()}
-        except OSError:  # gone meanwhile, or another user's
-            continue
-        if links & wanted:
+        if _links(entry / "fd") & wanted:
             try:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
                 words = " ".join(a.decode(errors="replace") for a in argv if a).split()
