@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from kvbridge.handshake.port_holder import port_holder
+
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 PORT_IN_USE_MARKERS = ("Address already in use", "EADDRINUSE", "Errno 98", "address in use")
@@ -207,11 +209,14 @@ class Service:
         assert self.proc is not None
         if self.proc.poll() is not None:
             code = self.proc.returncode
-            if self.tries < self.attempts and self._port_was_taken():
+            taken = self._port_was_taken()
+            if self.tries < self.attempts and taken:
+                print(f"{self.name}: {self._holder()}; relaunching", file=sys.stderr)
                 self.stop()
                 self.start()
                 return False
-            raise ServiceError(self, f"exited with code {code} before it was healthy")
+            why = f" ({self._holder()})" if taken else ""
+            raise ServiceError(self, f"exited with code {code} before it was healthy{why}")
         if self.launch is not None and not self.launch.read_port():
             return False  # not bound yet
         if self.healthy():
@@ -224,6 +229,14 @@ class Service:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_all([self], timeout_s)
+
+    def _holder(self) -> str:
+        """The port it found taken and who holds it, in words (the process may have died
+        of another of its ports, e.g. a NixlConnector side channel: its log says which)."""
+        if self.launch is None or not self.launch.port:
+            return "a port was taken"
+        where = f"{self.launch.host}:{self.launch.port}"
+        return f"a port was taken (HTTP port {where}: {port_holder(self.launch.port)})"
 
     def _port_was_taken(self) -> bool:
         tail = self.log_tail(200)
