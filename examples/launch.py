@@ -1,14 +1,14 @@
 """Launching real server processes: a prefill, a decode and the proxy, each in its own
-process group on 127.0.0.1 with free ports (fault tests, the soak script). Every wait has
-a deadline; ``close()`` kills whatever is left (SIGCONT first, so a stopped process can
-die)."""
+process group on 127.0.0.1 (fault tests, the soak script). Every server binds port 0 (HTTP
+and side channel) and reports what it got in its ready file (``examples/ready.py``): no
+port is picked here for a process to bind later. Every wait has a deadline; ``close()``
+kills whatever is left (SIGCONT first, so a stopped process can die)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbridge.examples.check import complete, http_get, parse_metrics
+from kvbridge.examples.ready import wait_ready_file
 
 if TYPE_CHECKING:
     import torch
@@ -25,25 +26,42 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-hybrid-state"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Proc:
+    """A server started with ``--port 0 --ready-file``: ``url`` (and ``ready``, the whole
+    record) are known once :meth:`wait_ready` read the file."""
+
     name: str
     argv: list[str]
-    url: str
     log: Path
     proc: subprocess.Popen | None = None
+    url: str = ""
+    ready: dict = field(default_factory=dict)
+
+    @property
+    def ready_file(self) -> Path:
+        return self.log.with_suffix(".ready.json")
 
     def start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.url, self.ready = "", {}
+        argv = [*self.argv, "--ready-file", str(self.ready_file)]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until the server bound its ports and said which (raises naming why not)."""
+        proc = self.proc
+        assert proc is not None
+        try:
+            self.ready = wait_ready_file(
+                self.ready_file, timeout_s, alive=lambda: proc.poll() is None
+            )
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError(f"{self.name}: {exc}:\n{self.tail()}") from None
+        self.url = self.ready["url"]
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -61,6 +79,8 @@ class Proc:
         self.proc.wait(timeout=10)
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        if not self.url:
+            self.wait_ready(timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc is not None and self.proc.poll() is None, (
@@ -142,79 +162,87 @@ class Cluster:
     decode_block_size: int = 16
 
     def __post_init__(self) -> None:
-        p_port, d_port, x_port = free_port(), free_port(), free_port()
         prefill_kv = {
             "kv_role": "kv_producer",
             "engine_id": "prefill-fault",
-            "kv_port": free_port(),
+            "kv_port": 0,  # the bound port reaches the params (and the ready file)
             **self.prefill_kv,
         }
         decode_kv = {
             "kv_role": "kv_consumer",
             "engine_id": "decode-fault",
-            "kv_port": free_port(),
+            "kv_port": 0,
             "handshake_timeout_s": 1.0,
             **self.decode_kv,
         }
-        urls = {n: f"http://127.0.0.1:{p}" for n, p in (("p", p_port), ("d", d_port))}
         self.procs = {
             "prefill": Proc(
                 "prefill",
-                self._worker_argv(
-                    "prefill", p_port, prefill_kv, self.prefill_block_size, self.prefill_args
-                ),
-                urls["p"],
+                self._worker_argv(prefill_kv, self.prefill_block_size, self.prefill_args),
                 self.logs / "prefill.log",
             ),
             "decode": Proc(
                 "decode",
-                self._worker_argv(
-                    "decode", d_port, decode_kv, self.decode_block_size, self.decode_args
-                ),
-                urls["d"],
+                self._worker_argv(decode_kv, self.decode_block_size, self.decode_args),
                 self.logs / "decode.log",
             ),
-            "proxy": Proc(
-                "proxy",
-                [
-                    sys.executable,
-                    "-m",
-                    "kvbridge.examples.proxy",
-                    "--port",
-                    str(x_port),
-                    "--prefill",
-                    urls["p"],
-                    "--decode",
-                    urls["d"],
-                    "--timeout",
-                    "60",
-                ],
-                f"http://127.0.0.1:{x_port}",
-                self.logs / "proxy.log",
-            ),
+            "proxy": Proc("proxy", [], self.logs / "proxy.log"),
         }
 
-    def _worker_argv(
-        self, role: str, port: int, kv: dict, block_size: int, extra: list[str]
-    ) -> list[str]:
-        server = [sys.executable, "-m", "kvbridge.examples.server", "--port", str(port)]
-        args = worker_args(role, kv, block_size, model=self.model, device=self.device)
+    def _worker_argv(self, kv: dict, block_size: int, extra: list[str]) -> list[str]:
+        server = [sys.executable, "-m", "kvbridge.examples.server", "--port", "0"]
+        args = worker_args(
+            "prefill" if kv["kv_role"] == "kv_producer" else "decode",
+            kv,
+            block_size,
+            model=self.model,
+            device=self.device,
+        )
         return server + args + extra
+
+    def _proxy_argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "kvbridge.examples.proxy",
+            "--port",
+            "0",
+            "--prefill",
+            self.procs["prefill"].url,
+            "--decode",
+            self.procs["decode"].url,
+            "--timeout",
+            "60",
+        ]
 
     def __getitem__(self, name: str) -> Proc:
         return self.procs[name]
 
     def start(self) -> Cluster:
-        for p in self.procs.values():
+        """The workers, then (their URLs known) the proxy; each healthy."""
+        workers = [self.procs["prefill"], self.procs["decode"]]
+        for p in workers:
             p.start()
-        for p in self.procs.values():
+        for p in workers:
             p.wait_healthy()
+        self._start_proxy()
         return self
 
+    def _start_proxy(self) -> None:
+        proxy = self.procs["proxy"]
+        proxy.kill()
+        proxy.argv = self._proxy_argv()
+        proxy.start()
+        proxy.wait_healthy()
+
     def restart(self, name: str) -> None:
+        """Kill and start ``name`` again (on new ephemeral ports); a restarted worker gets
+        a proxy that knows its new URL."""
         self.procs[name].kill()
         self.procs[name].start()
         self.procs[name].wait_healthy()
+        if name != "proxy":
+            self._start_proxy()
 
     def close(self) -> None:
         for p in self.procs.values():

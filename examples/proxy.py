@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from kvbridge.examples.ready import bind_failed, write_ready_file
+
 logger = logging.getLogger("kvbridge.proxy")
 MAX_BODY_BYTES = 1 << 20
 
@@ -237,7 +239,10 @@ class ProxyServer(ThreadingHTTPServer):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvbridge disaggregating proxy")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0: an ephemeral port")
+    parser.add_argument(
+        "--ready-file", default=None, help="write the bound port here as JSON (examples/ready.py)"
+    )
     parser.add_argument("--prefill", required=True, help="URL[,URL...] of prefill workers")
     parser.add_argument("--decode", required=True, help="URL[,URL...] of decode workers")
     parser.add_argument("--timeout", type=float, default=120.0, help="per upstream call (s)")
@@ -253,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = ProxyServer((args.host, args.port), router)
+    try:
+        server = ProxyServer((args.host, args.port), router)
+    except OSError as exc:
+        return bind_failed("the proxy", args.host, args.port, exc)
+    if args.ready_file:
+        write_ready_file(args.ready_file, args.host, server.server_address[1])
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     logger.info("proxy on http://%s:%d", args.host, server.server_address[1])
     try:

@@ -6,6 +6,9 @@
         --block-size 64 --kv-layout NHD --cross-layers --device cuda \\
         --kv-transfer-config '{"kv_role": "kv_producer", "engine_id": "prefill-0"}'
 
+``--port 0`` (and ``"kv_port": 0``) bind ephemeral ports; ``--ready-file PATH`` then says
+which (``examples/ready.py``).
+
 Threads: ``ThreadingHTTPServer`` handlers parse and validate (``examples/completions.py``),
 then hand a request to the single engine thread (``examples/engine_loop.py``) over a queue
 and wait on a per-request queue (with a timeout) for its outputs. The command line and
@@ -37,6 +40,7 @@ from kvbridge.examples.completions import (
     to_request,
 )
 from kvbridge.examples.engine_loop import EngineLoop
+from kvbridge.examples.ready import bind_failed, write_ready_file
 from kvbridge.examples.request import Request, RequestOutput
 from kvbridge.examples.worker_setup import build, make_parser
 from kvbridge.layouts.errors import KVBridgeError
@@ -219,7 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = WorkerHTTPServer((args.host, args.port), loop, info, args.request_timeout)
+    try:
+        server = WorkerHTTPServer((args.host, args.port), loop, info, args.request_timeout)
+    except OSError as exc:
+        loop.close()
+        return bind_failed("the worker's HTTP server", args.host, args.port, exc)
+    if args.ready_file:  # --port 0: the launcher learns the bound ports from here
+        write_ready_file(args.ready_file, args.host, server.server_address[1], **info)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     logger.info("serving %s on http://%s:%d", info, args.host, server.server_address[1])
     try:

@@ -33,7 +33,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="kvbridge example worker (HTTP)")
     parser.add_argument("--role", choices=sorted(ROLE_KV), default="both")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0: an ephemeral port")
+    parser.add_argument(
+        "--ready-file", default=None, help="write the bound ports here as JSON (examples/ready.py)"
+    )
     parser.add_argument("--kv-transfer-config", default=None, help="JSON, or a JSON file path")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--request-timeout", type=float, default=120.0)
@@ -112,7 +115,8 @@ def _connector(config: KVTransferConfig, runner: ModelRunner, info: dict):
     )
     worker = KVBridgeWorker(config, model)
     worker.register_kv_caches(runner.buffers)
-    if not config.kv_port:  # an ephemeral side channel: advertise the bound port
-        config = msgspec.structs.replace(config, kv_port=worker.side_channel_port)
-    info |= {"engine_id": config.engine_id, "kv_port": config.kv_port}
-    return KVBridgeScheduler(config, runner.kv_config), worker
+    scheduler = KVBridgeScheduler(config, runner.kv_config)
+    # the port the listener bound (kv_port 0: ephemeral) is the one the params advertise
+    scheduler.set_side_channel_ports([worker.side_channel_port])
+    info |= {"engine_id": config.engine_id, "kv_port": worker.side_channel_port}
+    return scheduler, worker

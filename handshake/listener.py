@@ -40,6 +40,7 @@ from kvbridge.handshake.messages import (
     decode_request,
     encode,
 )
+from kvbridge.handshake.port_holder import bind_error_text
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +176,9 @@ class HandshakeListener:
             sock.close(linger=0)
             self._ctx.term()
             self._ctx = None
+            # names the process holding the port, where procfs shows it
             raise HandshakeError(
-                f"cannot bind handshake listener to {cfg.host}:{cfg.port}: {exc}; "
-                "is another worker using this port?"
+                bind_error_text("handshake listener", cfg.host, cfg.port, exc)
             ) from exc
         # The socket moves to the serving thread here and is used only there from now on.
         self._thread = threading.Thread(

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from kvbridge.examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
-from kvbridge.examples.launch import Cluster, Proc, free_port  # noqa: E402
+from kvbridge.examples.launch import Cluster, Proc  # noqa: E402
 
 TIMEOUT_S = 120.0
 PHASES = ("peer", "prepare", "data", "finish")
@@ -105,13 +105,12 @@ def start_pair(mode: str, model: str, num_blocks: int, device: torch.device, log
 
 
 def start_single(model: str, num_blocks: int, device: torch.device, logs: Path) -> Target:
-    port = free_port()
     argv = [
         sys.executable,
         "-m",
         "kvbridge.examples.server",
         "--port",
-        str(port),
+        "0",  # the bound port comes back in the ready file (Proc.wait_ready)
         "--role",
         "both",
         "--model",
@@ -126,7 +125,7 @@ def start_single(model: str, num_blocks: int, device: torch.device, logs: Path) 
         str(device),
     ]
     logs.mkdir(parents=True, exist_ok=True)
-    proc = Proc("single", argv, f"http://127.0.0.1:{port}", logs / "single.log")
+    proc = Proc("single", argv, logs / "single.log")
     proc.start()
     try:
         proc.wait_healthy()

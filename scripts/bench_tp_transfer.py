@@ -49,7 +49,6 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from kvbridge.connector.worker.worker import KVBridgeWorker  # noqa: E402
-from kvbridge.examples.vllm.procs import free_port  # noqa: E402
 from kvbridge.handshake import tp  # noqa: E402
 from kvbridge.layouts.allocation import KVCacheBuffers  # noqa: E402
 from scripts.bench_transfer import (  # noqa: E402
@@ -171,11 +170,10 @@ def start_prefill(
 ) -> list[Child]:
     """One child per prefill rank, each closed (killed) when ``stack`` unwinds."""
     engine_id = f"bench-P-{uuid.uuid4().hex[:6]}"
-    base = free_port(span=prefill_tp) if prefill_tp > 1 else 0  # ranks: base + rank
     children = []
-    for r in range(prefill_tp):
+    for r in range(prefill_tp):  # kv_port 0: each rank binds an ephemeral port and says which
         rank = PrefillRank(
-            rank=r, tp_size=prefill_tp, kv_port=base, rewrites_in_place=case.rewrites_in_place
+            rank=r, tp_size=prefill_tp, kv_port=0, rewrites_in_place=case.rewrites_in_place
         )
         try:
             child = Child(
@@ -184,8 +182,6 @@ def start_prefill(
         except SystemExit as err:  # it waited for the child's "ready": say which child
             raise SystemExit(f"prefill rank {r} of TP {prefill_tp}, {case.name}: {err}") from None
         stack.callback(child.close)
-        if base and child.port != base + r:
-            raise SystemExit(f"prefill rank {r} listens on {child.port}, expected {base + r}")
         children.append(child)
     return children
 
@@ -229,7 +225,15 @@ def measure_case(
             for child in children:
                 child.command(cmd="send", request_id=rid, block_ids=rids)
             keep_ms.append(max(child.wait("kept")["keep_ms"] for child in children))
-            spec = load_spec(children[0], shape, rid, rids, lids, remote_tp_size=pair.prefill_tp)
+            spec = load_spec(
+                children[0],
+                shape,
+                rid,
+                rids,
+                lids,
+                remote_tp_size=pair.prefill_tp,
+                remote_ports=[c.port for c in children],
+            )
             t0 = time.perf_counter()
             load(timed.worker, spec)
             took = time.perf_counter() - t0

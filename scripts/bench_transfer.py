@@ -178,7 +178,8 @@ class PrefillRank:
     """Which rank of a tensor-parallel prefill engine a child plays (the default: TP 1).
 
     Rank ``rank`` holds its share of ``Shape.heads``, fills it with seed ``1 + rank`` and
-    listens on ``kv_port + rank`` (``kv_port`` 0: any free port, TP 1 only).
+    listens on ``kv_port + rank`` (``kv_port`` 0: an ephemeral port it reports; the
+    params then list every rank's port, ``remote_ports``).
     ``rewrites_in_place=False``: it never rewrites its blocks for a reader (read in place)."""
 
     rank: int = 0
@@ -420,14 +421,17 @@ def load_spec(
     local_ids: list[int],
     *,
     remote_tp_size: int = 1,
+    remote_ports: list[int] | None = None,
 ) -> LoadSpec:
     """Decode's LoadSpec for the whole prompt prefill keeps as ``request_id``; ``child``:
-    prefill's rank 0 (rank r listens on its port + r)."""
+    prefill's rank 0; ``remote_ports``: every rank's side-channel port (default: rank r
+    listens on rank 0's port + r)."""
     params = KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=child.engine_id,
         remote_host="127.0.0.1",
         remote_port=child.port,
+        remote_ports=list(remote_ports or []),
         remote_tp_size=remote_tp_size,
         remote_block_ids=[remote_ids],
         remote_first_block=[0],

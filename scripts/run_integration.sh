@@ -72,14 +72,6 @@ trap 'exit 143' TERM
 set -m  # background jobs get their own process groups: teardown kills whole groups
 
 flag() { [ "$1" = 1 ] || [ "$1" = true ] && echo "--cross-layers" || true; }
-read -r P_PORT D_PORT X_PORT P_KV D_KV < <("$PY" - <<'EOF'
-import socket
-socks = [socket.socket() for _ in range(5)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
-EOF
-)
 case "$TRANSFER_MODE" in
     pull | push) ;;
     *) echo "TRANSFER_MODE=$TRANSFER_MODE: expected pull or push" >&2; exit 2 ;;
@@ -91,22 +83,29 @@ case "$FAULT_INJECT" in
     *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
 esac
 
-"$PY" -m kvbridge.examples.server --role prefill --model "$MODEL" --port "$P_PORT" --device "$DEVICE" \
+# Every server binds port 0 (HTTP and side channel: "kv_port": 0) and writes the ports it
+# got to its ready file; nothing here picks a port for a process to bind later.
+ready() {  # ready FILE PID -> the server's URL, once it is bound (fails if it exits)
+    "$PY" -m kvbridge.examples.ready "$1" --pid "$2" --timeout "$STARTUP_TIMEOUT"
+}
+"$PY" -m kvbridge.examples.server --role prefill --model "$MODEL" --port 0 --device "$DEVICE" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
     --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$P_PORT\", \"kv_port\": $P_KV, $EXTRA}" \
-    >"$LOG_DIR/prefill.log" 2>&1 &
+    --kv-transfer-config "{\"kv_role\": \"kv_producer\", \"engine_id\": \"prefill-$$\", \"kv_port\": 0, $EXTRA}" \
+    --ready-file "$LOG_DIR/prefill.ready.json" >"$LOG_DIR/prefill.log" 2>&1 &
 PIDS+=($!)
-"$PY" -m kvbridge.examples.server --role decode --model "$MODEL" --port "$D_PORT" --device "$DEVICE" \
+"$PY" -m kvbridge.examples.server --role decode --model "$MODEL" --port 0 --device "$DEVICE" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$D_PORT\", \"kv_port\": $D_KV, $EXTRA}" \
-    "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
+    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$$\", \"kv_port\": 0, $EXTRA}" \
+    --ready-file "$LOG_DIR/decode.ready.json" "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
 PIDS+=($!)
-"$PY" -m kvbridge.examples.proxy --port "$X_PORT" \
-    --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
-    >"$LOG_DIR/proxy.log" 2>&1 &
+P_URL=$(ready "$LOG_DIR/prefill.ready.json" "${PIDS[0]}")
+D_URL=$(ready "$LOG_DIR/decode.ready.json" "${PIDS[1]}")
+"$PY" -m kvbridge.examples.proxy --port 0 --prefill "$P_URL" --decode "$D_URL" \
+    --ready-file "$LOG_DIR/proxy.ready.json" >"$LOG_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
+X_URL=$(ready "$LOG_DIR/proxy.ready.json" "${PIDS[2]}")
 
 echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
@@ -121,12 +120,11 @@ step() {
     wait "$!"
 }
 step "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
-    --url "http://127.0.0.1:$P_PORT/health" --url "http://127.0.0.1:$D_PORT/health" \
-    --url "http://127.0.0.1:$X_PORT/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
+    --url "$P_URL/health" --url "$D_URL/health" --url "$X_URL/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
-step "$PY" -m kvbridge.examples.check run --proxy "http://127.0.0.1:$X_PORT" \
-    --decode "http://127.0.0.1:$D_PORT" --prefill "http://127.0.0.1:$P_PORT" --model "$MODEL" \
+step "$PY" -m kvbridge.examples.check run --proxy "$X_URL" \
+    --decode "$D_URL" --prefill "$P_URL" --model "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \
     "${SHOW[@]}"

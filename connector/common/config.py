@@ -123,7 +123,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     kv_role: KVRole
     engine_id: str
     kv_ip: str = "127.0.0.1"
-    kv_port: int = 5600  # side-channel base port; the listener binds kv_port + rank
+    kv_port: int = 5600  # side-channel base port: rank r binds kv_port + r; 0: ephemeral
     # where the memory NIXL moves lives: "auto" (the cache's own), "cpu" (a CUDA cache is
     # staged through a pinned host mirror), "cuda" / "cuda:N" (VRAM, the cache's own)
     kv_buffer_device: str = "auto"

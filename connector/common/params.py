@@ -24,7 +24,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     remote_engine_id: str = ""
     remote_host: str = ""
     remote_port: int = 0
-    remote_rank: int = 0  # the rank remote_port belongs to; rank r listens on port + r - this
+    remote_rank: int = 0  # the rank remote_port belongs to (see remote_ports)
     remote_tp_size: int = 1  # prefill's tensor-parallel size: decode rank d reads ranks by heads
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # per group
     remote_first_block: list[int] = msgspec.field(default_factory=list)  # logical index of [0]
@@ -38,6 +38,20 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # set by a prefill with a secret (kvbridge.connector.common.signing): wall-clock expiry and HMAC
     expires_at: float = 0.0
     signature: str = ""
+    # the side-channel port of every prefill rank, in rank order, when the prefill bound
+    # ephemeral ports (kv_port 0); empty: rank r listens on remote_port - remote_rank + r
+    remote_ports: list[int] = msgspec.field(default_factory=list)
+
+    def rank_port(self, rank: int) -> int:
+        """The side-channel port of prefill rank ``rank``."""
+        if self.remote_ports:
+            if not 0 <= rank < len(self.remote_ports):
+                raise ParamsError(
+                    f"prefill rank {rank}: remote_ports={self.remote_ports} lists ranks "
+                    f"0..{len(self.remote_ports) - 1}"
+                )
+            return self.remote_ports[rank]
+        return self.remote_port - self.remote_rank + rank
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -77,7 +91,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"remote_rank={self.remote_rank} must lie in [0, remote_tp_size="
                 f"{self.remote_tp_size})"
             )
-        if self.remote_port - self.remote_rank + self.remote_tp_size > 65536:
+        if self.remote_ports:
+            self._validate_ports()
+        elif self.remote_port - self.remote_rank + self.remote_tp_size > 65536:
             raise ParamsError(
                 f"remote_port={self.remote_port}: the ports of {self.remote_tp_size} prefill "
                 f"ranks do not fit below 65536"
@@ -118,3 +134,18 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ParamsError(f"remote_block_ids[{g}] must be distinct non-negative block ids")
         if any(f < 0 for f in self.remote_first_block):
             raise ParamsError(f"remote_first_block={self.remote_first_block} must be >= 0")
+
+    def _validate_ports(self) -> None:
+        ports = self.remote_ports
+        if len(ports) != self.remote_tp_size:
+            raise ParamsError(
+                f"remote_ports lists {len(ports)} ports, remote_tp_size={self.remote_tp_size} "
+                f"prefill ranks need one each"
+            )
+        if any(not 0 < p < 65536 for p in ports):
+            raise ParamsError(f"remote_ports={ports} must all be ports (1..65535)")
+        if ports[self.remote_rank] != self.remote_port:
+            raise ParamsError(
+                f"remote_ports[{self.remote_rank}]={ports[self.remote_rank]} differs from "
+                f"remote_port={self.remote_port} (remote_rank={self.remote_rank})"
+            )

@@ -68,7 +68,8 @@ class KVBridgeScheduler:
         tp_size: int = 1,
     ) -> None:
         """``tp_size``: the engine's tensor-parallel size (its workers are ranks
-        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``). ``clock`` times
+        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``, or with kv_port 0 on
+        the port handed to :meth:`set_side_channel_ports`). ``clock`` times
         leases and heartbeats; ``wall_clock`` dates signed params (both workers read it)."""
         if tp_size < 1:
             raise ConfigError(f"tp_size={tp_size} must be at least 1")
@@ -170,6 +171,12 @@ class KVBridgeScheduler:
         """Blocks of a delayed-free prefill request the engine may free now; each block is
         returned once over all calls (unknown or drained requests give ``()``)."""
         return self._sends.book.take(request_id)
+
+    def set_side_channel_ports(self, ports: Sequence[int]) -> None:
+        """The ports the workers' side channels bound, rank order: needed before the first
+        remote-decode request finishes when ``kv_port`` is 0 (see
+        :mod:`kvbridge.connector.scheduler.advertised`)."""
+        self._sends.ports.bind(ports)
 
     # ------------------------------------------------------------------ both sides
 

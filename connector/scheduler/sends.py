@@ -18,6 +18,7 @@ from kvbridge.connector.common.api import ConnectorRequest
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.advertised import AdvertisedPorts
 from kvbridge.connector.scheduler.lifecycle import LifecycleError, SendState
 from kvbridge.connector.scheduler.retention import (
     LeaseBook,
@@ -36,6 +37,7 @@ class Sends:
     ) -> None:
         self.config = config
         self.tp_size = tp_size
+        self.ports = AdvertisedPorts(config.kv_port, tp_size)
         self._specs = tuple(specs)
         self._block_size = specs[0].block_size
         self._state_groups = [g for g, s in enumerate(specs) if s.kind is KVCacheKind.STATE]
@@ -57,6 +59,7 @@ class Sends:
         rid = request.request_id
         if rid in self.book:
             raise LifecycleError(f"request {rid!r}: request_finished called twice")
+        remote_port, remote_ports = self.ports.advertise(rid)  # before anything is held
         if len(block_ids_per_group) != len(self._specs):
             raise LifecycleError(
                 f"request {rid!r}: {len(block_ids_per_group)} block lists for "
@@ -107,7 +110,7 @@ class Sends:
             do_remote_prefill=True,
             remote_engine_id=self.config.engine_id,
             remote_host=self.config.kv_ip,
-            remote_port=self.config.kv_port,  # + rank 0: the scheduler speaks for rank 0
+            remote_port=remote_port,  # rank 0's: the scheduler speaks for rank 0
             remote_rank=0,
             remote_tp_size=self.tp_size,
             remote_block_ids=kept_lists,
@@ -116,6 +119,7 @@ class Sends:
             num_tokens=num_tokens,
             remote_request_id=rid,
             resume_tokens=end,
+            remote_ports=remote_ports,
         )
 
     def finished(self, record: SendRecord, *, expired: bool) -> bool:

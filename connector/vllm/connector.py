@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -132,6 +133,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_side.worker_meta()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        # the bound side-channel port (kv_port 0: ephemeral), for the scheduler's params
+        return self.worker_side.handshake_metadata()
+
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         if self._worker is not None:
             return self._worker.stats()
@@ -142,6 +147,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
     # -- scheduler side ---------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.scheduler_side.set_handshake_metadata(metadata)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -6,7 +6,10 @@ kvbridge's own frozen metadata (``kvbridge.connector.common.metadata``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -36,3 +39,14 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
         if not isinstance(other, KVBridgeWorkerMetadata):
             return self
         return KVBridgeWorkerMetadata(*self.outputs, *other.outputs)
+
+
+@dataclass(frozen=True)
+class KVBridgeHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at startup (vLLM's ``get_handshake_metadata``, gathered
+    from every rank into ``set_xfer_handshake_metadata``): the side-channel port this
+    rank's listener bound, which the scheduler advertises in the params (with kv_port 0
+    an ephemeral port only the worker knows)."""
+
+    rank: int
+    side_channel_port: int

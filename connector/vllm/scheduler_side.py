@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LoadState, SendState
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from kvbridge.connector.vllm.metadata import (
+    KVBridgeHandshakeMetadata,
+    KVBridgeMetadata,
+    KVBridgeWorkerMetadata,
+)
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
 from kvbridge.connector.vllm.translate import engine_block_ids, parse_params
 from kvbridge.layouts.errors import KVBridgeError
@@ -69,6 +73,25 @@ class VLLMSchedulerSide:
             logger.error("request %s: %s; serving it without kvbridge", rid, exc)
             return None
         return RequestView(request, params)
+
+    def set_handshake_metadata(self, metadata: Mapping[int, object]) -> None:
+        """Every TP rank's bound side-channel port (vLLM gathers them from the workers at
+        startup, after the caches are registered and before any request): the params
+        advertise them. Without this call a ``kv_port`` 0 prefill hands out no params (its
+        requests end without them, logged); a fixed ``kv_port`` is checked against them."""
+        tp_size = self.sched.tp_size
+        ports: list[int] = []
+        for rank in range(tp_size):
+            meta = metadata.get(rank)
+            if not isinstance(meta, KVBridgeHandshakeMetadata) or meta.rank != rank:
+                raise ConfigError(
+                    f"vLLM's handshake metadata for TP rank {rank} of {tp_size} is "
+                    f"{meta!r}; expected KVBridgeHandshakeMetadata(rank={rank}, ...) from "
+                    f"every rank (ranks given: {sorted(metadata)})"
+                )
+            ports.append(meta.side_channel_port)
+        self.sched.set_side_channel_ports(ports)
+        logger.info("kvbridge side channels of TP ranks 0..%d: ports %s", tp_size - 1, ports)
 
     # -- decode ---------------------------------------------------------------------------
 

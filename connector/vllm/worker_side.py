@@ -17,7 +17,11 @@ import torch
 
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
+from kvbridge.connector.vllm.metadata import (
+    KVBridgeHandshakeMetadata,
+    KVBridgeMetadata,
+    KVBridgeWorkerMetadata,
+)
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
@@ -42,7 +46,8 @@ class VLLMWorkerSide:
         rank: int,
         tp_size: int,
     ) -> None:
-        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` and its
+        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
+        ephemeral port, reported by :meth:`handshake_metadata`) and its
         caches hold its share of the model's ``total_kv_heads`` KV heads."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
@@ -94,6 +99,11 @@ class VLLMWorkerSide:
         self.worker.register_kv_caches(buffers)
         if self._engine_nice:  # after kvbridge's threads started: they keep their priority
             lower_calling_thread_priority(self._engine_nice)
+
+    def handshake_metadata(self) -> KVBridgeHandshakeMetadata | None:
+        """This rank's bound side-channel port; None before ``register_kv_caches``."""
+        port = self.worker.side_channel_port
+        return KVBridgeHandshakeMetadata(self.worker.rank, port) if port else None
 
     def bind(self, metadata: Any) -> None:
         if not isinstance(metadata, KVBridgeMetadata):

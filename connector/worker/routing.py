@@ -1,10 +1,12 @@
 """Which prefill ranks a decode rank talks to for one request (tensor parallelism).
 
-A prefill engine at TP ``P`` has ranks ``0..P-1`` listening on ``kv_port + rank``; the
-request's ``kv_transfer_params`` name one of them (``remote_rank`` at ``remote_port``) and
-``remote_tp_size``. A decode rank reads the prefill ranks that hold its KV heads
-(:func:`kvbridge.handshake.tp.sources`) and sends its end-of-request ``Done`` to those plus any
-replica no decode rank reads (so that it frees at once), telling each how many decode
+A prefill engine at TP ``P`` has ranks ``0..P-1`` listening on ``kv_port + rank``, or (kv_port
+0) on ephemeral ports that the request's ``kv_transfer_params`` list in ``remote_ports``; the
+params name one rank (``remote_rank`` at ``remote_port``) and ``remote_tp_size``
+(:meth:`~kvbridge.connector.common.params.KVTransferParams.rank_port` finds any rank).
+A decode rank reads the prefill ranks that hold its KV heads
+(:func:`kvbridge.handshake.tp.sources`) and sends its end-of-request ``Done`` to those plus
+any replica no decode rank reads (so that it frees at once), telling each how many decode
 ranks will report to it::
 
     prefill TP 2, decode TP 1:  decode r0 reads p0 (heads 0..1) and p1 (heads 2..3)
@@ -41,7 +43,6 @@ class Router:
 
     def route(self, params: KVTransferParams) -> Route:
         remote_tp = params.remote_tp_size
-        base = params.remote_port - params.remote_rank
         reads = tuple(
             s.remote_rank
             for s in tp.sources(self.rank, self.tp_size, remote_tp, self.total_kv_heads)
@@ -57,5 +58,7 @@ class Router:
                 )
                 for r in told
             ),
-            endpoints={(engine, r): (params.remote_host, base + r) for r in {*reads, *told}},
+            endpoints={
+                (engine, r): (params.remote_host, params.rank_port(r)) for r in {*reads, *told}
+            },
         )

@@ -1,4 +1,11 @@
-"""HTTP services as subprocesses: free loopback ports, health wait, whole-group teardown.
+"""HTTP services as subprocesses: loopback ports, health wait, whole-group teardown.
+
+Ports: a service that can bind port 0 and say which port it got does so (kvbridge's
+proxy: ``--port 0 --ready-file``, read back here; kvbridge's side channels: ``kv_port``
+0). :func:`free_port` is the one place left that probes for a port another process binds
+later, for what cannot report an ephemeral port: vLLM's HTTP server (``--port``) and vLLM's
+own NixlConnector side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT``, ranks at base + rank).
+A service that died because such a port was taken meanwhile is relaunched (below).
 
 A :class:`Service` runs one command in its own session (``start_new_session=True``, so
 its process group id is its pid and every process it forks stays in that group), writes
@@ -14,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
@@ -28,6 +36,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from kvbridge.handshake.port_holder import port_holder
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
@@ -74,17 +84,30 @@ def _bindable(host: str, port: int) -> bool:
 
 @dataclass
 class Launch:
-    """One way to start a service: command, extra environment, the port it serves on."""
+    """One way to start a service: command, extra environment, the port it serves on
+    (0 with a ``ready_file``: the service binds an ephemeral port and writes it there)."""
 
     argv: list[str]
     env: dict[str, str]
     port: int
     host: str = HOST
     details: dict[str, object] = field(default_factory=dict)
+    ready_file: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def read_port(self) -> bool:
+        """Whether the port is known (read from the ready file once it exists)."""
+        if self.port:
+            return True
+        assert self.ready_file is not None, "port 0 without a ready file"
+        try:
+            self.port = int(json.loads(self.ready_file.read_text())["port"])
+        except FileNotFoundError:
+            return False
+        return True
 
 
 class ServiceError(RuntimeError):
@@ -186,11 +209,16 @@ class Service:
         assert self.proc is not None
         if self.proc.poll() is not None:
             code = self.proc.returncode
-            if self.tries < self.attempts and self._port_was_taken():
+            taken = self._port_was_taken()
+            if self.tries < self.attempts and taken:
+                print(f"{self.name}: {self._holder()}; relaunching", file=sys.stderr)
                 self.stop()
                 self.start()
                 return False
-            raise ServiceError(self, f"exited with code {code} before it was healthy")
+            why = f" ({self._holder()})" if taken else ""
+            raise ServiceError(self, f"exited with code {code} before it was healthy{why}")
+        if self.launch is not None and not self.launch.read_port():
+            return False  # not bound yet
         if self.healthy():
             self.ready_s = time.monotonic() - self.started_at
             return True
@@ -201,6 +229,14 @@ class Service:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_all([self], timeout_s)
+
+    def _holder(self) -> str:
+        """The port it found taken and who holds it, in words (the process may have died
+        of another of its ports, e.g. a NixlConnector side channel: its log says which)."""
+        if self.launch is None or not self.launch.port:
+            return "a port was taken"
+        where = f"{self.launch.host}:{self.launch.port}"
+        return f"a port was taken (HTTP port {where}: {port_holder(self.launch.port)})"
 
     def _port_was_taken(self) -> bool:
         tail = self.log_tail(200)

@@ -72,8 +72,8 @@ def kv_transfer_setup(
 
     ``nixl``: vLLM's own NixlConnector (``kv_both``) with its side channel on a free port.
     ``kvbridge``: ``kvbridge.connector.vllm.KVBridgeConnector`` as producer (prefill) or consumer
-    (decode), its listener on a free port (``kv_port + rank``), ``extra`` passed through
-    as ``kv_connector_extra_config``. Every call picks fresh ports.
+    (decode), its listeners on ephemeral ports (``kv_port`` 0), ``extra`` passed through
+    as ``kv_connector_extra_config``. ``nixl`` picks a fresh base port on every call.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -89,6 +89,7 @@ def kv_transfer_setup(
             config["kv_load_failure_policy"] = failure_policy
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+            # vLLM's NixlConnector needs a fixed base port (ranks at base + rank): probed
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(host, span=tensor_parallel_size)),
         }
         return KVSetup(config, env)
@@ -98,7 +99,9 @@ def kv_transfer_setup(
             "kv_connector_module_path": "kvbridge.connector.vllm",
             "kv_role": _KVBRIDGE_ROLES[role],
             "engine_id": engine_id or f"{role}-{index}",
-            "kv_port": free_port(host, span=tensor_parallel_size),
+            # ephemeral: every rank binds its own; vLLM hands the bound ports from the
+            # workers to the scheduler (get_handshake_metadata), which advertises them
+            "kv_port": 0,
             "kv_buffer_device": "cpu",
             # vLLM 0.32's KVTransferConfig has no kv_ip: kvbridge reads it from the extra
             "kv_connector_extra_config": {"kv_ip": host, **(extra or {})},
@@ -175,7 +178,7 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
     """A launch plan for ``spec``: each call picks fresh ports."""
 
     def plan() -> Launch:
-        port = free_port()
+        port = free_port()  # vLLM's --port cannot report an ephemeral one: probed
         argv = [
             sys.executable,
             "-m",
@@ -242,8 +245,10 @@ def proxy_service(
 ) -> Service:
     """``python -m kvbridge.examples.proxy`` in front of the given prefill and decode servers."""
 
+    ready_file = Path(log_dir) / f"{name}.ready.json"
+
     def plan() -> Launch:
-        port = free_port()
+        ready_file.unlink(missing_ok=True)
         argv = [
             sys.executable,
             "-m",
@@ -251,7 +256,9 @@ def proxy_service(
             "--host",
             HOST,
             "--port",
-            str(port),
+            "0",  # the bound port comes back in the ready file
+            "--ready-file",
+            str(ready_file),
             "--prefill",
             ",".join(prefill_urls),
             "--decode",
@@ -260,6 +267,6 @@ def proxy_service(
             str(timeout_s),
         ]
         env = {"PYTHONUNBUFFERED": "1"}
-        return Launch(argv=argv, env=env, port=port)
+        return Launch(argv=argv, env=env, port=0, ready_file=ready_file)
 
     return Service(name, plan, log_dir)

@@ -15,7 +15,8 @@ stdout (anything else on stdout is NIXL's chatter)::
 
 Tensor parallelism: ``rank``, ``tp_size`` and ``total_kv_heads`` in the config make it
 rank ``rank`` of a prefill engine (its cache holds that rank's heads; it listens on
-``kv_port + rank``). ``rewrites_in_place: false`` makes it an engine that may not rewrite
+``kv_port + rank``, or with ``kv_port`` 0, the default, on an ephemeral port that the
+ready event reports). ``rewrites_in_place: false`` makes it an engine that may not rewrite
 its blocks for a reader (vLLM: its prefix cache), read in its native arrangement.
 
 The first event is ``{"event": "ready", "port": .., "agent": .., "pid": ..}``. The child

@@ -15,7 +15,6 @@ records, before anything moves, the bytes decode must hold afterwards, and
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, MLASpec, SlidingWindowSpec, StateSpec
 from tests.connector.packed_engine import HndRepacker
 from tests.handshake.plan_harness import make_groups
+from tests.ports import dead_port as held_dead_port
 
 MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)
 NUM_BLOCKS = 64
@@ -488,13 +488,8 @@ def cluster() -> Iterator[Cluster]:
         c.close()
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now (bound, read and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def dead_port() -> int:
-    return free_port()
+def dead_port() -> Iterator[int]:
+    """A port that refuses connections (bound by the test, never listened on)."""
+    with held_dead_port() as port:
+        yield port

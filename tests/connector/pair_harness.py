@@ -22,7 +22,6 @@ from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 from kvbridge.examples.block_pool import BlockPool
-from kvbridge.examples.launch import free_port
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig
 from tests.handshake.plan_harness import make_groups
@@ -103,7 +102,7 @@ def make_side(
         {
             "kv_role": role,
             "engine_id": engine_id,
-            "kv_port": free_port(),
+            "kv_port": 0,  # ephemeral: handed to the scheduler below
             "handshake_timeout_s": 1.0,
             **extra_config,
         }
@@ -122,6 +121,7 @@ def make_side(
         worker.set_repacker(repacker)
     worker.register_kv_caches(buffers)
     sched = KVBridgeScheduler(config, kv, clock=clock, wall_clock=clock)
+    sched.set_side_channel_ports([worker.side_channel_port])
     return Side(
         sched=sched, worker=worker, pool=BlockPool(kv.num_blocks), buffers=buffers, config=kv
     )

@@ -276,9 +276,9 @@ def test_load_failure_applies_the_policy(clock, policy):
 
 
 def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
-    """Garbage at once; a Done for a request prefill does not hold is kept a while (it may
-    come before the request, see kvbridge.connector.worker.prefill.sender) and counted when it
-    expires unused."""
+    """Garbage and a Done for a request that already ended here are counted at once; a Done
+    for a request prefill never held is kept a while (it may come before the request, see
+    kvbridge.connector.worker.prefill.sender) and counted when it expires unused."""
     from kvbridge.connector.worker.prefill.sender import EARLY_DONE_TTL_S
 
     prefill, decode = pair
@@ -292,8 +292,8 @@ def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
     for rid in ("p1", "nope"):  # duplicate Done, then an unknown request
         engine.send_notif(peer.agent, encode_notification(Done(request_id=rid)))
     engine.send_notif(peer.agent, b"\x00garbage")
-    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 1, "garbage")
-    assert prefill.worker.metrics.bad_notifications == 1
+    run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 2, "garbage")
+    assert prefill.worker.metrics.bad_notifications == 2  # the garbage, the duplicate Done
     clock.now += EARLY_DONE_TTL_S + 1
     run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 3, "expiry")
     assert prefill.worker.metrics.bad_notifications == 3

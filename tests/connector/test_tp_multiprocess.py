@@ -1,12 +1,13 @@
 """Different tensor-parallel sizes across OS processes, at the worker level (no engine).
 
 Each prefill rank is its own child process (``_prefill_child.py``: its own NIXL agent, its
-side channel on ``base port + rank``, a cache holding that rank's KV heads, seeded bytes
-the test can rebuild). Each decode rank is a :class:`KVBridgeWorker` in the test process
-with its own agent. Every decode rank loads the same request; afterwards its cache holds,
-byte for byte, the heads :func:`kvbridge.handshake.tp.sources` assigns it, each prefill rank frees
-the request only after the last decode rank reading it said ``Done``, and its blocks are
-byte-exact again (the head-major rewrite after save is undone).
+side channel on an ephemeral port that the params list, a cache holding that rank's KV
+heads, seeded bytes the test can rebuild). Each decode rank is a :class:`KVBridgeWorker`
+in the test process with its own agent. Every decode rank loads the same request;
+afterwards its cache holds, byte for byte, the heads :func:`kvbridge.handshake.tp.sources`
+assigns it, each prefill rank frees the request only after the last decode rank reading it
+said ``Done``, and its blocks are byte-exact again (the head-major rewrite after save is
+undone).
 
 MLA (one latent, the same on every rank): each decode rank reads it whole from one prefill
 rank, and a prefill rank nobody reads is freed by the ``Done`` of the decode rank that

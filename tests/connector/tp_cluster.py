@@ -1,16 +1,17 @@
 """Prefill and decode engines at different TP sizes, as OS processes (not a test).
 
 A :class:`Prefill` is one child process per rank (``_prefill_child.py``: its own NIXL
-agent, its side channel on ``base port + rank``, a cache holding that rank's KV heads,
-seeded bytes the test can rebuild). A :class:`DecodeRank` is a :class:`KVBridgeWorker` in
-the test process with its own agent. :class:`TPCluster` builds them for a test and tears
-every one down after it. The helpers below make one request, load it and check that a
-decode rank's heads equal the prefill heads :func:`kvbridge.handshake.tp.sources` assigns it.
+agent, its side channel on an ephemeral port (``kv_port`` 0) that it reports, a cache
+holding that rank's KV heads, seeded bytes the test can rebuild); the params list every
+rank's port (``remote_ports``), as a kv_port-0 prefill scheduler advertises them.
+A :class:`DecodeRank` is a :class:`KVBridgeWorker` in the test process with its own agent.
+:class:`TPCluster` builds them for a test and tears every one down after it. The helpers
+below make one request, load it and check that a decode rank's heads equal the prefill
+heads :func:`kvbridge.handshake.tp.sources` assigns it.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,26 +43,6 @@ DECODE_FMT = SideFormat(block_size=32, layout=KVLayout.HND, kernel_block_size=16
 PUMP_TIMEOUT_S = 20.0
 
 
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
-    rng = np.random.default_rng()
-    for _ in range(200):
-        base = int(rng.integers(20_000, 60_000))
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError(f"no {n} consecutive free ports found")
-
-
 class Prefill:
     """A prefill engine at TP ``tp_size``: one child process per rank."""
 
@@ -77,12 +58,11 @@ class Prefill:
     ) -> None:
         self.engine_id = new_id("P")
         self.tp_size, self.heads, self.kinds, self.fmt = tp_size, heads, kinds, fmt
-        self.port = free_port_range(tp_size)
         self.ranks = [
             Child(
                 fmt,
                 engine_id=self.engine_id,
-                kv_port=self.port,
+                kv_port=0,  # ephemeral: each rank reports the port it bound
                 seed=100 + r,
                 log=tmp / f"{self.engine_id}-r{r}.log",
                 kinds=kinds,
@@ -97,7 +77,8 @@ class Prefill:
         ]
         for child in self.ranks:  # the children import torch and nixl in parallel
             child.wait_ready()
-            assert child.port == self.port + child.rank
+        self.ports = [child.port for child in self.ranks]  # rank order
+        self.port = self.ports[0]
 
     def close(self) -> None:
         for child in self.ranks:
@@ -244,6 +225,7 @@ def load_spec(prefill: Prefill, req: Request) -> LoadSpec:
         remote_engine_id=prefill.engine_id,
         remote_host="127.0.0.1",
         remote_port=prefill.port,
+        remote_ports=prefill.ports,
         remote_rank=0,
         remote_tp_size=prefill.tp_size,
         remote_block_ids=[[int(b) for b in ids] for ids in req.remote],
@@ -262,11 +244,15 @@ def load_spec(prefill: Prefill, req: Request) -> LoadSpec:
 
 
 def check_heads(
-    prefill: Prefill, decode: DecodeRank, slices: tuple[tp.HeadSlice, ...], req: Request
+    prefill: Prefill,
+    decode: DecodeRank,
+    slices: tuple[tp.HeadSlice, ...],
+    req: Request,
+    end: int = TOKENS,
 ) -> None:
-    """The decode rank's heads equal, byte for byte, the prefill heads ``slices`` name
-    (every prefill rank's cache holds different seeded bytes, so this also proves which
-    rank was read)."""
+    """The decode rank's heads of tokens up to ``end`` equal, byte for byte, the prefill
+    heads ``slices`` name (every prefill rank's cache holds different seeded bytes, so
+    this also proves which rank was read)."""
     for g, kind in enumerate(prefill.kinds):
         if kind in STATE_KINDS:  # no heads: the state tests check those groups
             continue
@@ -276,8 +262,8 @@ def check_heads(
             src = prefill.ranks[s.remote_rank].buffers
             want = read_group_token_major(src, g, np.asarray(req.remote[g]))
             off = req.first[g] * prefill.fmt.block_size
-            a = got[:, :, lo:TOKENS, s.local_head : s.local_head + s.num_heads]
-            b = want[:, :, lo - off : TOKENS - off, s.remote_head : s.remote_head + s.num_heads]
+            a = got[:, :, lo:end, s.local_head : s.local_head + s.num_heads]
+            b = want[:, :, lo - off : end - off, s.remote_head : s.remote_head + s.num_heads]
             assert a.equal(b), (decode.rank, s, g)
 
 

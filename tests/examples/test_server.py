@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.server import WorkerHTTPServer
 from kvbridge.examples.tokenizer import ByteTokenizer
 from kvbridge.examples.worker_setup import build, make_parser
+from tests.ports import dead_port
 
 MODEL = "tiny-hybrid-state"
 
@@ -148,12 +148,6 @@ def test_concurrent_requests_and_metrics(worker_url):
     assert metrics['kvbridge_requests_finished{reason="length"}'] >= 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def proxy_to(worker_url):
     servers = []
@@ -174,9 +168,9 @@ def proxy_to(worker_url):
 
 
 def test_proxy_reports_dead_workers_and_bad_input(proxy_to, worker_url):
-    dead = f"http://127.0.0.1:{_free_port()}"
-    url = proxy_to(dead, worker_url)
-    status, body = post(url, {"prompt": "hi"})
+    with dead_port() as port:
+        url = proxy_to(f"http://127.0.0.1:{port}", worker_url)
+        status, body = post(url, {"prompt": "hi"})
     assert status == 503 and "unreachable" in body["error"]
     assert post_raw(url, b"{nope")[0] == 400
     status, body = post(url, {"prompt": "hi", "kv_transfer_params": {}})

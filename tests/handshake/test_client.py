@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from kvbridge.handshake.framing import MAGIC, AuthHeader, FrameCodec, HandshakeS
 from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
 from kvbridge.handshake.messages import PROTOCOL_VERSION, ErrorCode, WorkerDescription, encode
 from tests.handshake.descriptions import make_description
+from tests.ports import dead_port
 
 SECRET = b"s" * 32
 FAST = ClientConfig(timeout_s=5.0, retries=0)
@@ -125,12 +125,6 @@ def test_one_client_shared_by_threads_caches_each_peer_once() -> None:
     assert sum(peer.stats().served for peer in peers) >= 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def assert_times_out(port: int) -> None:
     config = ClientConfig(timeout_s=0.2, retries=1, backoff_s=0.05)
     with HandshakeClient(config) as client:
@@ -143,7 +137,8 @@ def assert_times_out(port: int) -> None:
 
 
 def test_dead_port_times_out_naming_the_peer() -> None:
-    assert_times_out(free_port())
+    with dead_port() as port:
+        assert_times_out(port)
 
 
 def test_silent_router_times_out_naming_the_peer() -> None:

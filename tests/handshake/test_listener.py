@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from kvbridge.handshake.messages import (
     decode_reply,
     encode,
 )
+from kvbridge.handshake.port_holder import port_holder
 from tests.handshake.descriptions import make_description
 
 REPLY_TIMEOUT_MS = 5000
@@ -160,17 +162,20 @@ def test_close_is_prompt_and_the_thread_is_gone() -> None:
 
 
 def test_port_is_released_on_close() -> None:
+    # read from procfs rather than by binding the port again: a rebind could collide
+    # with any other process that took the port meanwhile
     first = HandshakeListener(ListenerConfig(port=0), make_description).start()
     port = first.port
+    assert f"held by pid {os.getpid()} " in port_holder(port)
     first.close()
-    with HandshakeListener(ListenerConfig(port=port), make_description) as second:
-        assert second.port == port
+    assert f"pid {os.getpid()} " not in port_holder(port)
 
 
-def test_busy_port_raises_naming_host_and_port(listener: HandshakeListener) -> None:
+def test_busy_port_raises_naming_host_port_and_holder(listener: HandshakeListener) -> None:
     other = HandshakeListener(ListenerConfig(port=listener.port), make_description)
-    with pytest.raises(HandshakeError, match=f"127.0.0.1:{listener.port}"):
+    with pytest.raises(HandshakeError, match=f"127.0.0.1:{listener.port}") as err:
         other.start()
+    assert f"held by pid {os.getpid()} " in str(err.value)
 
 
 def test_port_before_start_and_double_start_are_errors() -> None:

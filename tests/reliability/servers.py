@@ -6,18 +6,19 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvbridge.examples.check import blocks_in_use
 from kvbridge.examples.engine_loop import EngineLoop
-from kvbridge.examples.launch import MODEL, free_port, worker_args
+from kvbridge.examples.launch import MODEL, worker_args
 from kvbridge.examples.server import WorkerHTTPServer
 from kvbridge.examples.worker_setup import build, make_parser
 
 SECRET = "reliability-test-secret-0123456789"
-__all__ = ["MODEL", "SECRET", "Worker", "free_port", "post", "worker_pair"]
+__all__ = ["MODEL", "SECRET", "Worker", "post", "worker_pair"]
 
 
 def post(url: str, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
@@ -74,8 +75,8 @@ def worker_pair(
         "prefill",
         {
             "kv_role": "kv_producer",
-            "engine_id": f"prefill-{free_port()}",
-            "kv_port": free_port(),
+            "engine_id": f"prefill-{uuid.uuid4().hex[:8]}",
+            "kv_port": 0,  # ephemeral: the scheduler advertises the bound port
             "lease_s": lease_s,
             **common,
         },
@@ -86,8 +87,8 @@ def worker_pair(
             "decode",
             {
                 "kv_role": "kv_consumer",
-                "engine_id": f"decode-{free_port()}",
-                "kv_port": free_port(),
+                "engine_id": f"decode-{uuid.uuid4().hex[:8]}",
+                "kv_port": 0,
                 **common,
                 **decode_extra,
             },

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from kvbridge.examples.check import make_prompts
-from tests.reliability.servers import free_port, post, worker_pair
+from tests.ports import dead_port
+from tests.reliability.servers import post, worker_pair
 
 
 @pytest.fixture(scope="module")
@@ -102,19 +103,20 @@ def test_block_ids_past_what_prefill_advertised_are_never_read(pair):
 def test_an_unknown_engine_costs_a_handshake_timeout_then_decode_recomputes(pair):
     _, decode = pair
     prompt = make_prompts(2)[0]
-    ghost = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "nobody",
-        "remote_host": "127.0.0.1",
-        "remote_port": free_port(),
-        "remote_block_ids": [[0]] * 3,
-        "remote_first_block": [0, 0, 0],
-        "remote_block_size": 32,
-        "num_tokens": 30,
-        "resume_tokens": 29,
-        "remote_request_id": "ghost-1",
-    }
-    status, out = _decode(decode, prompt, ghost)
+    with dead_port() as port:
+        ghost = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "nobody",
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "remote_block_ids": [[0]] * 3,
+            "remote_first_block": [0, 0, 0],
+            "remote_block_size": 32,
+            "num_tokens": 30,
+            "resume_tokens": 29,
+            "remote_request_id": "ghost-1",
+        }
+        status, out = _decode(decode, prompt, ghost)
     assert status == 200 and out["usage"]["loaded_tokens"] == 0, out
     assert out["token_ids"] == _local(decode, prompt)
     assert decode.blocks_in_use() == 0

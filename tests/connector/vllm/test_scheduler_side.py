@@ -99,3 +99,30 @@ def test_tp_ranks_reports_count_apart_and_one_failed_rank_recomputes_the_load():
     stats = side.stats().data
     assert stats.get("loads_recomputed") == 1
     assert not stats.get("loads_loaded")
+
+
+def test_handshake_metadata_hands_every_rank_port_to_the_params():
+    """vLLM gathers each worker's ``get_handshake_metadata`` into
+    ``set_xfer_handshake_metadata``: a kv_port-0 prefill advertises the bound ports."""
+    from kvbridge.connector.common.config import ConfigError
+    from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=8
+    )
+    config = KVTransferConfig.from_dict({"kv_role": "kv_producer", "engine_id": "p", "kv_port": 0})
+    side = VLLMSchedulerSide(config, kv, tp_size=2)
+    req = _Request("r1", {"do_remote_decode": True})
+    # no ports yet: the request ends without params (logged), its blocks are not kept
+    assert side.request_finished(req, [[1, 2, 3, 4]]) == (False, None)
+    with pytest.raises(ConfigError, match="TP rank 1 of 2"):
+        side.set_handshake_metadata({0: KVBridgeHandshakeMetadata(0, 41000)})
+    side.set_handshake_metadata(
+        {0: KVBridgeHandshakeMetadata(0, 41000), 1: KVBridgeHandshakeMetadata(1, 39000)}
+    )
+    delay, params = side.request_finished(
+        _Request("r2", {"do_remote_decode": True}), [[1, 2, 3, 4]]
+    )
+    assert delay and params is not None
+    assert (params["remote_port"], params["remote_ports"]) == (41000, [41000, 39000])
