@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 from kvbridge.connector.common.metrics import ConnectorMetrics
@@ -26,6 +28,7 @@ from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.load_records import PushEndpoint
 from kvbridge.connector.worker.decode.receiver import Receiver
+from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.outbox import Outbox
@@ -70,13 +73,16 @@ class KVBridgeWorker:
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
         host_staging: bool | None = None,
+        device_order: Callable[[torch.device], DeviceOrder] = DeviceOrder,
     ) -> None:
         """``rewrites_in_place=False``: the engine may run its own requests on a block
         while a reader holds it (a prefix cache that hits held blocks), so this worker
         never rewrites blocks after save; readers read them natively (more descriptors).
         ``host_staging``: None (default) decides from ``kv_buffer_device`` and where the
         cache lives; True stages through a host mirror even for a cache in host memory
-        (the staging path without a GPU)."""
+        (the staging path without a GPU). ``device_order``: builds what fences kvbridge's
+        kernels on the cache's device (a recording fake in tests)."""
+        self._device_order = device_order
         self.config = config
         self._host_staging = host_staging
         self._stage: HostStage | None = None
@@ -195,6 +201,7 @@ class KVBridgeWorker:
             staging=staging.region,
         )
         self._peers = side.directory(can_repack=self._repacker is not None)
+        order = self._device_order(buffers.device)
         self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
         self._sender = Sender(
             buffers,
@@ -203,6 +210,7 @@ class KVBridgeWorker:
             rewrites_in_place=self.rewrites_in_place,
             rewrite_on_save=self.rewrite_on_save,
             stage=self._stage,
+            order=order,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
@@ -230,6 +238,7 @@ class KVBridgeWorker:
             notify=outbox.queue_to,
             push=push,
             stage=self._stage,
+            order=order,
         )
         self._inbox = Inbox(
             engine,

@@ -19,6 +19,7 @@ from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 from kvbridge.examples.block_pool import BlockPool
@@ -89,6 +90,7 @@ def make_side(
     device: str = "cpu",
     host_staging: bool | None = None,
     engine_factory: Callable[[str], TransferEngine] | None = None,
+    device_order: Callable[[torch.device], DeviceOrder] = DeviceOrder,
     **extra_config: object,
 ) -> Side:
     """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``;
@@ -114,6 +116,7 @@ def make_side(
         rewrites_in_place=rewrites_in_place,
         host_staging=host_staging,
         engine_factory=engine_factory,
+        device_order=device_order,
     )
     if repacker_for is not None:
         repacker = repacker_for(buffers)

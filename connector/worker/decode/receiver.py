@@ -13,13 +13,11 @@ and the load fails as soon as one source fails. Receiver rewrites (merge after l
 when every source's reads completed; then every prefill rank the route names is told
 ``Done`` so it frees its blocks.
 
-Every pull source claims its blocks (``Prepare`` with ``hold_s``, our remaining time).
-Prefill answers with the hold it guarantees, as a duration on its own clock
-(``Prepared.held_s``); we count it from when we *sent* the claim, so we never assume more
-than prefill promised. When no rewrite is due the READ goes out with the claim, not after
-its answer, and the source is done only once the answer came and the READs ended within
-the hold; a READ still running at half the hold sends a fresh claim. A READ that ended
-after the hold it was promised may have read blocks prefill gave back: the load fails.
+Every pull source claims its blocks (``kvbridge.connector.worker.decode.claims``): when
+no rewrite is due the READ goes out with the claim, not after its answer, and the source
+is done only once the answer came and the READs ended within the hold prefill promised.
+What the receiver's own kernels wrote (rewrites, merges, the host mirror copied in) is
+fenced before a load is reported (``kvbridge.connector.worker.device_order``).
 
 Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) land
 whole in staging slots, in rounds of as many slots as are free: read by decode
@@ -34,18 +32,20 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvbridge.connector.common.config import DEFAULT_STAGING_MIB
 from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
     Done,
     GroupRewrite,
-    Prepare,
     Prepared,
     Pushed,
     WireArrangement,
 )
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
+from kvbridge.connector.worker.decode.claims import Claims
+from kvbridge.connector.worker.decode.landing import Landing
 from kvbridge.connector.worker.decode.load_records import (
     Load,
     LoadState,
@@ -58,14 +58,14 @@ from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
 from kvbridge.connector.worker.decode.pull_reads import PullReads
 from kvbridge.connector.worker.decode.push_rounds import PushRounds
 from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
+from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.connector.worker.staging.staged_reads import Repacker, StageBatch, StagedReads
-from kvbridge.connector.worker.staging.staging import DEFAULT_STAGING_MIB, StagingPools
+from kvbridge.connector.worker.staging.staging import StagingPools
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
-from kvbridge.layouts.transforms import rewrite_group
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Receiver:
         notify: Notify | None = None,
         push: PushEndpoint | None = None,
         stage: HostStage | None = None,
+        order: DeviceOrder | None = None,
     ) -> None:
         """``staging``: the slots larger remote pages land in (default: a pool of
         ``DEFAULT_STAGING_MIB`` registered on first use). ``push``: ask prefill to write
@@ -99,8 +100,6 @@ class Receiver:
         of ``buffers`` (host staging) and are copied into ``buffers`` once the load is
         complete."""
         self._engine = engine
-        self._stage = stage
-        self._repacker = repacker
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker)
         self._reads = PullReads(engine, peers, buffers, self._staged, metrics)
@@ -112,13 +111,20 @@ class Receiver:
             engine, self._staged, metrics, overdue_s=timeout_s, clock=clock
         )
         peers.on_drop.append(self._quarantine.peer_gone)
-        self._buffers = buffers
         self._metrics = metrics
         self._send = send
         self._notify = notify or self._notify_now
         self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
+        self._claims = Claims(send, metrics, clock)
+        self._landing = Landing(
+            buffers,
+            metrics,
+            order or DeviceOrder(buffers.device),
+            stage=stage,
+            repacker=repacker,
+        )
         self._loads: dict[str, Load] = {}
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
@@ -197,15 +203,10 @@ class Receiver:
         if not msg.ok:
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
             return
-        if msg.held_s <= 0:
-            self._finish_failed(
-                load,
-                f"prefill {src.key} did not say how long it holds the blocks (Prepared.held_s "
-                f"is 0: a kvbridge older than this decode? upgrade prefill first)",
-            )
+        untrusted = self._claims.answered(src, msg)
+        if untrusted:
+            self._finish_failed(load, untrusted)
             return
-        src.held_until = max(src.held_until, src.claim_sent + msg.held_s)
-        src.held_s, src.claim_sent = msg.held_s, 0.0
         if src.state is LoadState.PREPARING:
             self._post(load, src)
         elif src.reads_done:
@@ -306,24 +307,15 @@ class Receiver:
         self._post(load, src)
 
     def _claim(self, load: Load, src: Source, peer: Peer) -> bool:
-        """Ask prefill to hold the blocks for the rest of our deadline (and to apply the
-        rewrites); False: it is unreachable and the load failed."""
-        now = self._clock()
-        msg = Prepare(
-            request_id=load.spec.params.remote_request_id,
-            rewrites=src.rewrites,
-            hold_s=max(load.deadline - now, 0.0),
-        )
-        if not self._send(peer, msg):
-            self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
-            return False
-        src.claim_sent = now
-        self._metrics.claims_sent += 1
-        return True
+        """Claim the blocks; False: prefill is unreachable and the load failed."""
+        if self._claims.send(load, src, peer):
+            return True
+        self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
+        return False
 
     def _refresh_claim(self, load: Load, src: Source, now: float) -> None:
         """READs still running past half the hold we know of: claim again."""
-        if src.claim_sent or not src.held_until or now < src.held_until - src.held_s / 2:
+        if not self._claims.due(src, now):
             return
         peer = self._ready_peer(src)
         if peer is None:
@@ -332,11 +324,11 @@ class Receiver:
         self._claim(load, src, peer)
 
     def _settle_claim(self, load: Load, src: Source) -> None:
-        """The READs ended: the source is done if they ended within the hold; it waits
-        while a claim is unanswered; otherwise the blocks may have been given back."""
-        if src.reads_done <= src.held_until:
+        """The READs ended: done within the hold; wait while a claim is unanswered."""
+        verdict = self._claims.verdict(src)
+        if verdict:
             src.state = LoadState.DONE
-        elif not src.claim_sent:
+        elif verdict is False:
             self._finish_failed(
                 load,
                 f"read from {src.key} ended {src.reads_done - src.held_until:.1f} s after the "
@@ -398,28 +390,9 @@ class Receiver:
             self._settle_claim(load, src)
 
     def _complete(self, load: Load) -> None:
-        """Every source's reads are in: rewrite or repack what the plan asks, report."""
-        if self._stage is not None:
-            for group_id, ids in load.touched.items():
-                self._stage.to_device(group_id, ids)
+        """Every source's transfers ended: finish the blocks (landing), report."""
         peer = self._peers.get(load.sources[0].key) if load.sources else None
-        plan = peer.plan if peer is not None else None
-        if plan is not None:
-            for g in plan.groups:
-                if g.receiver and g.group_id in load.touched:
-                    stats = rewrite_group(
-                        self._buffers,
-                        g.group_id,
-                        load.touched[g.group_id],
-                        g.receiver.src,
-                        g.receiver.dst,
-                    )
-                    self._metrics.receiver_rewrites += stats.num_blocks
-                if g.repack_from and g.group_id in load.touched:
-                    assert self._repacker is not None  # negotiation needs one for repacks
-                    ids = load.touched[g.group_id]
-                    self._repacker.merge(g.group_id, ids, g.repack_from)
-                    self._metrics.receiver_rewrites += int(ids.size)
+        self._landing.finish(load, peer.plan if peer is not None else None)
         self._metrics.transfers += 1
         self._metrics.bytes_read += load.num_bytes
         self._metrics.transfer_seconds += self._clock() - load.started

@@ -52,11 +52,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Done, Heartbeat, Prepare, Prepared
+from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.arrangement import BlockArrangement
@@ -102,10 +102,13 @@ class Sender:
         rewrites_in_place: bool = True,
         rewrite_on_save: bool = False,
         stage: HostStage | None = None,
+        order: DeviceOrder | None = None,
     ) -> None:
         """``stage``: the host mirror NIXL moves instead of ``buffers`` (host staging);
-        kept blocks are copied there once they are in the format their reader gets."""
+        kept blocks are copied there once they are in the format their reader gets.
+        ``order``: fences the rewrite kernels before NIXL may read the blocks."""
         self._buffers = buffers
+        self._order = order or DeviceOrder(buffers.device)
         self._stage = stage
         self._rewrite_on_save = rewrite_on_save and rewrites_in_place
         self._rewrites_in_place = rewrites_in_place
@@ -378,8 +381,7 @@ class Sender:
         if fresh:
             stats = rewrite_group(self._buffers, group_id, np.asarray(fresh), src, dst)
             self._metrics.sender_rewrites += stats.num_blocks
-            if self._buffers.device.type == "cuda":  # NIXL reads what the kernels wrote
-                torch.cuda.synchronize(self._buffers.device)
+            self._order.fence("sender rewrite")  # NIXL reads what the kernels wrote
         for b in ids.tolist():
             state = self._blocks.setdefault(
                 (group_id, b), _BlockRewrite(src=src, dst=dst, readers=0)

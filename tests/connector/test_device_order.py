@@ -1,0 +1,209 @@
+"""kvbridge's kernels and NIXL's transfers in order, shown on CPU with a recording fake.
+
+``RecordingOrder`` stands in for :class:`DeviceOrder` (whose fence is a device-wide CUDA
+synchronize, nothing on CPU) and logs each fence next to what the test records around
+it: NIXL reporting a READ done (a transfer engine that logs its polls), the receiver's and
+sender's rewrite kernels (``rewrite_group``, wrapped), the notifications prefill sends,
+and the moment the engine hears of the load. On a GPU the same fences are real
+(``test_fence_waits_for_work_on_another_stream``, gpu tier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.connector.common.notifications import Prepared
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferOp, XferState
+from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.layouts.allocation import CacheFormat
+from kvbridge.layouts.layout import KVLayout
+from tests.connector.packed_engine import PACKED
+from tests.connector.pair_harness import (
+    FakeClock,
+    Request,
+    decode_admit,
+    loaded,
+    make_side,
+    prefill_finish,
+    run_until,
+    token_ids,
+)
+from tests.connector.test_connector_pair import RecordingRepacker
+
+Log = list[tuple[str, str]]
+
+
+class RecordingOrder(DeviceOrder):
+    def __init__(self, device: torch.device, log: Log) -> None:
+        super().__init__(device)
+        self.log = log
+
+    def fence(self, why: str) -> None:
+        self.log.append(("fence", why))
+        super().fence(why)
+
+
+class PollLog:
+    """A transfer engine that logs when NIXL first reports a READ done."""
+
+    def __init__(self, inner: TransferEngine, log: Log) -> None:
+        self.inner = inner
+        self.log = log
+        self._seen: set[int] = set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def poll(self, handle: XferHandle) -> XferState:
+        state = self.inner.poll(handle)
+        if state is XferState.DONE and handle.op is XferOp.READ and id(handle) not in self._seen:
+            self._seen.add(id(handle))
+            self.log.append(("read done", ""))
+        return state
+
+
+def _logged(monkeypatch: pytest.MonkeyPatch, module: str, what: str, log: Log) -> None:
+    """Log every ``rewrite_group`` call made from ``module``."""
+    real: Callable = __import__(module, fromlist=["rewrite_group"]).rewrite_group
+
+    def rewrite_group(*args, **kwargs):
+        log.append((what, ""))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(f"{module}.rewrite_group", rewrite_group)
+
+
+class LoggingRepacker(RecordingRepacker):
+    """The engine's packer, logging when kvbridge hands it loaded pages to split."""
+
+    def __init__(self, log: Log) -> None:
+        super().__init__()
+        self.log = log
+
+    def split(self, group_id, pages, remote_block_size, slots) -> None:
+        self.log.append(("split", ""))
+        super().split(group_id, pages, remote_block_size, slots)
+
+
+def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_hears(
+    monkeypatch,
+):
+    """Larger engine-packed prefill pages through two staging slots, in two rounds: the
+    engine's split of a round's pages (and any receiver rewrite) runs only after NIXL
+    reported that round's READs done, and a fence closes every kernel before the engine
+    is told the load is complete."""
+    log: Log = []
+    clock = FakeClock()
+    _logged(monkeypatch, "kvbridge.connector.worker.decode.landing", "receiver rewrite", log)
+    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
+    slot = sum(
+        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
+    )
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        PACKED,
+        "F",
+        clock,
+        repacker=LoggingRepacker(log),
+        engine_factory=lambda name: PollLog(nixl_engine(name), log),
+        device_order=lambda device: RecordingOrder(device, log),
+        extra={"staging_mib": 2.5 * slot / (1 << 20)},
+    )
+    try:
+        p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+
+        def done() -> bool:
+            if loaded(decode, "d1"):
+                log.append(("engine told", ""))
+                return True
+            return False
+
+        run_until([prefill, decode], done, "the load")
+        kinds = [k for k, _ in log]
+        kernels = [i for i, k in enumerate(kinds) if k in ("split", "receiver rewrite")]
+        assert kinds.count("split") == 2, log  # one per round
+        for n, i in enumerate(kernels, start=1):  # round n's kernel after its READ
+            assert kinds[:i].count("read done") >= n, log
+        fence = log.index(("fence", "load complete"))
+        assert max(kernels) < fence < kinds.index("engine told"), log
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
+    """Prefill rewrites its blocks into decode's arrangement (permute after save): the
+    fence comes after the rewrite kernels and before the Prepared that lets decode read."""
+    log: Log = []
+    clock = FakeClock()
+    _logged(monkeypatch, "kvbridge.connector.worker.prefill.sender", "sender rewrite", log)
+    prefill = make_side(
+        "kv_producer",
+        "prefill",
+        64,
+        CacheFormat(layout=KVLayout.NHD, cross_layer=True),
+        "F",
+        clock,
+        lease_s=30.0,
+        device_order=lambda device: RecordingOrder(device, log),
+    )
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        CacheFormat(layout=KVLayout.HND, kernel_block_size=8),
+        "F",
+        clock,
+    )
+    sent = prefill.worker._outbox.send_raw
+
+    def send_raw(agent: str, msg: object) -> bool:
+        if isinstance(msg, Prepared) and msg.ok:
+            log.append(("prepared sent", ""))
+        return sent(agent, msg)
+
+    prefill.worker._outbox.send_raw = send_raw  # type: ignore[method-assign]
+    try:
+        p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "the load")
+        kinds = [k for k, _ in log]
+        assert prefill.worker.metrics.sender_rewrites > 0
+        answer = kinds.index("prepared sent")
+        rewrites = [i for i, k in enumerate(kinds) if k == "sender rewrite"]
+        fences = [i for i, e in enumerate(log) if e == ("fence", "sender rewrite")]
+        assert rewrites and max(rewrites) < answer, log
+        assert any(max(rewrites) < f < answer for f in fences), log
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu tier: no CUDA device here")
+def test_fence_waits_for_work_on_another_stream() -> None:
+    """gpu tier: a kernel queued on a side stream (as a rewrite on the idle-progress
+    thread would be) has finished when fence returns."""
+    device = torch.device("cuda")
+    order = DeviceOrder(device)
+    x = torch.zeros(64 << 20, device=device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
+        x.fill_(3.0)
+    order.fence("test")
+    assert side.query()
+    assert float(x[-1].cpu()) == 3.0
+    assert np.isclose(float(x.sum().cpu()), 3.0 * x.numel())
