@@ -94,6 +94,10 @@ class Quarantine:
         """Failed loads not yet reported, because a READ of theirs may still run."""
         return len(self._held)
 
+    def holds(self, request_id: str) -> bool:
+        """A failed load of that request is held (its failure is still to be reported)."""
+        return any(held.request_id == request_id for held in self._held)
+
     def hold(
         self,
         request_id: str,

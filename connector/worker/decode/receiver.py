@@ -167,10 +167,11 @@ class Receiver:
         self._by_remote[p.remote_request_id] = spec.request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a load; True if it was in flight (it is then reported as failed)."""
+        """Cancel a load; True if it was in flight or is held (it is then reported as
+        failed, and prefill told, once nothing can write its blocks)."""
         load = self._loads.get(request_id)
         if load is None:
-            return False
+            return self._quarantine.holds(request_id)
         self._finish_failed(load, "aborted by the engine")
         return True
 
