@@ -114,6 +114,10 @@ class PeerDirectory:
         """Handshakes in flight (their answers are applied by the next ``poll``)."""
         return sum(p.state is PeerState.CONNECTING for p in self._peers.values())
 
+    def with_agent(self, agent: str) -> Peer | None:
+        """The peer whose NIXL agent is ``agent`` (None: none has it now)."""
+        return next((p for p in self._peers.values() if agent and p.agent == agent), None)
+
     def get(self, key: PeerKey) -> Peer | None:
         return self._peers.get(key)
 

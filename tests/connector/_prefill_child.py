@@ -12,6 +12,11 @@ stdout (anything else on stdout is NIXL's chatter)::
     <- @@ {"event": "digest", "sha256": "..."}           (of every cache byte)
     -> {"cmd": "held", "request_id": "r1"}
     <- @@ {"event": "held", "readers_done": [0] | null}  (decode ranks done; null: freed)
+    -> {"cmd": "freeze_after_write"}
+    <- @@ {"event": "armed"}
+    <- @@ {"event": "frozen", "descriptors_posted": .., "live_handles": ..}
+                      (push mode: once the next WRITEs were posted, before any further NIXL
+                       call, the child says so and SIGSTOPs itself; SIGCONT resumes it)
 
 Tensor parallelism: ``rank``, ``tp_size`` and ``total_kv_heads`` in the config make it
 rank ``rank`` of a prefill engine (its cache holds that rank's heads; it listens on
@@ -32,9 +37,10 @@ import hashlib
 import json
 import os
 import select
+import signal
 import sys
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvbridge.connector.common.metadata import ConnectorMetadata, SendSpec
 from kvbridge.connector.worker.worker import KVBridgeWorker
@@ -67,7 +73,14 @@ def _say(**event: object) -> None:
     sys.stdout.flush()
 
 
-def _handle(worker: KVBridgeWorker, buffers, line: str) -> bool:
+@dataclass
+class _Freeze:
+    """``freeze_after_write``: the descriptor count that, once exceeded, stops the child."""
+
+    armed_at: int | None = None
+
+
+def _handle(worker: KVBridgeWorker, buffers, freeze: _Freeze, line: str) -> bool:
     """Run one command; False to stop."""
     cmd = json.loads(line)
     match cmd["cmd"]:
@@ -89,6 +102,9 @@ def _handle(worker: KVBridgeWorker, buffers, line: str) -> bool:
             for t in buffers.tensors:
                 digest.update(t.numpy().tobytes())
             _say(event="digest", sha256=digest.hexdigest())
+        case "freeze_after_write":
+            freeze.armed_at = worker.metrics.descriptors_posted
+            _say(event="armed")
         case "quit":
             return False
         case other:
@@ -132,16 +148,30 @@ def main(cfg: dict) -> None:
 
 
 def _serve(worker: KVBridgeWorker, buffers) -> None:
+    freeze = _Freeze()
     while True:
         out = worker.get_finished()
         for rid in sorted(out.finished_sending):
             _say(event="sent", request_id=rid, expired=rid in out.expired_leases)
+        _freeze_if_written(worker, freeze)
         # waiting on stdin for 1 ms paces the loop (no busy core); it is not a sync
         readable, _, _ = select.select([sys.stdin], [], [], 0.001)
         if readable:
             line = sys.stdin.readline()
-            if not line or not _handle(worker, buffers, line):
+            if not line or not _handle(worker, buffers, freeze, line):
                 return
+
+
+def _freeze_if_written(worker: KVBridgeWorker, freeze: _Freeze) -> None:
+    """Armed, and a push posted its WRITEs in this step: stop here, before the next NIXL
+    call could see them complete (this worker has no progress thread, so nothing in this
+    process moves them on while it is stopped)."""
+    posted = worker.metrics.descriptors_posted
+    if freeze.armed_at is None or posted <= freeze.armed_at:
+        return
+    freeze.armed_at = None
+    _say(event="frozen", descriptors_posted=posted, live_handles=worker.num_live_handles)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,7 @@ def spawn(tmp_path: Path) -> Iterator:
             child.close()
 
 
-def _load(cluster: Cluster, child: Child, decode, req) -> float:
+def load_from_child(cluster: Cluster, child: Child, decode, req) -> float:
     """Child keeps the blocks, decode loads them; pump until both report; seconds taken."""
     child.send(req.send_id, req.remote_ids, req.remote_first)
     decode.load(req.spec(child))
@@ -271,7 +271,7 @@ def test_load_across_processes(cluster: Cluster, spawn, pfmt: SideFormat, dfmt: 
     for start, end in ((0, 256), (64, 192)):
         req = plan_request(child, decode, start, end, rng)
         want = expectations(child, decode, req)
-        _load(cluster, child, decode, req)
+        load_from_child(cluster, child, decode, req)
         check_loaded(child, decode, req, want)
         assert child.digest() == child.replica_digest(), "child's blocks not restored after Done"
     assert decode.worker.metrics.handshakes == 1
@@ -302,7 +302,7 @@ def test_killed_prefill_fails_load_then_restarted_one_serves(
 
     first = plan_request(child, decode, 0, 128, rng)
     first_want = expectations(child, decode, first)
-    _load(cluster, child, decode, first)
+    load_from_child(cluster, child, decode, first)
     check_loaded(child, decode, first, first_want)
 
     # SIGKILL the child while it holds a request decode has not read yet
@@ -336,13 +336,13 @@ def test_killed_prefill_fails_load_then_restarted_one_serves(
     assert reborn.agent != child.agent
     again = plan_request(reborn, decode, 0, 192, rng)
     again_want = expectations(reborn, decode, again)
-    _load(cluster, reborn, decode, again)
+    load_from_child(cluster, reborn, decode, again)
     check_loaded(reborn, decode, again, again_want)
     assert decode.worker.metrics.handshakes == handshakes + 1
     assert reborn.digest() == reborn.replica_digest()
 
 
-def _cache_digest(decode) -> str:
+def cache_digest(decode) -> str:
     """sha256 of decode's whole KV cache: the test writes nothing into it while a load is
     held, so a change is a transfer landing."""
     h = hashlib.sha256()
@@ -372,12 +372,12 @@ def test_prefill_fault_while_read_in_flight(
     decode.fill(6)
     rng = np.random.default_rng(2)
     warm = plan_request(child, decode, 0, 64, rng)
-    _load(cluster, child, decode, warm)  # handshake and connection are up
+    load_from_child(cluster, child, decode, warm)  # handshake and connection are up
 
     req = plan_request(child, decode, 0, 256, rng)
     disjoint_local_ids(req, warm, rng=rng)
     child.send(req.send_id, req.remote_ids, req.remote_first)
-    untouched = _cache_digest(decode)
+    untouched = cache_digest(decode)
     os.kill(child.proc.pid, signal.SIGSTOP)
     posted = decode.worker.metrics.descriptors_posted
     decode.load(req.spec(child))
@@ -406,19 +406,19 @@ def test_prefill_fault_while_read_in_flight(
     )
     assert decode.worker.metrics.loads_held == 1
     assert not ended(), "a failed load was reported while its READ could still land"
-    assert _cache_digest(decode) == untouched
+    assert cache_digest(decode) == untouched
 
     os.kill(child.proc.pid, signal.SIGCONT)
     cluster.pump([decode], ended, "the held failure once the READ ended", FAILURE_BOUND_S)
     failure = decode.failed[req.load_id]
     assert "timed out" in failure.reason and str(child.engine_id) in failure.reason
     assert failure.num_valid_tokens == 0
-    given_back = _cache_digest(decode)
+    given_back = cache_digest(decode)
     assert given_back != untouched  # the abandoned READ did land, while decode held the blocks
     for _ in range(200):  # ... and nothing lands after the give-back
         decode.collect()
         child.drain()
-    assert _cache_digest(decode) == given_back
+    assert cache_digest(decode) == given_back
     cluster.pump(
         [decode],
         lambda: (child.drain(), req.send_id in child.sent)[1],
@@ -427,6 +427,6 @@ def test_prefill_fault_while_read_in_flight(
     again = plan_request(child, decode, 0, 128, rng)
     disjoint_local_ids(again, warm, req, rng=rng)
     want = expectations(child, decode, again)
-    _load(cluster, child, decode, again)
+    load_from_child(cluster, child, decode, again)
     check_loaded(child, decode, again, want)
     assert child.digest() == child.replica_digest()

@@ -142,10 +142,14 @@ class Quarantine:
 
     def peer_gone(self, agent: str) -> None:
         """``agent`` was removed (found dead): its rounds will never be answered, and
-        nothing more comes from it."""
+        nothing more comes from it (the next ``step`` ends what waited only for it)."""
         for held in self._held:
             held.rounds = {r for r in held.rounds if r[0] != agent}
-        self.step()
+
+    @property
+    def awaited_agents(self) -> set[str]:
+        """Agents that owe a held load a push round's answer (probed while they do)."""
+        return {r[0] for held in self._held for r in held.rounds}
 
     def step(self) -> None:
         """Poll held transfers; end (report) the loads whose transfers all ended."""

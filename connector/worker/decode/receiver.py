@@ -46,6 +46,7 @@ from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferEr
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
 from kvbridge.connector.worker.decode.claims import Claims
 from kvbridge.connector.worker.decode.landing import Landing
+from kvbridge.connector.worker.decode.liveness import Writers
 from kvbridge.connector.worker.decode.load_records import (
     Load,
     LoadState,
@@ -110,7 +111,7 @@ class Receiver:
         self._quarantine = Quarantine(
             engine, self._staged, metrics, overdue_s=timeout_s, clock=clock
         )
-        peers.on_drop.append(self._quarantine.peer_gone)
+        self._writers = Writers(peers, send, self._quarantine)
         self._metrics = metrics
         self._send = send
         self._notify = notify or self._notify_now
@@ -229,6 +230,8 @@ class Receiver:
 
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
+        for load in [ld for ld in self._loads.values() if self._writers.writer_gone(ld)]:
+            self._finish_failed(load, "the prefill writing this load was found gone")
         for peer in self._peers.poll():
             if peer.state is PeerState.READY:
                 continue
@@ -267,6 +270,7 @@ class Receiver:
                     f"load timed out: not complete within {self._timeout_s:.1f} s ({states})",
                 )
         self._quarantine.step()
+        self._writers.probe(self._loads.values(), now)
 
     def take_results(self) -> tuple[set[str], list[LoadFailure]]:
         done, failed = self._done, self._failed
@@ -438,7 +442,7 @@ class Receiver:
         rounds: set[Round] = set()
         rid = load.spec.params.remote_request_id
         for src in load.sources:
-            if src.state is LoadState.PUSHED and src.round_agent:
+            if src.state is LoadState.PUSHED and src.round_agent not in self._writers.gone | {""}:
                 rounds.add((src.round_agent, rid, src.round))
             handles[src.key] = list(src.handles)
             src.handles.clear()
