@@ -40,7 +40,10 @@ from kvbridge.handshake.errors import (
     UnsupportedVersionError,
 )
 
-PROTOCOL_VERSION = 1
+# 2: workers that claim what they read (Prepare.hold_s / Prepared.held_s) and answer
+#    every Push round once its WRITEs ended; a version-1 peer would answer claims with no
+#    hold (every load failing after its READ), so the two refuse each other by name here
+PROTOCOL_VERSION = 2
 
 
 class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

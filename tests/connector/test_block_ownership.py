@@ -295,3 +295,37 @@ def test_a_push_past_decodes_deadline_holds_its_blocks_until_prefill_answers(clo
         prefill.step()
     assert torch.equal(_blocks(decode, d), given_back)
     assert prefill.worker.num_live_handles == 0
+
+
+def test_a_refused_claim_leaves_the_rewrite_an_earlier_claim_reads(clock):
+    """Reader A claimed the blocks rewritten for its plan and reads them; reader B asks
+    for another arrangement of the same blocks: B is refused and A's blocks stay exactly
+    as A was promised (a refusal undoes only what its own Prepare did)."""
+    from kvbridge.connector.common.metadata import SendSpec
+    from kvbridge.connector.common.metrics import ConnectorMetrics
+    from kvbridge.connector.common.notifications import GroupRewrite, Prepare, WireArrangement
+    from kvbridge.connector.worker.prefill.sender import Sender
+    from kvbridge.layouts.arrangement import BlockArrangement
+
+    hnd = CacheFormat(layout=KVLayout.HND)
+    prefill = make_side("kv_producer", "prefill", 64, hnd, "F", clock, lease_s=30.0)
+    try:
+        sender = Sender(prefill.buffers, ConnectorMetrics(), clock=clock)
+        sender.add(SendSpec(request_id="r", block_ids=((3, 4),), first_block=(0,), lease_s=30.0))
+        native = WireArrangement.of(BlockArrangement(layout=KVLayout.HND))
+
+        def prepare(chunks: int):
+            dst = WireArrangement.of(BlockArrangement(layout=KVLayout.HND, num_chunks=chunks))
+            return sender.on_prepare(
+                Prepare(request_id="r", rewrites=[GroupRewrite(0, native, dst)], hold_s=10.0)
+            )
+
+        assert prepare(4).ok  # reader A
+        promised = [t[[3, 4]].clone() for t in prefill.buffers.tensors]
+        refused = prepare(2)  # reader B
+        assert not refused.ok and "already rewritten" in refused.reason
+        for want, t in zip(promised, prefill.buffers.tensors, strict=True):
+            assert torch.equal(t[[3, 4]], want), "a refused claim undid another reader's rewrite"
+        assert prepare(4).ok  # A's refresh: still the same arrangement
+    finally:
+        prefill.worker.shutdown()

@@ -227,7 +227,7 @@ def test_malformed_reply_is_a_protocol_error_without_retry() -> None:
 
 def test_reply_of_another_protocol_version_is_refused() -> None:
     future = msgspec.structs.replace(make_description(), protocol_version=PROTOCOL_VERSION + 1)
-    with pytest.raises(UnsupportedVersionError, match="protocol version 2"):
+    with pytest.raises(UnsupportedVersionError, match=f"protocol version {PROTOCOL_VERSION + 1}"):
         fetch_from_fake(lambda frames: [MAGIC, encode(future)], HandshakeSecurity())
 
 

@@ -51,6 +51,7 @@ class Held:
     """One failed load's transfers that had not ended when it failed."""
 
     request_id: str
+    remote_request_id: str
     on_end: Callable[[], None]  # report the failure (and tell prefill): blocks are safe
     since: float
     handles: dict[PeerKey, list[XferHandle]] = field(default_factory=dict)
@@ -94,6 +95,10 @@ class Quarantine:
         """Failed loads not yet reported, because a READ of theirs may still run."""
         return len(self._held)
 
+    def holds_remote(self, remote_request_id: str) -> bool:
+        """A held load read (or was pushed) prefill's request ``remote_request_id``."""
+        return any(held.remote_request_id == remote_request_id for held in self._held)
+
     def holds(self, request_id: str) -> bool:
         """A failed load of that request is held (its failure is still to be reported)."""
         return any(held.request_id == request_id for held in self._held)
@@ -101,6 +106,7 @@ class Quarantine:
     def hold(
         self,
         request_id: str,
+        remote_request_id: str,
         handles: dict[PeerKey, list[XferHandle]],
         batches: list[StageBatch],
         on_end: Callable[[], None],
@@ -111,6 +117,7 @@ class Quarantine:
         else from ``step`` or ``answered``)."""
         held = Held(
             request_id=request_id,
+            remote_request_id=remote_request_id,
             on_end=on_end,
             since=self._clock(),
             handles=handles,

@@ -150,6 +150,17 @@ class Receiver:
             logger.warning("load %s already in flight; ignoring the duplicate", spec.request_id)
             return
         p = spec.params
+        if p.remote_request_id in self._by_remote or self._quarantine.holds_remote(
+            p.remote_request_id
+        ):
+            # the same prefill request twice at once (resubmitted params): its answers and
+            # Done carry no load of ours, so the second load reads nothing and tells
+            # prefill nothing (that would end the first one's hold)
+            self._failed.append(
+                failure(spec, f"prefill request {p.remote_request_id!r} is already loading here")
+            )
+            self._metrics.transfer_failures += 1
+            return
         try:
             route = self._router.route(p)
         except KVBridgeError as exc:
@@ -462,7 +473,7 @@ class Receiver:
                 self._notify_done(load, ok=False)
             self._failed.append(failure(load.spec, reason))
 
-        self._quarantine.hold(load.spec.request_id, handles, batches, end, rounds)
+        self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
 
     def _forget(self, load: Load) -> None:
         self._loads.pop(load.spec.request_id, None)

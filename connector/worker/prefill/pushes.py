@@ -60,6 +60,7 @@ from kvbridge.layouts.errors import KVBridgeError
 logger = logging.getLogger(__name__)
 
 MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
+ANSWER_ATTEMPTS = 3  # handshakes tried to deliver a Pushed to a decode we lost
 
 
 class PushState(enum.Enum):
@@ -84,6 +85,17 @@ class _Push:
     overdue: bool = False  # ENDING longer than its timeout: logged once
 
 
+@dataclass
+class _Answer:
+    """A Pushed waiting for decode's agent to be known here (our handshake with it)."""
+
+    key: PeerKey
+    endpoint: tuple[str, int] | None
+    agent: str
+    answer: Pushed
+    attempts: int = 0  # handshakes started for it
+
+
 class Pusher:
     """The pushes a prefill worker owes its decode workers."""
 
@@ -105,7 +117,7 @@ class Pusher:
         self._clock = clock
         self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
         # answers waiting for decode's agent to be known here (our handshake with it)
-        self._outgoing: list[tuple[PeerKey, tuple[str, int] | None, str, Pushed]] = []
+        self._outgoing: list[_Answer] = []
 
     @property
     def num_inflight(self) -> int:
@@ -173,9 +185,15 @@ class Pusher:
         self._flush()
 
     def close(self) -> None:
-        """Shutdown: the memory goes with the process; answer every push."""
+        """Shutdown: answer the pushes none of whose WRITEs can still run; the others
+        stay unanswered (their WRITEs may land until the engine is gone), and decode,
+        which probes the prefills that owe it rounds, ends them once this process is."""
         for push in list(self._pushes.values()):
-            self._release(push)
+            push.handles[:] = [h for h in push.handles if not self._ended(h)]
+            if push.handles:
+                self._release(push)
+                self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+                continue
             self._answer(push, ok=False, reason=push.reason or "prefill connector shut down")
 
     # -- internals ----------------------------------------------------------------------
@@ -366,31 +384,37 @@ class Pusher:
         handshake with decode (which loads its agent here) is through."""
         key = (msg.reader_engine_id, msg.reader_rank)
         usable = bool(msg.reader_host) and 0 < msg.reader_port < 65536
-        self._outgoing.append(
-            (key, (msg.reader_host, msg.reader_port) if usable else None, agent, answer)
-        )
+        endpoint = (msg.reader_host, msg.reader_port) if usable else None
+        self._outgoing.append(_Answer(key, endpoint, agent, answer))
         self._flush()
 
     def _flush(self) -> None:
+        """Send the answers whose decode is known here; handshake (again) with the
+        others first, up to ``ANSWER_ATTEMPTS`` times (a decode that answers no
+        handshake is gone: it holds nothing any more)."""
         keep = []
-        for key, endpoint, agent, answer in self._outgoing:
-            peer = self._targets.get(key)
-            if peer is None and endpoint is not None:
-                self._targets.ensure(key, *endpoint)
-                keep.append((key, endpoint, agent, answer))
-                continue
+        for out in self._outgoing:
+            peer = self._targets.get(out.key)
             if peer is not None and peer.state is PeerState.CONNECTING:
-                keep.append((key, endpoint, agent, answer))
+                keep.append(out)
                 continue
-            if not self._reply(agent, answer):  # READY or INCOMPATIBLE: its agent is known
-                logger.warning(
-                    "answer to push round %d of %s lost: decode %s unreachable (%s); it keeps "
-                    "the round's blocks until it finds this prefill gone",
-                    answer.round,
-                    answer.request_id,
-                    key,
-                    peer.reason if peer is not None else "no address",
-                )
+            ready = peer is not None and peer.state is not PeerState.FAILED
+            if ready and self._reply(out.agent, out.answer):
+                continue
+            if out.endpoint is not None and out.attempts < ANSWER_ATTEMPTS:
+                out.attempts += 1
+                self._targets.ensure(out.key, *out.endpoint)  # handshakes a failed one again
+                keep.append(out)
+                continue
+            logger.warning(
+                "answer to push round %d of %s lost: decode %s unreachable (%s) after %d "
+                "handshake(s); a live decode would hold the round's blocks",
+                out.answer.round,
+                out.answer.request_id,
+                out.key,
+                peer.reason if peer is not None else "no address",
+                out.attempts,
+            )
         self._outgoing = keep
 
     def _refuse(self, agent: str, msg: Push, reason: str) -> None:

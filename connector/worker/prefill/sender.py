@@ -179,15 +179,16 @@ class Sender:
             pending.eager = False  # a reader claims the format from now on
             if pending.rewritten != wanted:
                 self._metrics.eager_misses += 1
-                self._restore(pending)
+                self._restore(pending)  # a guess no reader has read
             else:
                 self._metrics.eager_hits += 1
+        kept = set(pending.rewritten)  # what earlier readers were promised stays as is
         try:
             for group_id, (src, dst) in wanted.items():
                 self._rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
-            self._restore(pending)
-            if before:  # the device holds native blocks again
+            self._restore(pending, set(pending.rewritten) - kept)  # only what this did
+            if pending.rewritten != before:  # the device holds other bytes again
                 self._stage_out(pending)
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
         if wanted:
@@ -389,8 +390,13 @@ class Sender:
             state.readers += 1
         pending.rewritten[group_id] = (src, dst)
 
-    def _restore(self, pending: _Pending) -> None:
-        for group_id, (src, dst) in pending.rewritten.items():
+    def _restore(self, pending: _Pending, groups: set[int] | None = None) -> None:
+        """Undo the request's rewrites (only ``groups``, if given) on the blocks no other
+        request still holds rewritten; fenced, so the engine (or a reader of the native
+        format) never sees a half-restored block."""
+        restored = 0
+        for group_id in sorted(set(pending.rewritten) if groups is None else groups):
+            src, dst = pending.rewritten.pop(group_id)
             ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
             last = []
             for b in ids.tolist():
@@ -402,7 +408,9 @@ class Sender:
             if last:
                 stats = rewrite_group(self._buffers, group_id, np.asarray(last), dst, src)
                 self._metrics.sender_restores += stats.num_blocks
-        pending.rewritten.clear()
+                restored += stats.num_blocks
+        if restored:
+            self._order.fence("sender restore")
 
     def close(self) -> None:
         """Shutdown: the memory goes with the process (the pushes were closed first)."""
