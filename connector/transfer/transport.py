@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvbridge.connector.transfer.errors import DescriptorError, TransferTimeoutError
+from kvbridge.connector.transfer.errors import DescriptorError, TransferError, TransferTimeoutError
 from kvbridge.layouts.region import MemoryKind
 
 
@@ -271,6 +271,23 @@ class TransferEngine(Protocol):
     def close(self) -> None:
         """Release every handle, descriptor list, peer and registration. Idempotent."""
         ...
+
+
+def release_if_ended(engine: TransferEngine, handle: XferHandle) -> bool:
+    """True (and the handle released) once nothing of the transfer can still land: NIXL
+    reports it done or failed, or it was released by ``remove_peer`` (kvbridge removes a
+    peer only once it is found gone: a dead process sends nothing more). False: it may
+    still run, and releasing it would not stop it."""
+    if handle.released:
+        return True
+    try:
+        state = engine.poll(handle)
+    except TransferError:
+        state = XferState.DONE  # failed: it ended, nothing more lands
+    if state is XferState.PENDING:
+        return False
+    engine.release(handle)
+    return True
 
 
 def wait_done(

@@ -40,30 +40,38 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
+def _late_pair(
+    clock: FakeClock, late: str, prefill_kw: dict, decode_kw: dict
+) -> Iterator[tuple[Side, Side, LateTransport]]:
+    """A prefill and a decode side; ``late`` ("decode" or "prefill") moves its transfers
+    through a LateTransport, yielded third; both shut down afterwards."""
     transports: list[LateTransport] = []
 
-    def late(name: str) -> LateTransport:
+    def factory(name: str) -> LateTransport:
         transports.append(LateTransport(nixl_engine(name)))
         return transports[-1]
 
-    prefill = make_side("kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0)
-    decode = make_side(
-        "kv_consumer",
-        "decode",
-        16,
-        FMT,
-        "F",
-        clock,
-        engine_factory=late,
-        transfer_timeout_s=TIMEOUT_S,
+    engines = {late: {"engine_factory": factory}}
+    prefill = make_side(
+        "kv_producer", "prefill", 16, FMT, "F", clock, **prefill_kw, **engines.get("prefill", {})
     )
+    try:
+        decode = make_side(
+            "kv_consumer", "decode", 16, FMT, "F", clock, **decode_kw, **engines.get("decode", {})
+        )
+    except BaseException:
+        prefill.worker.shutdown()
+        raise
     try:
         yield prefill, decode, transports[0]
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+@pytest.fixture
+def pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
+    yield from _late_pair(clock, "decode", {"lease_s": 120.0}, {"transfer_timeout_s": TIMEOUT_S})
 
 
 def _blocks(side: Side, req: Request) -> torch.Tensor:
@@ -142,28 +150,7 @@ def _answered(prefill: Side, decode: Side, n: int) -> None:
 @pytest.fixture
 def long_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
     """Decode's deadline (1000 s) is longer than any hold prefill grants (MAX_HOLD_S)."""
-    transports: list[LateTransport] = []
-
-    def late(name: str) -> LateTransport:
-        transports.append(LateTransport(nixl_engine(name)))
-        return transports[-1]
-
-    prefill = make_side("kv_producer", "prefill", 16, FMT, "F", clock, lease_s=120.0)
-    decode = make_side(
-        "kv_consumer",
-        "decode",
-        16,
-        FMT,
-        "F",
-        clock,
-        engine_factory=late,
-        transfer_timeout_s=1000.0,
-    )
-    try:
-        yield prefill, decode, transports[0]
-    finally:
-        decode.worker.shutdown()
-        prefill.worker.shutdown()
+    yield from _late_pair(clock, "decode", {"lease_s": 120.0}, {"transfer_timeout_s": 1000.0})
 
 
 def test_a_read_is_claimed_and_counts_only_within_the_hold_prefill_promised(clock, long_pair):
@@ -228,40 +215,14 @@ def test_an_abort_on_prefill_waits_for_the_claim_it_granted(clock, pair):
 
 @pytest.fixture
 def push_pair(clock: FakeClock) -> Iterator[tuple[Side, Side, LateTransport]]:
-    """Push mode; prefill's WRITEs go through a LateTransport."""
-    transports: list[LateTransport] = []
-
-    def late(name: str) -> LateTransport:
-        transports.append(LateTransport(nixl_engine(name)))
-        return transports[-1]
-
-    push = {"transfer_mode": "push"}
-    prefill = make_side(
-        "kv_producer",
+    """Push mode; prefill's WRITEs go through the LateTransport."""
+    push = {"extra": {"transfer_mode": "push"}}
+    yield from _late_pair(
+        clock,
         "prefill",
-        16,
-        FMT,
-        "F",
-        clock,
-        lease_s=120.0,
-        engine_factory=late,
-        extra=push,
+        {"lease_s": 120.0, **push},
+        {"transfer_timeout_s": TIMEOUT_S, **push},
     )
-    decode = make_side(
-        "kv_consumer",
-        "decode",
-        16,
-        FMT,
-        "F",
-        clock,
-        transfer_timeout_s=TIMEOUT_S,
-        extra=push,
-    )
-    try:
-        yield prefill, decode, transports[0]
-    finally:
-        decode.worker.shutdown()
-        prefill.worker.shutdown()
 
 
 def test_a_push_past_decodes_deadline_holds_its_blocks_until_prefill_answers(clock, push_pair):

@@ -36,8 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.transfer.errors import TransferError
-from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferState
+from kvbridge.connector.transfer.transport import (
+    TransferEngine,
+    XferHandle,
+    release_if_ended,
+)
 from kvbridge.connector.worker.peers import PeerKey
 from kvbridge.connector.worker.staging.staged_reads import StageBatch, StagedReads
 
@@ -189,18 +192,7 @@ class Quarantine:
             batch.handles[:] = [h for h in batch.handles if not self._ended(h)]
 
     def _ended(self, handle: XferHandle) -> bool:
-        # released by remove_peer: the receiver and outbox remove a peer only once it is
-        # gone (disconnect, failed notification); a dead process sends nothing more
-        if handle.released:
-            return True
-        try:
-            state = self._engine.poll(handle)
-        except TransferError:
-            state = XferState.DONE  # failed: it ended, nothing more lands
-        if state is XferState.PENDING:
-            return False
-        self._engine.release(handle)
-        return True
+        return release_if_ended(self._engine, handle)
 
     def _give_back(self, held: Held) -> None:
         for batch in held.batches:

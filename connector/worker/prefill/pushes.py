@@ -50,7 +50,12 @@ from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
-from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferState
+from kvbridge.connector.transfer.transport import (
+    TransferEngine,
+    XferHandle,
+    XferState,
+    release_if_ended,
+)
 from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S, Sender
@@ -352,16 +357,7 @@ class Pusher:
             )
 
     def _ended(self, handle: XferHandle) -> bool:
-        if handle.released:  # by remove_peer: decode was found gone
-            return True
-        try:
-            state = self._engine.poll(handle)
-        except TransferError:
-            state = XferState.DONE  # failed: it ended, nothing more lands
-        if state is XferState.PENDING:
-            return False
-        self._engine.release(handle)
-        return True
+        return release_if_ended(self._engine, handle)
 
     def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
         """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
