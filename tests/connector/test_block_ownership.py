@@ -290,3 +290,30 @@ def test_a_refused_claim_leaves_the_rewrite_an_earlier_claim_reads(clock):
         assert prepare(4).ok  # A's refresh: still the same arrangement
     finally:
         prefill.worker.shutdown()
+
+
+def test_a_native_claim_on_a_block_rewritten_for_another_reader_is_refused(clock):
+    """Two requests share a prefix block; reader A had it rewritten for its plan and
+    reads it; reader B wants the other request's blocks as they are: refused by name
+    (it would read A's arrangement as native bytes)."""
+    from kvbridge.connector.common.metadata import SendSpec
+    from kvbridge.connector.common.metrics import ConnectorMetrics
+    from kvbridge.connector.common.notifications import GroupRewrite, Prepare, WireArrangement
+    from kvbridge.connector.worker.prefill.sender import Sender
+    from kvbridge.layouts.arrangement import BlockArrangement
+
+    hnd = CacheFormat(layout=KVLayout.HND)
+    prefill = make_side("kv_producer", "prefill", 64, hnd, "F", clock, lease_s=30.0)
+    try:
+        sender = Sender(prefill.buffers, ConnectorMetrics(), clock=clock)
+        for rid, ids in (("a", (3, 4)), ("b", (3, 5))):  # block 3: a shared prefix
+            sender.add(SendSpec(request_id=rid, block_ids=(ids,), first_block=(0,), lease_s=30.0))
+        native = WireArrangement.of(BlockArrangement(layout=KVLayout.HND))
+        dst = WireArrangement.of(BlockArrangement(layout=KVLayout.HND, num_chunks=4))
+        rewrite = [GroupRewrite(0, native, dst)]
+        assert sender.on_prepare(Prepare(request_id="a", rewrites=rewrite, hold_s=10.0)).ok
+        refused = sender.on_prepare(Prepare(request_id="b", rewrites=[], hold_s=10.0))
+        assert not refused.ok and "block 3 of group 0 is lent to another reader" in refused.reason
+        assert sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0)).ok
+    finally:
+        prefill.worker.shutdown()

@@ -184,6 +184,7 @@ class Sender:
                 self._metrics.eager_hits += 1
         kept = set(pending.rewritten)  # what earlier readers were promised stays as is
         try:
+            self._check_native(pending, set(wanted))
             for group_id, (src, dst) in wanted.items():
                 self._rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
@@ -389,6 +390,20 @@ class Sender:
             )
             state.readers += 1
         pending.rewritten[group_id] = (src, dst)
+
+    def _check_native(self, pending: _Pending, rewritten: set[int]) -> None:
+        """The reader reads every group but ``rewritten`` as it is: refuse when a block of
+        such a group is rewritten for another reader right now (it holds other bytes)."""
+        for group_id, ids in enumerate(pending.spec.block_ids):
+            if group_id in rewritten:
+                continue
+            for b in ids:
+                state = self._blocks.get((group_id, b))
+                if state is not None:
+                    raise KVBridgeError(
+                        f"block {b} of group {group_id} is lent to another reader as "
+                        f"{state.dst}; cannot be read in its native arrangement now"
+                    )
 
     def _restore(self, pending: _Pending, groups: set[int] | None = None) -> None:
         """Undo the request's rewrites (only ``groups``, if given) on the blocks no other
