@@ -317,3 +317,39 @@ def test_a_native_claim_on_a_block_rewritten_for_another_reader_is_refused(clock
         assert sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0)).ok
     finally:
         prefill.worker.shutdown()
+
+
+def test_a_rewrite_of_a_block_another_reader_reads_natively_is_refused(clock):
+    """The reverse order: reader A claimed request a's blocks as they are and reads them;
+    reader B wants request b (sharing block 3) rewritten: refused, block 3 unchanged;
+    once a's hold ended, b may be rewritten."""
+    from kvbridge.connector.common.metadata import SendSpec
+    from kvbridge.connector.common.metrics import ConnectorMetrics
+    from kvbridge.connector.common.notifications import (
+        Done,
+        GroupRewrite,
+        Prepare,
+        WireArrangement,
+    )
+    from kvbridge.connector.worker.prefill.sender import Sender
+    from kvbridge.layouts.arrangement import BlockArrangement
+
+    hnd = CacheFormat(layout=KVLayout.HND)
+    prefill = make_side("kv_producer", "prefill", 64, hnd, "F", clock, lease_s=30.0)
+    try:
+        sender = Sender(prefill.buffers, ConnectorMetrics(), clock=clock)
+        for rid, ids in (("a", (3, 4)), ("b", (3, 5))):
+            sender.add(SendSpec(request_id=rid, block_ids=(ids,), first_block=(0,), lease_s=30.0))
+        native = WireArrangement.of(BlockArrangement(layout=KVLayout.HND))
+        dst = WireArrangement.of(BlockArrangement(layout=KVLayout.HND, num_chunks=4))
+        rewrite = [GroupRewrite(0, native, dst)]
+        assert sender.on_prepare(Prepare(request_id="a", rewrites=[], hold_s=10.0)).ok
+        before = [t[3].clone() for t in prefill.buffers.tensors]
+        refused = sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0))
+        assert not refused.ok and "block 3 of group 0 is read in its native" in refused.reason
+        for want, t in zip(before, prefill.buffers.tensors, strict=True):
+            assert torch.equal(t[3], want)
+        assert sender.on_done(Done(request_id="a"))
+        assert sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0)).ok
+    finally:
+        prefill.worker.shutdown()

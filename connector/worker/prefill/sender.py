@@ -80,6 +80,7 @@ class _Pending:
     eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
     claimed_until: float = 0.0  # the latest hold end a claim was promised
     pins: int = 0  # pushes whose WRITEs may still read the blocks
+    native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
     ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
 
 
@@ -116,6 +117,8 @@ class Sender:
         self._clock = clock
         self._pending: dict[str, _Pending] = {}
         self._blocks: dict[tuple[int, int], _BlockRewrite] = {}  # (group, block) -> state
+        # (group, block) -> requests whose reader claimed it in its native arrangement
+        self._native: dict[tuple[int, int], int] = {}
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
@@ -194,6 +197,7 @@ class Sender:
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
         if wanted:
             self._learned = wanted
+        self._claim_native(pending, set(range(len(pending.spec.block_ids))) - set(wanted))
         if pending.rewritten != before:
             self._stage_out(pending)
         now = self._clock()
@@ -313,6 +317,7 @@ class Sender:
             return
         del self._pending[rid]
         self._restore(pending)
+        self._claim_native(pending, set(), release=True)
         self._ended[rid] = now
         if report:
             self._finished.add(rid)
@@ -372,6 +377,11 @@ class Sender:
         ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
         fresh = []
         for b in ids.tolist():
+            if self._native.get((group_id, b)):
+                raise KVBridgeError(
+                    f"block {b} of group {group_id} is read in its native arrangement by "
+                    f"another reader; cannot rewrite it as {dst} now"
+                )
             state = self._blocks.get((group_id, b))
             if state is None:
                 fresh.append(b)
@@ -390,6 +400,17 @@ class Sender:
             )
             state.readers += 1
         pending.rewritten[group_id] = (src, dst)
+
+    def _claim_native(self, pending: _Pending, groups: set[int], *, release: bool = False) -> None:
+        """Record the groups a reader claimed as they are (no other reader may have their
+        blocks rewritten meanwhile); ``release``: the hold ended, forget them all."""
+        for group_id in set(pending.native) if release else groups - pending.native:
+            for b in set(pending.spec.block_ids[group_id]):
+                key = (group_id, b)
+                self._native[key] = self._native.get(key, 0) + (-1 if release else 1)
+                if self._native[key] == 0:
+                    del self._native[key]
+        pending.native = set() if release else pending.native | groups
 
     def _check_native(self, pending: _Pending, rewritten: set[int]) -> None:
         """The reader reads every group but ``rewritten`` as it is: refuse when a block of
