@@ -192,7 +192,7 @@ def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
         prefill.worker.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu tier: no CUDA device here")
+@pytest.mark.gpu
 def test_fence_waits_for_work_on_another_stream() -> None:
     """gpu tier: a kernel queued on a side stream (as a rewrite on the idle-progress
     thread would be) has finished when fence returns."""
