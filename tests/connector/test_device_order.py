@@ -147,7 +147,7 @@ def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
     fence comes after the rewrite kernels and before the Prepared that lets decode read."""
     log: Log = []
     clock = FakeClock()
-    _logged(monkeypatch, "kvbridge.connector.worker.prefill.sender", "sender rewrite", log)
+    _logged(monkeypatch, "kvbridge.connector.worker.prefill.lending", "sender rewrite", log)
     prefill = make_side(
         "kv_producer",
         "prefill",

@@ -58,6 +58,7 @@ from kvbridge.connector.transfer.transport import (
 )
 from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
+from kvbridge.connector.worker.prefill.answers import Answers
 from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S, Sender
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
@@ -65,7 +66,6 @@ from kvbridge.layouts.errors import KVBridgeError
 logger = logging.getLogger(__name__)
 
 MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
-ANSWER_ATTEMPTS = 3  # handshakes tried to deliver a Pushed to a decode we lost
 
 
 class PushState(enum.Enum):
@@ -90,17 +90,6 @@ class _Push:
     overdue: bool = False  # ENDING longer than its timeout: logged once
 
 
-@dataclass
-class _Answer:
-    """A Pushed waiting for decode's agent to be known here (our handshake with it)."""
-
-    key: PeerKey
-    endpoint: tuple[str, int] | None
-    agent: str
-    answer: Pushed
-    attempts: int = 0  # handshakes started for it
-
-
 class Pusher:
     """The pushes a prefill worker owes its decode workers."""
 
@@ -118,11 +107,9 @@ class Pusher:
         self._targets = targets
         self._sender = sender
         self._metrics = metrics
-        self._reply = reply
+        self._answers = Answers(targets, reply)
         self._clock = clock
         self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
-        # answers waiting for decode's agent to be known here (our handshake with it)
-        self._outgoing: list[_Answer] = []
 
     @property
     def num_inflight(self) -> int:
@@ -187,7 +174,7 @@ class Pusher:
                 self._poll(push, now)
             else:
                 self._settle(push, now)
-        self._flush()
+        self._answers.flush()
 
     def close(self) -> None:
         """Shutdown: answer the pushes none of whose WRITEs can still run; the others
@@ -373,51 +360,13 @@ class Pusher:
             num_descs=push.num_descs if ok else 0,
             round=push.msg.round,
         )
-        self._send_answer(push.msg, push.agent, answer)
-
-    def _send_answer(self, msg: Push, agent: str, answer: Pushed) -> None:
-        """Decode holds the round's blocks until this answer comes: it is sent once our
-        handshake with decode (which loads its agent here) is through."""
-        key = (msg.reader_engine_id, msg.reader_rank)
-        usable = bool(msg.reader_host) and 0 < msg.reader_port < 65536
-        endpoint = (msg.reader_host, msg.reader_port) if usable else None
-        self._outgoing.append(_Answer(key, endpoint, agent, answer))
-        self._flush()
-
-    def _flush(self) -> None:
-        """Send the answers whose decode is known here; handshake (again) with the
-        others first, up to ``ANSWER_ATTEMPTS`` times (a decode that answers no
-        handshake is gone: it holds nothing any more)."""
-        keep = []
-        for out in self._outgoing:
-            peer = self._targets.get(out.key)
-            if peer is not None and peer.state is PeerState.CONNECTING:
-                keep.append(out)
-                continue
-            ready = peer is not None and peer.state is not PeerState.FAILED
-            if ready and self._reply(out.agent, out.answer):
-                continue
-            if out.endpoint is not None and out.attempts < ANSWER_ATTEMPTS:
-                out.attempts += 1
-                self._targets.ensure(out.key, *out.endpoint)  # handshakes a failed one again
-                keep.append(out)
-                continue
-            logger.warning(
-                "answer to push round %d of %s lost: decode %s unreachable (%s) after %d "
-                "handshake(s); a live decode would hold the round's blocks",
-                out.answer.round,
-                out.answer.request_id,
-                out.key,
-                peer.reason if peer is not None else "no address",
-                out.attempts,
-            )
-        self._outgoing = keep
+        self._answers.send(push.msg, push.agent, answer)
 
     def _refuse(self, agent: str, msg: Push, reason: str) -> None:
         self._metrics.push_failures += 1
         logger.warning("push of %s (round %d) refused: %s", msg.request_id, msg.round, reason)
         answer = Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
-        self._send_answer(msg, agent, answer)
+        self._answers.send(msg, agent, answer)
 
     def _release(self, push: _Push) -> None:
         for h in push.handles:

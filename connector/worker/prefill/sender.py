@@ -57,12 +57,11 @@ from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Done, Heartbeat, Prepare, Prepared
 from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.prefill.lending import BlockLending
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.arrangement import BlockArrangement
 from kvbridge.layouts.errors import KVBridgeError
-from kvbridge.layouts.specs import AttentionSpec
-from kvbridge.layouts.transforms import rewrite_group
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +81,6 @@ class _Pending:
     pins: int = 0  # pushes whose WRITEs may still read the blocks
     native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
     ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
-
-
-@dataclass
-class _BlockRewrite:
-    src: BlockArrangement
-    dst: BlockArrangement
-    readers: int
 
 
 class Sender:
@@ -116,9 +108,7 @@ class Sender:
         self._metrics = metrics
         self._clock = clock
         self._pending: dict[str, _Pending] = {}
-        self._blocks: dict[tuple[int, int], _BlockRewrite] = {}  # (group, block) -> state
-        # (group, block) -> requests whose reader claimed it in its native arrangement
-        self._native: dict[tuple[int, int], int] = {}
+        self._lending = BlockLending(buffers, metrics, self._order)
         self._finished: set[str] = set()
         self._expired: set[str] = set()
         self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
@@ -182,22 +172,22 @@ class Sender:
             pending.eager = False  # a reader claims the format from now on
             if pending.rewritten != wanted:
                 self._metrics.eager_misses += 1
-                self._restore(pending)  # a guess no reader has read
+                self._lending.restore(pending)  # a guess no reader has read
             else:
                 self._metrics.eager_hits += 1
         kept = set(pending.rewritten)  # what earlier readers were promised stays as is
         try:
-            self._check_native(pending, set(wanted))
+            self._lending.check_native(pending, set(wanted))
             for group_id, (src, dst) in wanted.items():
-                self._rewrite(pending, group_id, src, dst)
+                self._lending.rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
-            self._restore(pending, set(pending.rewritten) - kept)  # only what this did
+            self._lending.restore(pending, set(pending.rewritten) - kept)  # only what this did
             if pending.rewritten != before:  # the device holds other bytes again
                 self._stage_out(pending)
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
         if wanted:
             self._learned = wanted
-        self._claim_native(pending, set(range(len(pending.spec.block_ids))) - set(wanted))
+        self._lending.claim_native(pending, set(range(len(pending.spec.block_ids))) - set(wanted))
         if pending.rewritten != before:
             self._stage_out(pending)
         now = self._clock()
@@ -219,10 +209,10 @@ class Sender:
         when its reader wants another one; skipped when a block is lent another way)."""
         try:
             for group_id, (src, dst) in self._learned.items():
-                self._rewrite(pending, group_id, src, dst)
+                self._lending.rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
             logger.debug("no rewrite on save for %s: %s", pending.spec.request_id, exc)
-            self._restore(pending)
+            self._lending.restore(pending)
             return
         pending.eager = True
 
@@ -316,8 +306,8 @@ class Sender:
             pending.ending = why
             return
         del self._pending[rid]
-        self._restore(pending)
-        self._claim_native(pending, set(), release=True)
+        self._lending.restore(pending)
+        self._lending.claim_native(pending, set(), release=True)
         self._ended[rid] = now
         if report:
             self._finished.add(rid)
@@ -356,97 +346,6 @@ class Sender:
         out = (self._finished, self._expired)
         self._finished, self._expired = set(), set()
         return out
-
-    # -- rewrites -----------------------------------------------------------------------
-
-    def _rewrite(
-        self, pending: _Pending, group_id: int, src: BlockArrangement, dst: BlockArrangement
-    ) -> None:
-        groups = self._buffers.config.groups
-        if not 0 <= group_id < len(groups) or not isinstance(groups[group_id].spec, AttentionSpec):
-            raise KVBridgeError(f"rewrite names group {group_id}, which is not an attention group")
-        native = self._buffers.format.native_arrangement(groups[group_id].spec.block_size)
-        if src != native:
-            raise KVBridgeError(
-                f"group {group_id}: reader expects blocks in {src}, ours are {native}"
-            )
-        if group_id in pending.rewritten:
-            if pending.rewritten[group_id] == (src, dst):
-                return
-            raise KVBridgeError(f"group {group_id} already rewritten to another arrangement")
-        ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
-        fresh = []
-        for b in ids.tolist():
-            if self._native.get((group_id, b)):
-                raise KVBridgeError(
-                    f"block {b} of group {group_id} is read in its native arrangement by "
-                    f"another reader; cannot rewrite it as {dst} now"
-                )
-            state = self._blocks.get((group_id, b))
-            if state is None:
-                fresh.append(b)
-            elif (state.src, state.dst) != (src, dst):
-                raise KVBridgeError(
-                    f"block {b} of group {group_id} is lent to another reader as {state.dst}; "
-                    f"cannot rewrite it as {dst} at the same time"
-                )
-        if fresh:
-            stats = rewrite_group(self._buffers, group_id, np.asarray(fresh), src, dst)
-            self._metrics.sender_rewrites += stats.num_blocks
-            self._order.fence("sender rewrite")  # NIXL reads what the kernels wrote
-        for b in ids.tolist():
-            state = self._blocks.setdefault(
-                (group_id, b), _BlockRewrite(src=src, dst=dst, readers=0)
-            )
-            state.readers += 1
-        pending.rewritten[group_id] = (src, dst)
-
-    def _claim_native(self, pending: _Pending, groups: set[int], *, release: bool = False) -> None:
-        """Record the groups a reader claimed as they are (no other reader may have their
-        blocks rewritten meanwhile); ``release``: the hold ended, forget them all."""
-        for group_id in set(pending.native) if release else groups - pending.native:
-            for b in set(pending.spec.block_ids[group_id]):
-                key = (group_id, b)
-                self._native[key] = self._native.get(key, 0) + (-1 if release else 1)
-                if self._native[key] == 0:
-                    del self._native[key]
-        pending.native = set() if release else pending.native | groups
-
-    def _check_native(self, pending: _Pending, rewritten: set[int]) -> None:
-        """The reader reads every group but ``rewritten`` as it is: refuse when a block of
-        such a group is rewritten for another reader right now (it holds other bytes)."""
-        for group_id, ids in enumerate(pending.spec.block_ids):
-            if group_id in rewritten:
-                continue
-            for b in ids:
-                state = self._blocks.get((group_id, b))
-                if state is not None:
-                    raise KVBridgeError(
-                        f"block {b} of group {group_id} is lent to another reader as "
-                        f"{state.dst}; cannot be read in its native arrangement now"
-                    )
-
-    def _restore(self, pending: _Pending, groups: set[int] | None = None) -> None:
-        """Undo the request's rewrites (only ``groups``, if given) on the blocks no other
-        request still holds rewritten; fenced, so the engine (or a reader of the native
-        format) never sees a half-restored block."""
-        restored = 0
-        for group_id in sorted(set(pending.rewritten) if groups is None else groups):
-            src, dst = pending.rewritten.pop(group_id)
-            ids = np.unique(np.asarray(pending.spec.block_ids[group_id], dtype=np.int64))
-            last = []
-            for b in ids.tolist():
-                state = self._blocks[(group_id, b)]
-                state.readers -= 1
-                if state.readers == 0:
-                    del self._blocks[(group_id, b)]
-                    last.append(b)
-            if last:
-                stats = rewrite_group(self._buffers, group_id, np.asarray(last), dst, src)
-                self._metrics.sender_restores += stats.num_blocks
-                restored += stats.num_blocks
-        if restored:
-            self._order.fence("sender restore")
 
     def close(self) -> None:
         """Shutdown: the memory goes with the process (the pushes were closed first)."""

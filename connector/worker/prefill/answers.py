@@ -1,0 +1,83 @@
+"""Prefill's answers to Push rounds, delivered however long decode takes to be known here.
+
+Decode keeps a round's blocks until prefill's ``Pushed`` comes, so an answer must not be
+lost because this worker has not (or no longer) loaded decode's NIXL agent: it waits for
+our own handshake with decode (the Push names its side channel) and, if that peer failed,
+handshakes again, up to ``ANSWER_ATTEMPTS`` times::
+
+    send(push, answer) -> decode known (READY / INCOMPATIBLE): notify now
+                          unknown or FAILED: handshake, keep it; CONNECTING: keep it
+                          still failing after ANSWER_ATTEMPTS: logged and dropped (a
+                          decode that answers no handshake is gone and holds nothing)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvbridge.connector.common.notifications import Push, Pushed
+from kvbridge.connector.worker.peers import PeerDirectory, PeerKey, PeerState
+
+logger = logging.getLogger(__name__)
+
+ANSWER_ATTEMPTS = 3  # handshakes tried to deliver a Pushed to a decode we lost
+
+
+@dataclass
+class _Answer:
+    """A Pushed waiting for decode's agent to be known here (our handshake with it)."""
+
+    key: PeerKey
+    endpoint: tuple[str, int] | None
+    agent: str
+    answer: Pushed
+    attempts: int = 0  # handshakes started for it
+
+
+class Answers:
+    """The Pushed answers a prefill worker still has to deliver."""
+
+    def __init__(self, targets: PeerDirectory, reply: Callable[[str, Pushed], bool]) -> None:
+        self._targets = targets
+        self._reply = reply
+        self._outgoing: list[_Answer] = []
+
+    def send(self, msg: Push, agent: str, answer: Pushed) -> None:
+        """Decode holds the round's blocks until this answer comes: it is sent once our
+        handshake with decode (which loads its agent here) is through."""
+        key = (msg.reader_engine_id, msg.reader_rank)
+        usable = bool(msg.reader_host) and 0 < msg.reader_port < 65536
+        endpoint = (msg.reader_host, msg.reader_port) if usable else None
+        self._outgoing.append(_Answer(key, endpoint, agent, answer))
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the answers whose decode is known here; handshake (again) with the
+        others first, up to ``ANSWER_ATTEMPTS`` times (a decode that answers no
+        handshake is gone: it holds nothing any more)."""
+        keep = []
+        for out in self._outgoing:
+            peer = self._targets.get(out.key)
+            if peer is not None and peer.state is PeerState.CONNECTING:
+                keep.append(out)
+                continue
+            ready = peer is not None and peer.state is not PeerState.FAILED
+            if ready and self._reply(out.agent, out.answer):
+                continue
+            if out.endpoint is not None and out.attempts < ANSWER_ATTEMPTS:
+                out.attempts += 1
+                self._targets.ensure(out.key, *out.endpoint)  # handshakes a failed one again
+                keep.append(out)
+                continue
+            logger.warning(
+                "answer to push round %d of %s lost: decode %s unreachable (%s) after %d "
+                "handshake(s); a live decode would hold the round's blocks",
+                out.answer.round,
+                out.answer.request_id,
+                out.key,
+                peer.reason if peer is not None else "no address",
+                out.attempts,
+            )
+        self._outgoing = keep
