@@ -53,30 +53,64 @@ _RETIRED = {
 
 
 class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``extra`` object: the worker side's settings (README "Configuration keys")."""
+    """The ``extra`` object: the worker side's settings.
 
-    # "pull": decode READs prefill's blocks; "push": prefill WRITEs into decode's. Prefill
-    # and decode must set the same (the handshake refuses a pair that disagrees).
+    Each field's docstring is its documentation: ``scripts/gen_config_docs.py`` renders
+    them into ``docs/configuration.md`` (its last line says which side reads the key).
+    """
+
     transfer_mode: TransferMode = TransferMode.PULL
-    # false: rewrite a kept request's blocks when its reader asks (Prepare / Push); true:
-    # into the last reader's format as soon as they are saved, off the critical path
+    """Who moves the bytes: ``"pull"``, decode READs prefill's blocks; ``"push"``, prefill
+    WRITEs into decode's. Prefill and decode must set the same: the handshake refuses a pair
+    that disagrees, naming both values. On a GPU prefer push (NIXL WRITE is far faster than
+    READ there).
+    Read by: both."""
+
     rewrite_on_save: bool = False
-    # the staging arena: landing pages for remote blocks larger than the local ones
+    """``false``: rewrite a kept request's blocks for its reader when the reader asks
+    (``Prepare`` / ``Push``); ``true``: rewrite them into the last reader's format as soon as
+    they are saved, off the handover's critical path. No effect where the engine may not
+    rewrite its blocks in place (vLLM).
+    Read by: prefill."""
+
     staging_mib: float = DEFAULT_STAGING_MIB
-    # side-channel listeners ("host:port", one per remote rank) to handshake with at
-    # startup: a decode lists its prefills, a pushing prefill its decodes
+    """Size in MiB of decode's staging arena: landing slots for engine-packed prefill pages
+    larger than decode's blocks (or not dividing them), shared by every slot size. Too small
+    for one prefill page: the load fails naming this key (push: refused at the handshake).
+    Read by: decode."""
+
     warm_peers: tuple[str, ...] = ()
-    # > 0: NIXL's progress thread with that sleep between rounds (engines that stop
-    # calling the connector while idle); 0 leaves progress to the worker's calls
+    """Side-channel listeners (``"host:port"``, one per remote rank) to handshake and
+    connect with at startup, so that the first request to them pays neither: a decode lists
+    its prefills, a pushing prefill its decodes. Refused on a pulling prefill. A listener
+    that does not answer is logged; requests then handshake as usual.
+    Read by: decode, or a pushing prefill."""
+
     nixl_progress_us: int = 0
-    # > 0: a thread advances transfers whenever the engine has not called for that long
+    """Above 0: run NIXL's progress thread with that sleep (microseconds) between rounds, for
+    engines that stop calling the connector while idle (an idle prefill must still answer
+    its readers' READs); 0 leaves progress to the worker's calls.
+    Read by: both."""
+
     idle_progress_ms: float = 0.0
-    # true: post each run of blocks adjacent on both sides as one descriptor (NIXL
-    # already coalesces adjacent ones itself: kvbridge.connector.transfer.nixl_config)
+    """Above 0: when the engine has not called the connector for that long (milliseconds), a
+    thread advances transfers (reads notifications, answers ``Prepare``, polls reads) under
+    the same lock as the engine's calls; 0: only the engine's calls advance them.
+    Read by: both."""
+
     merge_runs: bool = False
-    # 1-19: lower the engine's thread (it busy-waits between steps) to that nice value once
-    # kvbridge's threads run, so they are not starved where busy threads outnumber cores
+    """``true``: post each run of blocks adjacent in memory on both sides as one NIXL
+    descriptor. Off by default: NIXL 1.5 already coalesces adjacent prepared descriptors,
+    faster than kvbridge can in Python.
+    Read by: both."""
+
     engine_thread_nice: int = 0
+    """0-19: once kvbridge's threads run, lower the thread that registered the KV caches
+    (the engine's thread, which may busy-wait between steps) to that nice value, so that
+    NIXL's, UCX's and kvbridge's threads sharing its core get the CPU. For machines where
+    busy engine threads outnumber cores; 0 leaves the priority alone. Only the vLLM adapter
+    applies it so far.
+    Read by: both."""
 
     def __post_init__(self) -> None:
         if self.staging_mib <= 0:
@@ -120,20 +154,73 @@ def _peer_address(item: str) -> tuple[str, int]:
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's configuration (``--kv-transfer-config`` in kvbridge's spelling).
+
+    Each field's docstring is its documentation: ``scripts/gen_config_docs.py`` renders
+    them into ``docs/configuration.md`` (its last line says which side reads the key).
+    """
+
     kv_role: KVRole
+    """``kv_producer`` (prefill: keeps finished blocks for a reader), ``kv_consumer``
+    (decode: loads blocks from producers) or ``kv_both``.
+    Read by: both."""
+
     engine_id: str
+    """This engine's name, unique among the workers that talk to each other; it names the
+    NIXL agents and travels in the params and handshakes.
+    Read by: both."""
+
     kv_ip: str = "127.0.0.1"
-    kv_port: int = 5600  # side-channel base port: rank r binds kv_port + r; 0: ephemeral
-    # where the memory NIXL moves lives: "auto" (the cache's own), "cpu" (a CUDA cache is
-    # staged through a pinned host mirror), "cuda" / "cuda:N" (VRAM, the cache's own)
+    """Host the side-channel listener binds, and that prefill advertises in the params for
+    its readers to contact. The default keeps everything on loopback.
+    Read by: both."""
+
+    kv_port: int = 5600
+    """Side-channel base port: rank ``r`` binds ``kv_port + r``. 0: every rank binds an
+    ephemeral port, which the engine hands to the scheduler
+    (``KVBridgeScheduler.set_side_channel_ports``) and the params carry.
+    Read by: both."""
+
     kv_buffer_device: str = "auto"
+    """Where the memory NIXL moves lives: ``"auto"`` (the cache's own), ``"cpu"`` (a CUDA
+    cache is staged through a pinned host mirror), ``"cuda"`` / ``"cuda:N"`` (VRAM, the
+    cache's own device; refused for a host cache).
+    Read by: both."""
+
     failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
+    """What decode does with a request whose KV it could not load: ``"recompute"`` (compute
+    it locally from the last valid token) or ``"fail"`` (end the request with the reason).
+    Read by: decode."""
+
     lease_s: float = 30.0
+    """How long prefill holds a finished request's blocks without news from its reader
+    (extended by heartbeats and claims); also the params' expiry. Must exceed
+    ``heartbeat_s``.
+    Read by: prefill."""
+
     heartbeat_s: float = 5.0
+    """While a load waits for blocks, decode heartbeats the prefill at most this often so its
+    lease does not run out. Must be shorter than ``lease_s``.
+    Read by: decode."""
+
     handshake_timeout_s: float = 5.0
+    """Time allowed for one side-channel handshake attempt with a peer.
+    Read by: decode, or a pushing prefill."""
+
     transfer_timeout_s: float = 30.0
+    """A load's deadline: a load not finished by then fails and ends by
+    ``failure_policy``. Its claims ask prefill to hold the blocks for the rest of it.
+    Read by: decode."""
+
     secret: str | None = None
+    """Shared secret (at least 16 bytes, the same on every worker): authenticates
+    side-channel messages with HMAC-SHA256 and signs the params. Unset: nothing is
+    authenticated, and each worker says so at startup.
+    Read by: both."""
+
     extra: ExtraConfig = msgspec.field(default_factory=ExtraConfig)
+    """The worker side's settings, below.
+    Read by: both."""
 
     def __post_init__(self) -> None:
         # Types are the decoder's job (from_dict / from_json); keyword callers pass typed
