@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run kvbridge's checks: ruff, the import contracts (lint-imports),
-# then pytest (vLLM tests included, so the venv gets the vllm extra). Idempotent: a second
-# run skips the installs.
+# the manual (`mkdocs build --strict`: a broken link, anchor or a page left out of the nav
+# fails), then pytest (vLLM tests included, so the venv gets the vllm extra). Idempotent: a
+# second run skips the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm}"
+KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm,docs}"
 source scripts/setup_env.sh
 
 .venv/bin/ruff check .
 .venv/bin/lint-imports --no-cache
+[ -x .venv/bin/mkdocs ] || { echo "mkdocs missing: KVBRIDGE_EXTRAS must include docs" >&2; exit 1; }
+site_dir="$(mktemp -d)"  # the built site stays out of the repository
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
+rm -rf "$site_dir"
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
