@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +35,9 @@ from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout
 from kvbridge.layouts.specs import FullAttentionSpec
 from kvbridge.layouts.transforms import rewrite_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.bench_json import add_json_argument, write_json
 
 PAIRS = [(64, 64), (64, 32), (80, 32), (96, 64), (528, 64), (48, 32), (32, 48)]
 
@@ -100,7 +105,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    add_json_argument(ap)
     args = ap.parse_args()
+    rows = []
     end = args.tokens - 1  # decode computes the last prompt token itself
     print(
         f"{args.tokens}-token prompt ({end} tokens loaded), {args.layers} layers, {args.heads} KV "
@@ -130,6 +137,18 @@ def main() -> None:
             f"| {b_remote} / {b_local} | {math.gcd(b_remote, b_local)} | {counts['cross']:,} "
             f"| {counts['per-layer']:,} | {kib:.0f} | {ratio} |"
         )
+        rows.append(
+            {
+                "prefill_block": b_remote,
+                "decode_block": b_local,
+                "wire_chunk": math.gcd(b_remote, b_local),
+                "cross_layer": counts["cross"],
+                "per_layer": counts["per-layer"],
+                "kib_per_descriptor": kib,
+                "split_vs_copy": ratio,
+            }
+        )
+    write_json(args.json, "bench_block_sizes", rows, **vars(args) | {"json": None})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from kvbridge.examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
 from kvbridge.examples.launch import Cluster, Proc  # noqa: E402
+from scripts.bench_json import add_json_argument, write_json  # noqa: E402
 
 TIMEOUT_S = 120.0
 PHASES = ("peer", "prepare", "data", "finish")
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-dense")
     ap.add_argument("--num-blocks", type=int, default=4096)
     add_device_argument(ap, "; every server's weights and KV cache")
+    add_json_argument(ap)
     args = ap.parse_args(argv)
     try:  # before any server starts
         device = parse_device(args.device)
@@ -258,6 +260,30 @@ def main(argv: list[str] | None = None) -> int:
         "p50 - single p50 - xfer (the handover beyond the bytes: proxy hop, scheduling, "
         "notifications, polling). desc/req: both workers' descriptors (pull: decode's "
         "READs, push: prefill's WRITEs)."
+    )
+    rows = [
+        {
+            "target": name,
+            "tokens": length,
+            "concurrency": conc,
+            "ttft_p50_ms": pt.p50,
+            "ttft_p90_ms": pt.p(0.9),
+            "load_ms": pt.transfer_ms,
+            "bytes_per_req": pt.bytes_per_req,
+            "descs_per_req": pt.descs_per_req,
+            "phases_ms": pt.phases_ms,
+        }
+        for (name, length, conc), pt in results.items()
+    ]
+    write_json(
+        args.json,
+        "bench_e2e",
+        rows,
+        model=args.model,
+        device=str(device),
+        requests=args.requests,
+        prefill_block=32,
+        decode_block=16,
     )
     return 0
 

@@ -23,6 +23,8 @@ Counts only (pure planning, no transfer); the connector's own NIXL tests move th
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,9 @@ from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout
 from kvbridge.layouts.specs import FullAttentionSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.bench_json import add_json_argument, write_json
 
 # name -> (format on both sides, whether prefill may rewrite its blocks after save)
 FORMATS = {
@@ -87,8 +92,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8, help="the model's KV heads")
     ap.add_argument("--head-size", type=int, default=128)
+    add_json_argument(ap)
     args = ap.parse_args()
     blocks = args.tokens // args.block_size
+    rows = []
     print(
         f"{args.tokens} tokens, block {args.block_size}, {args.layers} layers, {args.heads} KV "
         f"heads x {args.head_size}, fp16; descriptors per request, all decode ranks together\n"
@@ -116,6 +123,18 @@ def main() -> None:
                 f"| {d_tp} / {p_tp} | {name} | {ours:,} | {baseline_slices:,} | {baseline_heads:,} "
                 f"| {moved / ours / 1024:.0f} |"
             )
+            rows.append(
+                {
+                    "decode_tp": d_tp,
+                    "prefill_tp": p_tp,
+                    "format": name,
+                    "kvbridge": ours,
+                    "per_slice": baseline_slices,
+                    "per_head": baseline_heads,
+                    "kib_per_descriptor": moved / ours / 1024,
+                }
+            )
+    write_json(args.json, "bench_tp", rows, **vars(args) | {"json": None})
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +70,7 @@ from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
 from kvbridge.layouts.layout import KVLayout, KVPacking  # noqa: E402
 from kvbridge.layouts.specs import FullAttentionSpec  # noqa: E402
+from scripts.bench_json import add_json_argument, write_json  # noqa: E402
 
 TIMEOUT_S = 120.0
 
@@ -661,6 +662,7 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--kv-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-rewrites-in-place", action="store_true", help=argparse.SUPPRESS)
+    add_json_argument(ap)
     args = ap.parse_args()
     shape = Shape.from_args(args)
     if args.serve:
@@ -753,6 +755,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    records = []
     for r in rows:
         gbps = shape.request_bytes / r.seconds / 1e9
         prep = f"{r.prep_ms:.2f}" if isinstance(r.prep_ms, float) else r.prep_ms
@@ -760,7 +763,16 @@ def main() -> None:
         read = f"{r.read_ms:.2f}" if isinstance(r.read_ms, float) else r.read_ms
         keep = f"{r.keep_ms:.2f}" if isinstance(r.keep_ms, float) else r.keep_ms
         first = f"{r.first_ms:.1f}" if isinstance(r.first_ms, float) else r.first_ms
-        raw_s = raw_write_s if " push " in r.name or "WRITE" in r.name else raw_read_s
+        push = " push " in r.name or "WRITE" in r.name
+        raw_s = raw_write_s if push else raw_read_s
+        records.append(
+            {
+                **asdict(r),
+                "mode": "push" if push else "pull",
+                "gbps": gbps,
+                "x_raw": raw_s / r.seconds,
+            }
+        )
         print(
             f"{r.name:<60} {r.descs!s:>6} {r.rows!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
             f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8} {keep:>8} {first:>8}"
@@ -778,6 +790,7 @@ def main() -> None:
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
         "Pushed (the child polls every ~1 ms between its steps)."
     )
+    write_json(args.json, "bench_transfer", records, shape=asdict(shape), device=args.device)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvbridge.examples.vllm.client import RequestError, compare, complete, make_prompts
 from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
+from scripts.bench_json import add_json_argument, write_json
 
 # Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors sum)
 LOAD_METRICS = {
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's torch.compile warm-up (default: --enforce-eager, ~3x faster start)",
     )
     ap.add_argument("--refused-only", action="store_true", help="only the --refused rows")
+    add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.refused_only:
         args.connectors_for_grid = []
@@ -262,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {fmt(k.load_ms)} / {fmt(x.load_ms)} | {fmt(k.bytes_per_req, 1 / 1024, 0)} "
                 f"| {fmt(k.descs_per_req, 1, 0)} / {fmt(x.descs_per_req, 1, 0)} |"
             )
+    rows = [{**vars(p), "ttft_p50_ms": p.pct(0.5) * 1e3, "ttft_p90_ms": p.pct(0.9) * 1e3}
+            for p in points.values()]  # fmt: skip
+    if rows:
+        write_json(args.json, "bench_vllm", rows, prefill_block=args.prefill_block_size,
+                   decode_block=args.decode_block_size, requests=args.requests)  # fmt: skip
     for spec in args.refused:
         pb, db = (int(v) for v in spec.split(":"))
         for connector in args.connectors:
