@@ -14,7 +14,7 @@ vLLM's CPU attention keeps K transposed inside each block, so its blocks move wh
 between equal block sizes straight into decode's blocks; into larger decode blocks side by
 side, then repacked with vLLM's kernel; from larger prefill blocks through decode's staging
 slots, then split into decode's blocks (vLLM's NixlConnector moves the bytes anyway and
-decode generates wrong tokens, see the README). The reference for a pair is a third
+decode generates wrong tokens, see docs/vllm.md). The reference for a pair is a third
 server that computes the prompt itself. Prompts are unique per test so that no prefix
 cache serves them by accident. The tests that kill a prefill server run last. Different
 tensor-parallel sizes run in ``test_vllm_tp.py`` (servers of their own).

@@ -9,14 +9,14 @@ own servers (they start after ``test_vllm_pd.py``'s are torn down):
     L64    tiny-llama, TP 1, block 64, kv_both; only with KVBRIDGE_VLLM_TP21=1
 
 The whole module is opt-in (``KVBRIDGE_VLLM_TP=1``): on the shared 2-core machine it was
-not reliable (see below and the README's known limits).
+not reliable (see below and docs/vllm.md, known limits).
 
 - TP 1 -> TP 2 (P128 -> T32): each decode rank reads its KV head of every 128-token prefill
   page into its staging slots and vLLM's kernel splits it into its 32-token blocks.
 - TP 2 -> TP 1 (T32 -> L64), opt-in on top (``KVBRIDGE_VLLM_TP21=1``): decode reads each
   32-token page from both prefill ranks (each holds one KV head) and merges them into its
   64-token blocks. On the shared
-  2-core machine, busy with other tests, it failed in 3 of 3 runs (README, known limits):
+  2-core machine, busy with other tests, it failed in 3 of 3 runs (CHANGELOG.md, known limits):
   L64's first handshakes with the TP-2 prefill took 1.4 s to 2 min, and L64's and T32's
   engines then went minutes without a step (loads timed out, or prefill's lease expired).
 
@@ -48,11 +48,11 @@ from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine
 WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP") == "1"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in
 # `reading` for the 60 s timeout, or the prefill's handshake listener silent for 4 x 5 s;
-# README, known limits).
+# docs/vllm.md, known limits).
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.integration,
-    pytest.mark.skipif(not WITH_TP, reason="opt-in: KVBRIDGE_VLLM_TP=1 (README, known limits)"),
+    pytest.mark.skipif(not WITH_TP, reason="opt-in: KVBRIDGE_VLLM_TP=1 (docs/vllm.md)"),
 ]
 
 MAX_TOKENS = 8
@@ -230,7 +230,7 @@ def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster: Cluster
     assert _delta(before, after, "receiver_rewrites") == 2 * _pages(loaded, 32), moved
 
 
-@pytest.mark.skipif(not WITH_TP21, reason="opt-in: KVBRIDGE_VLLM_TP21=1 (README, known limits)")
+@pytest.mark.skipif(not WITH_TP21, reason="opt-in: KVBRIDGE_VLLM_TP21=1 (docs/vllm.md)")
 def test_prefill_tp_2_to_decode_tp_1_with_smaller_prefill_blocks(cluster: Cluster) -> None:
     """T32 (TP 2) -> L64 (TP 1): decode reads each 32-token page's head from both prefill
     ranks (one descriptor per page, layer and source rank) and merges them into its
