@@ -48,7 +48,7 @@ from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine
 WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP") == "1"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in
 # `reading` for the 60 s timeout, or the prefill's handshake listener silent for 4 x 5 s;
-# docs/vllm.md, known limits).
+# CHANGELOG.md, known limits).
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.integration,
