@@ -16,6 +16,7 @@ import kvbridge.connector
 import kvbridge.examples
 import kvbridge.handshake
 import kvbridge.layouts
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.handshake.errors import ErrorCode
 from kvbridge.layouts.errors import KVBridgeError
 
@@ -100,3 +101,23 @@ def test_every_listener_error_code_is_listed() -> None:
     peer_error = page.split("### `PeerError`", 1)[1].split("\n### ", 1)[0]
     for code in ErrorCode:
         assert f"| `{code.value}` |" in peer_error, code
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"kv_role": "kv_producer", "engine_id": "p", "extra": {"transfer_mod": "push"}},
+        {"kv_role": "kv_producer", "engine_id": "p", "extra": {"nixl_progress_us": "1000"}},
+        {"kv_role": "kv_producer", "engine_id": "p", "heartbeat_s": 30},
+        {"kv_role": "kv_producer", "engine_id": "p", "kv_buffer_device": "gpu"},
+        {"engine_id": "p"},
+        {"kv_role": "kv_producer", "engine_id": "p", "extra": {"warm_peers": ["h:1"]}},
+        {"kv_role": "kv_producer", "engine_id": "p", "extra": {"max_peer_block_size": 64}},
+    ],
+)
+def test_the_config_errors_quoted_on_the_page_are_the_real_ones(raw: dict) -> None:
+    # the page quotes messages up to an ellipsis or the closing backtick: the first 40
+    # characters of the real message must be there, or the page misleads
+    with pytest.raises(ConfigError) as info:
+        KVTransferConfig.from_dict(raw)
+    assert str(info.value)[:40] in PAGE.read_text(), str(info.value)
