@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import os
 import re
 import shutil
@@ -97,6 +98,17 @@ class Link:
             self.run(side, "ip", "link", "set", "lo", "up")
             self.run(side, "ip", "link", "set", self.dev[side], "up")
         self.set_rate(rate or "10gbit")
+
+    def to_json(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in ("ns", "dev", "ip", "rate", "ucx_env")})
+
+    @classmethod
+    def attach(cls, text: str) -> Link:
+        """The link another process made (from its :meth:`to_json`); closing it here
+        removes nothing: the process that made it owns it."""
+        link = cls.__new__(cls)
+        link.__dict__.update(json.loads(text), _made=[])
+        return link
 
     def run(self, side: str, *argv: str) -> str:
         """Run ``argv`` in ``side``'s namespace; its stdout (raises on failure)."""
