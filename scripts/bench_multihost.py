@@ -52,6 +52,7 @@ class Result:
     data_ms: float
     fin_ms: float
     on_link: float
+    drops: int  # packets prefill's end of the link dropped (its tbf queue overflowed)
 
 
 def timeline_ms(decode, iterations: int) -> tuple[float, float, float]:
@@ -101,7 +102,7 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
         )
         raw: dict[str, float] = {}
         for mode in modes:
-            tx0 = link.tx_bytes("p")
+            tx0, drops0 = link.tx_stats("p")
             row, child, decode, buffers = bt.measure_connector(
                 shape,
                 "x-NHD",
@@ -112,7 +113,8 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
                 iterations=args.iterations,
                 indices_s=indices_s,
             )
-            sent = link.tx_bytes("p") - tx0
+            tx1, drops1 = link.tx_stats("p")
+            sent, drops = tx1 - tx0, drops1 - drops0
             try:
                 if not raw:  # after the digest check: the raw WRITE overwrites
                     read_row, write_row, _ = bt.measure_raw(child, buffers, shape, args.iterations)
@@ -134,6 +136,7 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
                     data,
                     fin,
                     sent / (shape.request_bytes * (args.iterations + 1)),
+                    drops,
                 )
             )
             print(f"  done: {rate} {size} {mode}", flush=True)
@@ -186,7 +189,7 @@ def main() -> int:
     header = (
         f"{'link':>7} {'size':>5} {'mode':>4} {'MiB':>6} {'ms':>8} {'Gbit/s':>7} {'x link':>6} "
         f"{'raw ms':>8} {'x raw':>6} {'descs':>6} {'prep ms':>8} {'data ms':>8} {'fin ms':>7} "
-        f"{'on link':>7}"
+        f"{'on link':>7} {'drops':>6}"
     )
     print()
     print(header)
@@ -197,13 +200,13 @@ def main() -> int:
             f"{r.rate:>7} {r.size:>5} {r.mode:>4} {r.nbytes / 2**20:6.2f} {r.seconds * 1e3:8.2f} "
             f"{gbit:7.3f} {gbit * 1e9 / bits(r.rate):6.2f} {r.raw_seconds * 1e3:8.2f} "
             f"{r.raw_seconds / r.seconds:6.2f} {r.descs!s:>6} {r.prep_ms:8.2f} {r.data_ms:8.2f} "
-            f"{r.fin_ms:7.2f} {r.on_link:7.3f}"
+            f"{r.fin_ms:7.2f} {r.on_link:7.3f} {r.drops:6d}"
         )
     print(
         "\nx link: the load's goodput over the link's tbf rate; x raw: raw NIXL time over the"
         "\nload's (>= 1: as fast as one raw descriptor). prep/data/fin ms: decode's load"
         "\ntimeline per load (claim round trip, data, finishing); on link: bytes prefill's"
-        "\nend of the link sent per load / the KV bytes."
+        "\nend of the link sent per load / the KV bytes; drops: packets its tbf dropped."
     )
     return 0
 

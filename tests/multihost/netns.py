@@ -142,10 +142,15 @@ class Link:
 
     def tx_bytes(self, side: str) -> int:
         """Bytes ``side``'s end of the link handed to the wire so far (tc's count)."""
+        return self.tx_stats(side)[0]
+
+    def tx_stats(self, side: str) -> tuple[int, int]:
+        """(bytes sent, packets dropped) by ``side``'s end of the link so far (tc's count:
+        a rate change or a heal starts them again)."""
         out = self.run(side, "tc", "-s", "qdisc", "show", "dev", self.dev[side])
-        m = re.search(r"Sent (\d+) bytes", out)
+        m = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+)", out)
         assert m, out
-        return int(m[1])
+        return int(m[1]), int(m[2])
 
     @contextmanager
     def inside(self, side: str) -> Iterator[None]:
