@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import scripts.bench_transfer as bt  # noqa: E402
+from kvbridge.connector.transfer.nixl_engine import MergeRuns  # noqa: E402
 from tests.multihost.netns import Link, unavailable  # noqa: E402
 
 
@@ -101,17 +102,23 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
             tokens=tokens,
         )
         raw: dict[str, float] = {}
-        for mode in modes:
+        # each mode with the blocks scattered (a descriptor per block), and, with
+        # --contiguous, again with the request's blocks adjacent on both sides and merged
+        # into one descriptor (MergeRuns.ON): what the descriptor count costs
+        runs = [(mode, True) for mode in modes]
+        runs += [(mode, False) for mode in modes if args.contiguous and size == "large"]
+        for mode, shuffled in runs:
             tx0, drops0 = link.tx_stats("p")
             row, child, decode, buffers = bt.measure_connector(
                 shape,
                 "x-NHD",
                 "x-NHD",
-                shuffled=True,
+                shuffled=shuffled,
                 mode=mode,
                 device="cpu",
                 iterations=args.iterations,
                 indices_s=indices_s,
+                merge=MergeRuns.OFF if shuffled else MergeRuns.ON,
             )
             tx1, drops1 = link.tx_stats("p")
             sent, drops = tx1 - tx0, drops1 - drops0
@@ -126,7 +133,7 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
             results.append(
                 Result(
                     rate,
-                    size,
+                    size if shuffled else f"{size}, merged",
                     mode,
                     shape.request_bytes,
                     row.seconds,
@@ -139,9 +146,9 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
                     drops,
                 )
             )
-            print(f"  done: {rate} {size} {mode}", flush=True)
+            print(f"  done: {rate} {results[-1].size} {mode}", flush=True)
         for r in results:
-            if r.rate == rate and r.size == size:
+            if r.rate == rate and r.size.split(",")[0] == size:
                 r.raw_seconds = raw[r.mode]
     return results
 
@@ -165,6 +172,11 @@ def main() -> int:
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="add large rows with adjacent blocks merged into one descriptor",
+    )
     ap.add_argument("--inner", help=argparse.SUPPRESS)  # the link, in decode's namespace
     args = ap.parse_args()
     sizes = {"large": args.large_tokens, "small": args.small_tokens}
@@ -187,7 +199,7 @@ def main() -> int:
     for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
         results += run_rate(rate, args)
     header = (
-        f"{'link':>7} {'size':>5} {'mode':>4} {'MiB':>6} {'ms':>8} {'Gbit/s':>7} {'x link':>6} "
+        f"{'link':>7} {'size':>13} {'mode':>4} {'MiB':>6} {'ms':>8} {'Gbit/s':>7} {'x link':>6} "
         f"{'raw ms':>8} {'x raw':>6} {'descs':>6} {'prep ms':>8} {'data ms':>8} {'fin ms':>7} "
         f"{'on link':>7} {'drops':>6}"
     )
@@ -197,7 +209,7 @@ def main() -> int:
     for r in results:
         gbit = r.nbytes * 8 / r.seconds / 1e9
         print(
-            f"{r.rate:>7} {r.size:>5} {r.mode:>4} {r.nbytes / 2**20:6.2f} {r.seconds * 1e3:8.2f} "
+            f"{r.rate:>7} {r.size:>13} {r.mode:>4} {r.nbytes / 2**20:6.2f} {r.seconds * 1e3:8.2f} "
             f"{gbit:7.3f} {gbit * 1e9 / bits(r.rate):6.2f} {r.raw_seconds * 1e3:8.2f} "
             f"{r.raw_seconds / r.seconds:6.2f} {r.descs!s:>6} {r.prep_ms:8.2f} {r.data_ms:8.2f} "
             f"{r.fin_ms:7.2f} {r.on_link:7.3f} {r.drops:6d}"
