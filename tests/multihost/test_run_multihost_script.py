@@ -44,11 +44,11 @@ def run(
 
 @pytest.mark.multihost
 def test_push_across_a_rate_limited_link_is_exact_and_crosses_it():
-    env = {"TRANSFER_MODE": "push", "RATE": "1gbit", "NUM_PROMPTS": "4", "MAX_TOKENS": "4",
+    env = {"TRANSFER_MODE": "push", "RATE": "1gbit", "NUM_PROMPTS": "2", "MAX_TOKENS": "2",
            "NUM_BLOCKS": "256", "PREFILL_BLOCK_SIZE": "64", "DECODE_KV_LAYOUT": "HND"}  # fmt: skip
     rc, out = run(env)
     assert rc == 0, out
-    assert "prompts matched: 4/4" in out and "RESULT: PASS" in out, out
+    assert "prompts matched: 2/2" in out and "RESULT: PASS" in out, out
     m = re.search(r"link: prefill's end sent (\d+) bytes; the connector moved (\d+) KV bytes", out)
     assert m and int(m[1]) >= int(m[2]) > 0, out
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -30,7 +30,8 @@ def test_a_restarted_decode_is_handshaken_again_before_the_first_write(tmp_path)
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
             out = c.complete("proxy", body)
             ids = ByteTokenizer().encode(prompt)
-            assert out["token_ids"] == reference_generate(model, ids, MAX_TOKENS, eos_id=None).token_ids
+            want = reference_generate(model, ids, MAX_TOKENS, eos_id=None).token_ids
+            assert out["token_ids"] == want
             u = out["usage"]
             assert u["loaded_tokens"] > 0, u  # loaded, not recomputed
             assert u["loaded_tokens"] + u["cached_tokens"] == u["prompt_tokens"] - 1, u
