@@ -44,8 +44,20 @@ def unavailable() -> str:
     probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"ip netns add failed: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], check=True)
-    return ""
+    try:  # what a Link needs inside it: a veth pair and a tbf qdisc
+        for argv in (
+            ["ip", "link", "add", "name", "a", "type", "veth", "peer", "name", "b"],
+            ["tc", "qdisc", "add", "dev", "a", "root", "tbf", "rate", "1gbit", "burst", "64kb",
+             "limit", "200000"],
+        ):  # fmt: skip
+            step = subprocess.run(
+                ["ip", "netns", "exec", name, *argv], capture_output=True, text=True
+            )
+            if step.returncode != 0:
+                return f"{' '.join(argv[:3])} failed in a namespace: {step.stderr.strip()}"
+        return ""
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def _ip(*args: str) -> str:
@@ -156,7 +168,7 @@ class Link:
     def inside(self, side: str) -> Iterator[None]:
         """The calling thread in ``side``'s namespace (its sockets are made there)."""
         with (
-            open(f"/var/run/netns/{self.ns[side]}") as target,
+            open(f"/run/netns/{self.ns[side]}") as target,
             open("/proc/thread-self/ns/net") as home,
         ):
             _setns(target.fileno())
