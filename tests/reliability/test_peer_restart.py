@@ -1,8 +1,10 @@
-"""Push mode, on loopback: a decode restarted with the same engine_id (a new process, a new
-NIXL agent) while prefill still knows the old one. Prefill must notice that the ``Push``
-comes from an agent it does not know under that engine id, drop the stale peer and
-handshake again before writing: the first request after the restart loads, exactly.
-(The same across two hosts: tests/multihost/test_across_hosts.py.)"""
+"""On loopback: a peer restarted with the same engine_id (a new process, a new NIXL agent)
+while the other side still knows the old one; the first request after the restart must
+load, exactly. Pull: prefill restarts; decode's claim to the old agent fails, so decode
+drops it, handshakes again and claims from the new one. Push: decode restarts; prefill
+sees the ``Push`` come from an agent it does not know under that engine id, drops the
+stale peer and handshakes again before writing. (Across two hosts, on the same address
+and ports: tests/multihost/test_across_hosts.py.)"""
 
 from __future__ import annotations
 
@@ -18,15 +20,17 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 4
 
 
-def test_a_restarted_decode_is_handshaken_again_before_the_first_write(tmp_path):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_restarted_peer_is_handshaken_again_before_the_first_load(tmp_path, mode):
     model = load_model(MODEL)
-    push = {"extra": {"transfer_mode": "push"}}
-    c = Cluster(tmp_path, prefill_kv={"lease_s": 5.0, "heartbeat_s": 1.0, **push}, decode_kv=push)
+    extra = {"extra": {"transfer_mode": mode}}
+    restarted = "prefill" if mode == "pull" else "decode"
+    c = Cluster(tmp_path, prefill_kv={"lease_s": 5.0, "heartbeat_s": 1.0, **extra}, decode_kv=extra)
     try:
         c.start()
         for i, prompt in enumerate(make_prompts(4)[:2]):
             if i:
-                c.restart("decode")  # same engine_id; the proxy learns its new URL
+                c.restart(restarted)  # same engine_id; the proxy learns its new URL
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
             out = c.complete("proxy", body)
             ids = ByteTokenizer().encode(prompt)
@@ -35,7 +39,8 @@ def test_a_restarted_decode_is_handshaken_again_before_the_first_write(tmp_path)
             u = out["usage"]
             assert u["loaded_tokens"] > 0, u  # loaded, not recomputed
             assert u["loaded_tokens"] + u["cached_tokens"] == u["prompt_tokens"] - 1, u
-        assert "restarted (Push from agent" in c["prefill"].tail(20_000)
+        noticed = "restarted (Push from agent" if mode == "push" else "handshaking again"
+        assert noticed in c["prefill" if mode == "push" else "decode"].tail(20_000)
         c["prefill"].wait_all_free(5.0)
         c["decode"].wait_all_free(5.0)
     finally:
