@@ -3,16 +3,17 @@ so every KV byte crosses a real link), with a format difference (prefill 64-toke
 NHD, cross-layer; decode 16-token blocks, HND). Each transfer mode gets one cluster:
 
 - requests through the front door are exact, and the KV bytes crossed the link;
-- the link cut while a large load's READs (pull) or WRITEs (push) are in flight, the cut
-  shown to land mid-transfer: the load fails within decode's deadline and the request is
-  recomputed, exact; while cut, decode keeps serving (the blocks the transfer may still
-  write stay out of use); the link heals: the transfer ends, every block and NIXL handle
-  is freed on both sides, and requests after are exact and loaded, nothing restarted;
+- a silent partition while a large load's READs (pull) or WRITEs (push) are in flight,
+  shown to land mid-transfer: the load fails at decode's deadline with transfers in
+  flight, its blocks stay out of use while they may still land (the request waits), and
+  decode keeps serving other requests; the link heals: the request is recomputed, exact,
+  every block and NIXL handle is freed on both sides, and requests after are exact and
+  load again, nothing restarted;
 - a peer killed and restarted on the same address, ports and engine_id (a new NIXL
-  agent) while the other side still knows the old one: the next requests are exact, the
-  stale peer is dropped and handshaken again;
-- a peer frozen (SIGSTOP) while the other side holds blocks for it: the holds are
-  released within the stated bound (prefill: its lease; decode: its transfer deadline).
+  agent) while the other side still knows the old one: the stale peer is dropped and
+  handshaken again before the first load, and every request loads, exactly;
+- decode frozen (SIGSTOP) while prefill holds blocks for it: prefill releases them after
+  its lease (not before), and both serve once decode runs again.
 """
 
 from __future__ import annotations
