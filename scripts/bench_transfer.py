@@ -73,6 +73,13 @@ from kvbridge.layouts.specs import FullAttentionSpec  # noqa: E402
 from scripts.bench_json import add_json_argument, write_json  # noqa: E402
 
 TIMEOUT_S = 120.0
+# Where the prefill child listens and how it is started, and where this process (decode)
+# listens: this machine's loopback, unless scripts/bench_multihost.py puts the child on
+# the far side of a link (another network namespace: the command prefix that enters it,
+# and each side's address on the link).
+PREFILL_HOST = "127.0.0.1"
+CHILD_PREFIX: list[str] = []
+DECODE_HOST = "127.0.0.1"  # where this process's side channel listens (push: prefill asks it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +162,7 @@ def _config(
     staged: bool = False,
     warm: tuple[str, ...] = (),
     kv_port: int = 0,
+    kv_ip: str = "127.0.0.1",
 ) -> KVTransferConfig:
     extra: dict[str, object] = {"transfer_mode": mode, "rewrite_on_save": on_save}
     if warm:
@@ -164,6 +172,7 @@ def _config(
             "kv_role": role,
             "engine_id": engine_id,
             "kv_port": kv_port,
+            "kv_ip": kv_ip,
             "kv_buffer_device": "cpu" if staged else "auto",
             "transfer_timeout_s": TIMEOUT_S,
             "extra": extra,
@@ -187,6 +196,7 @@ class PrefillRank:
     tp_size: int = 1
     kv_port: int = 0
     rewrites_in_place: bool = True
+    kv_ip: str = "127.0.0.1"  # the address its side channel binds and advertises
 
     def cli(self) -> list[str]:
         flags = [f"--rank={self.rank}", f"--tp-size={self.tp_size}", f"--kv-port={self.kv_port}"]
@@ -218,7 +228,9 @@ def serve(
     local = replace(shape, heads=rank_heads(tp.rank, tp.tp_size, shape.heads).count)
     buffers = local.buffers(parse_format(fmt_code), device)
     fill(buffers, seed=1 + tp.rank)
-    config = _config("kv_producer", engine_id, mode, on_save, staged, kv_port=tp.kv_port)
+    config = _config(
+        "kv_producer", engine_id, mode, on_save, staged, kv_port=tp.kv_port, kv_ip=tp.kv_ip
+    )
     with KVBridgeWorker(
         config,
         shape.model(),  # the whole model's heads; this rank holds its share
@@ -291,9 +303,12 @@ class Child:
             *(["--staged"] if staged else []),
             f"--merge={merge.value}",
             *tp.cli(),
+            f"--kv-ip={PREFILL_HOST}",
             *shape_args(shape),
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*CHILD_PREFIX, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self._events: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
@@ -430,7 +445,7 @@ def load_spec(
     params = KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=child.engine_id,
-        remote_host="127.0.0.1",
+        remote_host=PREFILL_HOST,
         remote_port=child.port,
         remote_ports=list(remote_ports or []),
         remote_tp_size=remote_tp_size,
@@ -494,7 +509,8 @@ def measure_connector(
             f"bench-D-{uuid.uuid4().hex[:6]}",
             mode,
             staged=staged,
-            warm=(f"127.0.0.1:{child.port}",) if warm else (),
+            warm=(f"{PREFILL_HOST}:{child.port}",) if warm else (),
+            kv_ip=DECODE_HOST,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -577,7 +593,7 @@ def measure_raw(
         )
         client = HandshakeClient(ClientConfig(timeout_s=5.0), request=request)
         try:
-            desc = client.get(child.engine_id, 0, "127.0.0.1", child.port)
+            desc = client.get(child.engine_id, 0, PREFILL_HOST, child.port)
         finally:
             client.close()
         region = parse_description(desc).regions[0].region
@@ -661,6 +677,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--kv-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-ip", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--no-rewrites-in-place", action="store_true", help=argparse.SUPPRESS)
     add_json_argument(ap)
     args = ap.parse_args()
@@ -680,6 +697,7 @@ def main() -> None:
                 tp_size=args.tp_size,
                 kv_port=args.kv_port,
                 rewrites_in_place=not args.no_rewrites_in_place,
+                kv_ip=args.kv_ip,
             ),
         )
         return

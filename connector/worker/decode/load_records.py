@@ -72,6 +72,7 @@ class Source:
     held_until: float = 0.0  # prefill holds the blocks at least until then
     held_s: float = 0.0  # the last answered claim's hold (a refresh goes out at half)
     reads_done: float = 0.0  # when the READs were seen complete (0: not yet)
+    handshaken_again: bool = False  # the peer was gone at the claim: handshaken once more
 
 
 @dataclass

@@ -313,7 +313,7 @@ class Receiver:
             self._ask_push(load, src, peer, rewrites)
             return
         src.rewrites = rewrites
-        if not self._claim(load, src, peer):
+        if not self._first_claim(load, src, peer):
             return
         # a rewrite is due, or a sender that rewrites on save may hold the blocks in
         # another reader's format: read once prefill answered; else read right away
@@ -327,6 +327,27 @@ class Receiver:
         if self._claims.send(load, src, peer):
             return True
         self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
+        return False
+
+    def _first_claim(self, load: Load, src: Source, peer: Peer) -> bool:
+        """The claim before any READ; False: the load failed, or waits for the peer."""
+        if self._claims.send(load, src, peer):
+            return True
+        if src.handshaken_again:
+            self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
+            return False
+        # The agent we knew is gone (the send dropped it) and nothing was posted to it. A
+        # prefill restarted under the same engine id and address answers there with a new
+        # agent: handshake again and claim from it (once). One that does not hold this
+        # request refuses the claim; a dead one fails the handshake, and so the load.
+        src.handshaken_again = True
+        src.state = LoadState.WAITING_PEER
+        self._peers.ensure(src.key, *load.route.endpoints[src.key], for_read=True)
+        logger.warning(
+            "load %s: prefill %s unreachable for a claim; handshaking again (restarted?)",
+            load.spec.request_id,
+            peer.key,
+        )
         return False
 
     def _refresh_claim(self, load: Load, src: Source, now: float) -> None:

@@ -145,6 +145,17 @@ class Pusher:
             return
         now = self._clock()
         key = (msg.reader_engine_id, msg.reader_rank)
+        known = self._targets.get(key)
+        if known is not None and known.agent and known.agent != agent:
+            # decode restarted under the same engine id and rank: a new process (a new
+            # NIXL agent, new registrations) asks; writing to the old one would fail
+            logger.warning(
+                "decode %s restarted (Push from agent %s, we knew %s): handshaking again",
+                key,
+                agent,
+                known.agent,
+            )
+            self._targets.drop(key, f"restarted: Push from agent {agent}, we knew {known.agent}")
         self._targets.ensure(key, msg.reader_host, msg.reader_port, for_read=True)
         self._pushes[where] = _Push(
             msg=msg,

@@ -1,0 +1,103 @@
+"""kvbridge's example servers on the two hosts of a :class:`~tests.multihost.netns.Link`.
+
+:class:`HostCluster` is :class:`kvbridge.examples.launch.Cluster` with prefill in the ``p``
+namespace (HTTP and side channel on its link address: ``--host`` and ``kv_ip``) and decode
+and the front door in ``d``; UCX in each is told to use TCP on its end of the link. Every
+HTTP call a test makes to a server runs inside that server's namespace.
+:meth:`HostCluster.restart_in_place` restarts a worker on the same address, ports and
+``engine_id`` (what an operator's restart looks like to its peers), leaving the front
+door as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields
+
+from kvbridge.examples.check import complete
+from kvbridge.examples.launch import Cluster, Proc, worker_args
+from tests.multihost.netns import Link
+
+SIDE = {"prefill": "p", "decode": "d", "proxy": "d"}
+
+
+def front_door_argv(link: Link, prefill_url: str, decode_url: str) -> list[str]:
+    """The request router beside decode (the example proxy; vllm-router replaces it)."""
+    return link.argv(
+        "d",
+        sys.executable, "-m", "kvbridge.examples.proxy", "--host", "127.0.0.1", "--port", "0",
+        "--prefill", prefill_url, "--decode", decode_url, "--timeout", "60",
+    )  # fmt: skip
+
+
+@dataclass
+class HostProc(Proc):
+    """A server process whose HTTP calls from the test run in its namespace."""
+
+    link: Link | None = None
+    side: str = "d"
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        with self._inside():
+            super().wait_healthy(timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        with self._inside():
+            return super().metrics()
+
+    def wait_all_free(self, timeout_s: float) -> None:
+        with self._inside():
+            super().wait_all_free(timeout_s)
+
+    def _inside(self):
+        assert self.link is not None
+        return self.link.inside(self.side)
+
+
+@dataclass
+class HostCluster(Cluster):
+    link: Link | None = None
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.link is not None
+        self.prefill_kv = {"kv_ip": self.link.ip["p"], **self.prefill_kv}
+        self.decode_kv = {"kv_ip": self.link.ip["d"], **self.decode_kv}
+        super().__post_init__()
+        for name, p in list(self.procs.items()):
+            values = {f.name: getattr(p, f.name) for f in fields(Proc)}
+            self.procs[name] = HostProc(**values, link=self.link, side=SIDE[name])
+
+    def _worker_argv(self, kv: dict, block_size: int, extra: list[str]) -> list[str]:
+        assert self.link is not None
+        role = "prefill" if kv["kv_role"] == "kv_producer" else "decode"
+        side = SIDE[role]
+        server = [sys.executable, "-m", "kvbridge.examples.server"]
+        server += ["--host", self.link.ip[side], "--port", "0"]
+        args = worker_args(role, kv, block_size, model=self.model, device=self.device)
+        return self.link.argv(side, *server, *args, *extra)
+
+    def _proxy_argv(self) -> list[str]:
+        assert self.link is not None
+        return front_door_argv(self.link, self.procs["prefill"].url, self.procs["decode"].url)
+
+    def restart_in_place(self, name: str) -> None:
+        """SIGKILL worker ``name`` and start it again on the ports it had, with the same
+        ``engine_id`` (a new process: a new NIXL agent, new registrations)."""
+        p = self.procs[name]
+        port, kv_port = p.ready["port"], p.ready["kv_port"]
+        argv = list(p.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        i = argv.index("--kv-transfer-config") + 1
+        argv[i] = json.dumps({**json.loads(argv[i]), "kv_port": kv_port})
+        p.kill()
+        p.argv = argv
+        p.start()
+        p.wait_healthy()
+        assert (p.ready["port"], p.ready["kv_port"]) == (port, kv_port), p.ready
+
+    def complete(self, name: str, body: dict, timeout_s: float = 60.0) -> dict:
+        assert self.link is not None
+        with self.link.inside(SIDE[name]):
+            return complete(self.procs[name].url, body, timeout_s)
