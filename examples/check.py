@@ -1,13 +1,13 @@
-"""End-to-end check of a prefill/decode pair behind the proxy (used by the shell scripts).
+"""End-to-end check of a prefill/decode pair behind vllm-router (used by the shell scripts).
 
 ::
 
     python -m kvbridge.examples.check wait --timeout 60 \\
         --url http://127.0.0.1:8100/health --pid 4242
-    python -m kvbridge.examples.check run --proxy http://127.0.0.1:8000 \\
+    python -m kvbridge.examples.check run --router http://127.0.0.1:8000 \\
         --decode http://127.0.0.1:8200 --model tiny-hybrid --num-prompts 8 --max-tokens 16
 
-``run`` sends prompts through the proxy in two waves (the second extends prompts of the
+``run`` sends prompts through the router in two waves (the second extends prompts of the
 first, so both workers see local prefix hits and decode loads only the rest), runs the
 same prompts through :mod:`kvbridge.examples.reference` on ``--device`` (the workers' own), and
 exits 0 only when every generated token matches and every per-step logit agrees within
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             "ignore_eos": True,
         }
         try:
-            return prompts[i], complete(args.proxy, body, args.timeout)
+            return prompts[i], complete(args.router, body, args.timeout)
         except (OSError, RuntimeError, ValueError) as exc:
             return prompts[i], exc
 
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     wait.add_argument("--url", action="append", default=[])
     wait.add_argument("--pid", action="append", type=int, default=[])
     wait.add_argument("--timeout", type=float, default=60.0)
-    check = sub.add_parser("run", help="send prompts through the proxy and compare")
-    check.add_argument("--proxy", required=True)
+    check = sub.add_parser("run", help="send prompts through the router and compare")
+    check.add_argument("--router", required=True, help="the front door's URL")
     check.add_argument("--decode", default=None, help="decode worker URL (for /metrics)")
     check.add_argument("--prefill", default=None, help="prefill worker URL (for /metrics)")
     check.add_argument("--model", default="tiny-hybrid")

@@ -15,6 +15,7 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 from kvbridge.connector.common.api import WorkerConnector
 from kvbridge.examples.completions import HTTPFailure
@@ -22,6 +23,13 @@ from kvbridge.examples.engine import Engine
 from kvbridge.examples.request import EngineError, Request, RequestOutput
 
 logger = logging.getLogger("kvbridge.server")
+
+
+class OutputSink(Protocol):
+    """Where the engine thread puts one request's outputs (a ``queue.Queue``, or a bridge
+    into an event loop: ``examples/http_app.py``)."""
+
+    def put(self, item: RequestOutput | Exception) -> None: ...
 
 
 class EngineLoop:
@@ -32,7 +40,7 @@ class EngineLoop:
         self._factory = factory
         self._idle_s = idle_s
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._streams: dict[str, queue.Queue[RequestOutput | Exception]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -55,10 +63,12 @@ class EngineLoop:
         if self._error is not None:
             raise self._error
 
-    def submit(self, request: Request) -> queue.Queue[RequestOutput | Exception]:
-        stream: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        self._inbox.put(("add", (request, stream)))
-        return stream
+    def submit(self, request: Request, stream: OutputSink | None = None) -> OutputSink:
+        """Queue ``request``; its outputs (or the exception that ends it) go to ``stream``
+        (a new ``queue.Queue`` when None), put from the engine thread."""
+        sink: OutputSink = queue.Queue() if stream is None else stream
+        self._inbox.put(("add", (request, sink)))
+        return sink
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -100,7 +100,7 @@ def start_pair(mode: str, model: str, num_blocks: int, device: torch.device, log
         cluster.close()
         raise
     return Target(
-        mode, cluster["proxy"].url, [cluster["decode"], cluster["prefill"]], cluster.close
+        mode, cluster["router"].url, [cluster["decode"], cluster["prefill"]], cluster.close
     )
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The README's main command: set up .venv if needed, launch a prefill worker, a decode
-# worker and the proxy (tiny-hybrid; prefill pages 64-token NHD cross-layer blocks, decode
-# 16-token HND blocks with 8-token kernel blocks), send a few prompts through the proxy,
+# The README's main command: set up .venv if needed (with the `router` extra), launch a
+# prefill worker, a decode worker and vllm-router in P/D mode in front of them
+# (tiny-hybrid; prefill pages 64-token NHD cross-layer blocks, decode 16-token HND blocks
+# with 8-token kernel blocks), send a few prompts through the router,
 # print the answers next to the single-process reference check and the transfer summary,
 # then tear everything down. DEVICE=cuda (or cuda:N) runs the workers and the reference on
 # a GPU (default cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,router}"
 source scripts/setup_env.sh
 
 export MODEL="${MODEL:-tiny-hybrid}" DEVICE="${DEVICE:-cpu}"

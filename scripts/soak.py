@@ -87,7 +87,7 @@ class Soak:
 
     def client(self, seed: int) -> None:
         rng = random.Random(seed)
-        proxy = self.cluster["proxy"].url
+        proxy = self.cluster["router"].url
         while time.monotonic() < self.deadline:
             prompt = rng.choice(self.pool)
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -184,7 +184,7 @@ def main() -> int:
         cluster.start()
         # warm up (first contact, first compiles), then take the memory baseline
         for p in pool[:4]:
-            post(cluster["proxy"].url, {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+            post(cluster["router"].url, {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True})
         rss0 = {n: rss_kib(cluster[n]) for n in ("prefill", "decode")}
         soak = Soak(cluster, pool, want, args)
         threads = [

@@ -24,7 +24,7 @@ MODEL = "tiny-hybrid-state"
 
 
 def _serve(server) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     return thread
 
