@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvbridge.connector.common.metrics import parse_metrics
+
 CORPUS = (
     "Large-model serving splits a request in two: a prefill worker computes the KV cache "
     "of the prompt, and a decode worker generates the answer from it. The connector moves "
@@ -131,13 +133,12 @@ def complete(url: str, body: dict, timeout_s: float) -> dict:
         conn.close()
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+def scrape(worker_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A worker's ``/metrics``, parsed (:func:`parse_metrics`)."""
+    status, raw = http_get(worker_url.rstrip("/") + "/metrics", timeout_s)
+    if status != 200:
+        raise RuntimeError(f"{worker_url}/metrics: HTTP {status}")
+    return parse_metrics(raw.decode())
 
 
 def blocks_in_use(worker_url: str, timeout_s: float = 10.0) -> int:
@@ -146,8 +147,8 @@ def blocks_in_use(worker_url: str, timeout_s: float = 10.0) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            metrics = parse_metrics(http_get(worker_url.rstrip("/") + "/metrics")[1].decode())
-        except OSError:
+            metrics = scrape(worker_url)
+        except (OSError, RuntimeError):
             return -1
         used = int(
             metrics['kvbridge_total_blocks{pool="kv"}'] - metrics['kvbridge_free_blocks{pool="kv"}']
@@ -269,14 +270,14 @@ def run(args: argparse.Namespace) -> int:
         if url
     }
     metrics, prefill_metrics = _metrics(args.decode, "decode"), _metrics(args.prefill, "prefill")
-    bytes_read = int(metrics.get("kvbridge_bytes_read", 0))
-    seconds = metrics.get("kvbridge_transfer_seconds", 0.0)
+    bytes_read = int(metrics.get("kvbridge_bytes_read_total", 0))
+    seconds = metrics.get("kvbridge_transfer_seconds_total", 0.0)
     # pull: decode posts the READs; push: prefill posts the WRITEs
-    descs = int(metrics.get("kvbridge_descriptors_posted", 0)) + int(
-        prefill_metrics.get("kvbridge_descriptors_posted", 0)
+    descs = int(metrics.get("kvbridge_descriptors_posted_total", 0)) + int(
+        prefill_metrics.get("kvbridge_descriptors_posted_total", 0)
     )
-    transfers = int(metrics.get("kvbridge_transfers", 0))
-    failures = int(metrics.get("kvbridge_transfer_failures", 0))
+    transfers = int(metrics.get("kvbridge_transfers_total", 0))
+    failures = int(metrics.get("kvbridge_transfer_failures_total", 0))
     n = len(prompts)
     print(f"prompts matched: {matched}/{n}   max |logit diff|: {worst:.3g} (atol {args.atol})")
     print(
@@ -305,8 +306,8 @@ def _metrics(url: str | None, name: str) -> dict[str, float]:
     if not url:
         return {}
     try:
-        return parse_metrics(http_get(url.rstrip("/") + "/metrics")[1].decode())
-    except OSError as exc:
+        return scrape(url)
+    except (OSError, RuntimeError) as exc:
         print(f"  ({name} /metrics unreadable: {exc})")
         return {}
 

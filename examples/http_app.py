@@ -33,7 +33,7 @@ from kvbridge.examples.completions import (
     to_request,
 )
 from kvbridge.examples.engine_loop import EngineLoop
-from kvbridge.examples.metrics_export import CONTENT_TYPE, metrics_text
+from kvbridge.examples.metrics_export import CONTENT_TYPE, make_registry, metrics_text
 from kvbridge.examples.request import Request as EngineRequest
 from kvbridge.examples.request import RequestOutput
 
@@ -80,6 +80,7 @@ def create_app(loop: EngineLoop, info: dict, request_timeout_s: float) -> FastAP
     reports (model, role, device; engine id and side channel with a connector)."""
     app = FastAPI(title="kvbridge example worker", docs_url=None, redoc_url=None)
     model = str(info["model"])
+    registry = make_registry(loop)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -105,7 +106,7 @@ def create_app(loop: EngineLoop, info: dict, request_timeout_s: float) -> FastAP
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(metrics_text(loop), media_type=CONTENT_TYPE)
+        return Response(metrics_text(registry), media_type=CONTENT_TYPE)
 
     async def serve(request: Request, parse: Callable[[bytes], CompletionBody], render: Render):
         try:

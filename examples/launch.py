@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge.examples.check import complete, http_get, parse_metrics
+from kvbridge.examples.check import complete, http_get, scrape
 from kvbridge.examples.ready import wait_ready_file
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Proc:
         raise AssertionError(f"{self.name} not healthy within {timeout_s} s:\n{self.tail()}")
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(http_get(self.url + "/metrics", timeout_s=5.0)[1].decode())
+        return scrape(self.url)
 
     def free_blocks(self) -> tuple[float, float]:
         m = self.metrics()

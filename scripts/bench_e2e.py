@@ -157,7 +157,8 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
         after = target.metrics()
 
         def delta(name: str) -> float:
-            return after.get(f"kvbridge_{name}", 0.0) - before.get(f"kvbridge_{name}", 0.0)
+            key = f"kvbridge_{name}_total"
+            return after.get(key, 0.0) - before.get(key, 0.0)
 
         loads = delta("transfers")
         if loads != requests:
@@ -166,7 +167,13 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
         point.bytes_per_req = delta("bytes_read") / max(loads, 1)
         point.descs_per_req = delta("descriptors_posted") / max(loads, 1)
         point.phases_ms = {
-            phase: delta(f"load_{phase}_seconds") / max(loads, 1) * 1e3 for phase in PHASES
+            phase: (
+                after.get(f'kvbridge_load_phase_seconds_sum{{phase="{phase}"}}', 0.0)
+                - before.get(f'kvbridge_load_phase_seconds_sum{{phase="{phase}"}}', 0.0)
+            )
+            / max(loads, 1)
+            * 1e3
+            for phase in PHASES
         }
     return point
 

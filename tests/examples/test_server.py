@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples import proxy as proxy_mod
-from kvbridge.examples.check import compare, complete, http_get, make_prompts, parse_metrics
+from kvbridge.examples.check import compare, complete, http_get, make_prompts
 from kvbridge.examples.engine_loop import EngineLoop
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.server import WorkerHTTPServer
@@ -145,7 +146,7 @@ def test_concurrent_requests_and_metrics(worker_url):
     assert status == 200
     assert metrics['kvbridge_total_blocks{pool="kv"}'] == 64
     assert metrics['kvbridge_requests{state="running"}'] == 0
-    assert metrics['kvbridge_requests_finished{reason="length"}'] >= 6
+    assert metrics['kvbridge_requests_finished_total{reason="length"}'] >= 6
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def test_a_dropped_done_costs_prefill_a_lease_and_nothing_else(cluster, model):
     assert out["token_ids"] == _want(model, prompt) and _all_but_last(out)
     cluster["prefill"].wait_all_free(LEASE_S + 5)
     m = cluster["prefill"].metrics()
-    assert m['kvbridge_send_outcomes{outcome="expired"}'] == 1
+    assert m['kvbridge_send_outcomes_total{outcome="expired"}'] == 1
     out = cluster.complete("router", _body(make_prompts(4)[1]))  # the next Done arrives
     assert _all_but_last(out)
     cluster["prefill"].wait_all_free(2.0)  # by Done, well before a lease

@@ -1,0 +1,5 @@
+import sys
+
+from kvbridge.cli.main import main
+
+sys.exit(main())
