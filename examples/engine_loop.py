@@ -50,6 +50,7 @@ class EngineLoop:
         self.status_counts: dict[str, int] = {}
         self.free_blocks = 0
         self.healthy = True
+        self._aborted = False
 
     @property
     def worker(self) -> WorkerConnector | None:
@@ -97,7 +98,9 @@ class EngineLoop:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished
             self._drain(block=not busy)
-            if not (self.engine.has_unfinished or self.worker is not None):
+            # an abort's last output comes out of the next step, even with nothing else to do
+            aborted, self._aborted = self._aborted, False
+            if not (self.engine.has_unfinished or self.worker is not None or aborted):
                 continue
             try:
                 outputs = self.engine.step()
@@ -128,6 +131,7 @@ class EngineLoop:
             timeout = None
             if kind == "abort":
                 self.engine.abort_request(str(item), "client went away")
+                self._aborted = True
                 continue
             request, stream = item  # type: ignore[misc]
             try:

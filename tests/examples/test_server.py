@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -196,3 +198,45 @@ def test_compare_flags_token_and_logit_mismatches():
     moved[2, 1] = np.nan
     assert not compare([1, 2, 3], moved, [1, 2, 3], logits, 1e-4).ok
     assert "end" in compare([1, 2], logits[:2], [1, 2, 3], logits, 1e-4).reason
+
+
+def _finished(url: str) -> dict[str, float]:
+    m = parse_metrics(http_get(url + "/metrics")[1].decode())
+    return {
+        r: m.get(f'kvbridge_requests_finished_total{{reason="{r}"}}', 0.0)
+        for r in ("abort", "length")
+    } | {
+        "running": m['kvbridge_requests{state="running"}'],
+        "used": m['kvbridge_total_blocks{pool="kv"}'] - m['kvbridge_free_blocks{pool="kv"}'],
+    }
+
+
+def _wait_for(what: str, check, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request_and_frees_its_blocks(worker_url, stream):
+    before = _finished(worker_url)
+    host, port = worker_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    # 250 tokens take seconds on the tiny model: the abort comes long before "length"
+    body = {"prompt": "a long answer, please", "max_tokens": 250, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}))
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    else:
+        _wait_for("the request to run", lambda: _finished(worker_url)["running"] == 1)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-answer
+    conn.close()
+    after = _wait_for(
+        "the abort",
+        lambda: (m := _finished(worker_url))["abort"] == before["abort"] + 1 and m,
+    )
+    assert after["length"] == before["length"]
+    assert after["running"] == 0 and after["used"] == 0
