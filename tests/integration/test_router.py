@@ -8,6 +8,10 @@ either side) in front of kvbridge's example servers, all real processes on 127.0
   decode loads from both prefills, every answer right;
 * what the router reads: ``/health``, ``/v1/models``, ``/metrics``.
 
+The workers share a secret: prefill signs the ``kv_transfer_params`` it returns, and decode
+refuses any that changed on the way, so every load counted shows the router passed them on
+unchanged.
+
 One module-scoped set of workers (two prefills, two decodes) serves every test; the
 1P1D router fronts one pair of them.
 """
@@ -31,6 +35,7 @@ from kvbridge.examples.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 6
+SECRET = "router-test-secret-0123456789abcdef"
 
 
 def _worker(logs: Path, role: str, block_size: int, i: int) -> Proc:
@@ -38,6 +43,7 @@ def _worker(logs: Path, role: str, block_size: int, i: int) -> Proc:
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": f"{role}{i}-{uuid.uuid4().hex[:6]}",
         "kv_port": 0,
+        "secret": SECRET,  # prefill signs its params: the router passes them on unchanged
     }
     argv = [sys.executable, "-m", "kvbridge.examples.server", "--port", "0"]
     return Proc(f"{role}{i}", [*argv, *worker_args(role, kv, block_size)], logs / f"{role}{i}.log")
