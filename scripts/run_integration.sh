@@ -19,6 +19,8 @@
 #   STARTUP_TIMEOUT [90]          seconds to wait for /health
 #   SHOW_ANSWERS [0]              print each prompt's answer
 #   ROUTER_POLICY [round_robin]   vllm-router's --policy (power_of_two, cache_aware, ...)
+#   CHECK_PAIRING [0]             1: `kvbridge probe` both side channels before any request
+#                                 and print the transfer plan (run_demo.sh sets it)
 #   LOG_DIR [a fresh temp dir]    worker and router logs
 # Always tears the processes down (each runs in its own process group), also on failure.
 set -euo pipefail
@@ -45,6 +47,7 @@ TRANSFER_MODE="${TRANSFER_MODE:-pull}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
 SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
 ROUTER_POLICY="${ROUTER_POLICY:-round_robin}"
+CHECK_PAIRING="${CHECK_PAIRING:-0}"
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-integration.XXXXXX")}"
 mkdir -p "$LOG_DIR"
 
@@ -127,6 +130,18 @@ step() {
 }
 step "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "$P_URL/health" --url "$D_URL/health" --url "$X_URL/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
+
+if [ "$CHECK_PAIRING" = 1 ]; then
+    # before any request: handshake with both side channels, and print the plan decode
+    # will compute against prefill (kvbridge probe exits non-zero if they cannot pair)
+    P_KV=$("$PY" -m kvbridge.examples.ready "$LOG_DIR/prefill.ready.json" --field kv_port)
+    D_KV=$("$PY" -m kvbridge.examples.ready "$LOG_DIR/decode.ready.json" --field kv_port)
+    echo "--- kvbridge probe 127.0.0.1:$D_KV --save decode.json"
+    step "$PY" -m kvbridge.cli probe "127.0.0.1:$D_KV" --save "$LOG_DIR/decode.json"
+    echo "--- kvbridge probe 127.0.0.1:$P_KV --as decode.json"
+    step "$PY" -m kvbridge.cli probe "127.0.0.1:$P_KV" --as "$LOG_DIR/decode.json" \
+        --prompt-tokens 200
+fi
 
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)

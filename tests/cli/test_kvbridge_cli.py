@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cli.main import main
+from kvbridge.cli.pairing import load_description, pair, request_cost
+from kvbridge.examples.check import complete, scrape
 from kvbridge.examples.launch import Proc, worker_args
 from tests.ports import dead_port
 
@@ -138,3 +140,31 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert rc == 2 and "HOST:PORT" in text, text
     rc, text = in_process(capsys, "bench", "nope")
     assert rc == 2 and "handshake" in text, text  # lists the benchmarks there are
+
+
+@pytest.mark.parametrize("prompt_tokens", [23, 100])
+def test_the_plan_predicts_what_one_request_moves(workers, saved, prompt_tokens):
+    """``kvbridge plan``'s per-request figures equal what decode then reads for a
+    request of that many prompt tokens (descriptors and bytes on decode's /metrics)."""
+    procs, _ = workers
+    pairing = pair(load_description(saved["prefill"]), load_description(saved["decode"]))
+    costs = request_cost(pairing, prompt_tokens)
+    prompt = [1 + (7 * i + prompt_tokens) % 250 for i in range(prompt_tokens)]
+    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    first = complete(
+        procs["prefill"].url,
+        {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout_s=60,
+    )
+    before = scrape(procs["decode"].url)
+    out = complete(
+        procs["decode"].url, {**body, "kv_transfer_params": first["kv_transfer_params"]}, 60
+    )
+    after = scrape(procs["decode"].url)
+    assert out["usage"]["loaded_tokens"] == prompt_tokens - 1
+
+    def grew(name: str) -> float:
+        return after[f"kvbridge_{name}_total"] - before[f"kvbridge_{name}_total"]
+
+    assert grew("descriptors_posted") == sum(c.descriptors for c in costs), costs
+    assert grew("bytes_read") == sum(c.bytes for c in costs), costs

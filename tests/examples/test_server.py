@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples import proxy as proxy_mod
@@ -149,6 +150,10 @@ def test_concurrent_requests_and_metrics(worker_url):
     assert metrics['kvbridge_total_blocks{pool="kv"}'] == 64
     assert metrics['kvbridge_requests{state="running"}'] == 0
     assert metrics['kvbridge_requests_finished_total{reason="length"}'] >= 6
+    families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+    assert families["kvbridge_requests_finished"].type == "counter"  # exposed with _total
+    assert families["kvbridge_free_blocks"].type == "gauge"
+    assert all(f.documentation for f in families.values()), "every metric has HELP text"
 
 
 @pytest.fixture
