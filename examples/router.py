@@ -129,19 +129,27 @@ def start_router(
         deadline = time.monotonic() + startup_timeout_s
         while not _listening(host, port):
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited ({proc.returncode}) before it listened")
+                raise RuntimeError(
+                    f"vllm-router exited ({proc.returncode}) before it listened{_tail(log)}"
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
                 raise RuntimeError(
                     f"vllm-router did not listen on {host}:{port} within {startup_timeout_s} s "
-                    "(it waits until every worker's /health answers 200)"
+                    f"(it waits until every worker's /health answers 200){_tail(log)}"
                 )
             time.sleep(0.1)  # polling a port the router binds once; bounded by the deadline
         return proc, port, metrics_port
     finally:
         for sock in held:
             sock.close()
+
+
+def _tail(log: Path | None, n: int = 2000) -> str:
+    if log is None or not log.exists():
+        return ""
+    return ":\n" + log.read_text(errors="replace")[-n:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,9 @@ import pytest
 from kvbridge.examples.check import compare, complete, http_get, make_prompts, scrape
 from kvbridge.examples.launch import MODEL, Proc, worker_args
 from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.router import start_router
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.ports import dead_port
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 6
@@ -195,3 +197,16 @@ def test_2p2d_spreads_the_load_over_both_prefills_and_both_decodes(fleet, model)
     assert sum(sends.values()) == sum(loads.values()) == len(prompts), (sends, loads)
     assert all(n >= 2 for n in sends.values()), sends  # round robin: 4 each, at least 2
     assert all(n >= 2 for n in loads.values()), loads
+
+
+def test_the_launcher_says_why_the_router_did_not_start(tmp_path):
+    """Workers that never answer /health: the router never binds; the launcher gives up
+    at its deadline, kills it and says what it waited for."""
+    with dead_port() as p, dead_port() as d:
+        with pytest.raises(RuntimeError, match="waits until every worker's /health"):
+            start_router(
+                [f"http://127.0.0.1:{p}"],
+                [f"http://127.0.0.1:{d}"],
+                startup_timeout_s=3,
+                log=tmp_path / "router.log",
+            )
