@@ -124,7 +124,7 @@ def make_parser() -> argparse.ArgumentParser:
     q.add_argument("--as", dest="as_", default=None, help="a description (JSON) to pair with it")
     q.add_argument("--as-role", choices=("decode", "prefill"), default="decode")
     q.add_argument("--secret-env", default="KVBRIDGE_SECRET", help="env var holding the secret")
-    q.add_argument("--timeout", type=float, default=2.0, help="seconds per attempt")
+    q.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
     q.add_argument("--retries", type=int, default=1)
     q.add_argument("--save", default=None, help="write the worker's description here (JSON)")
     q.add_argument("--prompt-tokens", type=int, default=1024)

@@ -77,7 +77,7 @@ def saved(workers) -> dict[str, Path]:
     out = {}
     for role, proc in procs.items():
         path = logs / f"{role}.json"
-        rc, text = kvbridge("probe", _side_channel(proc), "--save", str(path))
+        rc, text = kvbridge("probe", _side_channel(proc), "--save", str(path), "--timeout", "10")
         assert rc == 0, text
         assert f"engine {proc.ready['engine_id']} rank 0/1" in text, text
         assert f"blocks {32 if role == 'prefill' else 16} tokens" in text, text
@@ -88,7 +88,7 @@ def saved(workers) -> dict[str, Path]:
 def test_probe_pairs_a_decode_config_with_a_running_prefill(workers, saved):
     procs, _ = workers
     rc, text = kvbridge(
-        "probe", _side_channel(procs["prefill"]), "--as", str(saved["decode"]),
+        "probe", _side_channel(procs["prefill"]), "--as", str(saved["decode"]), "--timeout", "10",
         "--prompt-tokens", "100",
     )  # fmt: skip
     assert rc == 0, text
