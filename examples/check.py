@@ -1,13 +1,13 @@
-"""End-to-end check of a prefill/decode pair behind the proxy (used by the shell scripts).
+"""End-to-end check of a prefill/decode pair behind vllm-router (used by the shell scripts).
 
 ::
 
     python -m kvbridge.examples.check wait --timeout 60 \\
         --url http://127.0.0.1:8100/health --pid 4242
-    python -m kvbridge.examples.check run --proxy http://127.0.0.1:8000 \\
+    python -m kvbridge.examples.check run --router http://127.0.0.1:8000 \\
         --decode http://127.0.0.1:8200 --model tiny-hybrid --num-prompts 8 --max-tokens 16
 
-``run`` sends prompts through the proxy in two waves (the second extends prompts of the
+``run`` sends prompts through the router in two waves (the second extends prompts of the
 first, so both workers see local prefix hits and decode loads only the rest), runs the
 same prompts through :mod:`kvbridge.examples.reference` on ``--device`` (the workers' own), and
 exits 0 only when every generated token matches and every per-step logit agrees within
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
+
+from kvbridge.connector.common.metrics import parse_metrics
 
 CORPUS = (
     "Large-model serving splits a request in two: a prefill worker computes the KV cache "
@@ -131,13 +133,12 @@ def complete(url: str, body: dict, timeout_s: float) -> dict:
         conn.close()
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+def scrape(worker_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A worker's ``/metrics``, parsed (:func:`parse_metrics`)."""
+    status, raw = http_get(worker_url.rstrip("/") + "/metrics", timeout_s)
+    if status != 200:
+        raise RuntimeError(f"{worker_url}/metrics: HTTP {status}")
+    return parse_metrics(raw.decode())
 
 
 def blocks_in_use(worker_url: str, timeout_s: float = 10.0) -> int:
@@ -146,8 +147,8 @@ def blocks_in_use(worker_url: str, timeout_s: float = 10.0) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            metrics = parse_metrics(http_get(worker_url.rstrip("/") + "/metrics")[1].decode())
-        except OSError:
+            metrics = scrape(worker_url)
+        except (OSError, RuntimeError):
             return -1
         used = int(
             metrics['kvbridge_total_blocks{pool="kv"}'] - metrics['kvbridge_free_blocks{pool="kv"}']
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             "ignore_eos": True,
         }
         try:
-            return prompts[i], complete(args.proxy, body, args.timeout)
+            return prompts[i], complete(args.router, body, args.timeout)
         except (OSError, RuntimeError, ValueError) as exc:
             return prompts[i], exc
 
@@ -269,14 +270,14 @@ def run(args: argparse.Namespace) -> int:
         if url
     }
     metrics, prefill_metrics = _metrics(args.decode, "decode"), _metrics(args.prefill, "prefill")
-    bytes_read = int(metrics.get("kvbridge_bytes_read", 0))
-    seconds = metrics.get("kvbridge_transfer_seconds", 0.0)
+    bytes_read = int(metrics.get("kvbridge_bytes_read_total", 0))
+    seconds = metrics.get("kvbridge_transfer_seconds_total", 0.0)
     # pull: decode posts the READs; push: prefill posts the WRITEs
-    descs = int(metrics.get("kvbridge_descriptors_posted", 0)) + int(
-        prefill_metrics.get("kvbridge_descriptors_posted", 0)
+    descs = int(metrics.get("kvbridge_descriptors_posted_total", 0)) + int(
+        prefill_metrics.get("kvbridge_descriptors_posted_total", 0)
     )
-    transfers = int(metrics.get("kvbridge_transfers", 0))
-    failures = int(metrics.get("kvbridge_transfer_failures", 0))
+    transfers = int(metrics.get("kvbridge_transfers_total", 0))
+    failures = int(metrics.get("kvbridge_transfer_failures_total", 0))
     n = len(prompts)
     print(f"prompts matched: {matched}/{n}   max |logit diff|: {worst:.3g} (atol {args.atol})")
     print(
@@ -305,8 +306,8 @@ def _metrics(url: str | None, name: str) -> dict[str, float]:
     if not url:
         return {}
     try:
-        return parse_metrics(http_get(url.rstrip("/") + "/metrics")[1].decode())
-    except OSError as exc:
+        return scrape(url)
+    except (OSError, RuntimeError) as exc:
         print(f"  ({name} /metrics unreadable: {exc})")
         return {}
 
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     wait.add_argument("--url", action="append", default=[])
     wait.add_argument("--pid", action="append", type=int, default=[])
     wait.add_argument("--timeout", type=float, default=60.0)
-    check = sub.add_parser("run", help="send prompts through the proxy and compare")
-    check.add_argument("--proxy", required=True)
+    check = sub.add_parser("run", help="send prompts through the router and compare")
+    check.add_argument("--router", required=True, help="the front door's URL")
     check.add_argument("--decode", default=None, help="decode worker URL (for /metrics)")
     check.add_argument("--prefill", default=None, help="prefill worker URL (for /metrics)")
     check.add_argument("--model", default="tiny-hybrid")

@@ -6,7 +6,7 @@ JSON it answers, whole or as one streamed chunk. No sockets or threads here.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 import numpy as np
@@ -32,6 +32,9 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     kv_transfer_params: KVTransferParams | None = None
 
 
+T = TypeVar("T")
+
+
 class HTTPFailure(KVBridgeError):
     """A request that ends in an HTTP error: the status and the reason to send."""
 
@@ -40,14 +43,30 @@ class HTTPFailure(KVBridgeError):
         self.status = status
 
 
-def parse_body(raw: bytes, model: str) -> CompletionBody:
+def decode_body(raw: bytes, type_: type[T]) -> T:
+    """``raw`` JSON as ``type_``; ``kv_transfer_params`` keys set to ``null`` mean "not set"
+    (vllm-router sends ``"remote_engine_id": null`` and the like to prefill)."""
     try:
-        body = msgspec.json.decode(raw, type=CompletionBody)
-    except msgspec.ValidationError as exc:
-        raise HTTPFailure(f"invalid request: {exc}") from None
+        obj = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # msgspec raises UnicodeDecodeError for invalid UTF-8 inside a JSON string
         raise HTTPFailure(f"body is not valid JSON: {exc}") from None
+    if isinstance(obj, dict) and isinstance(obj.get("kv_transfer_params"), dict):
+        params = obj["kv_transfer_params"]
+        obj["kv_transfer_params"] = {k: v for k, v in params.items() if v is not None}
+    try:
+        return msgspec.convert(obj, type=type_)
+    except msgspec.ValidationError as exc:
+        raise HTTPFailure(f"invalid request: {exc}") from None
+
+
+def parse_body(raw: bytes, model: str) -> CompletionBody:
+    body = decode_body(raw, CompletionBody)
+    return validate(body, model)
+
+
+def validate(body: CompletionBody, model: str) -> CompletionBody:
+    """``body`` if this worker can serve it (greedy, its model, a prompt)."""
     if body.temperature != 0:
         raise HTTPFailure(f"temperature={body.temperature}: only greedy decoding (0) is served")
     if body.model not in (None, model):
@@ -75,12 +94,17 @@ def response_body(
     tokens = [t for o in outs for t in o.new_token_ids]
     rows = [r for o in outs for r in o.new_logits]
     last = outs[-1]
+    text = ByteTokenizer().decode(tokens)
+    finish = last.finish_reason.value if last.finish_reason else None
     out: dict = {
         "id": request.request_id,
         "object": "text_completion.chunk" if delta else "text_completion",
-        "text": ByteTokenizer().decode(tokens),
+        "model": body.model,
+        # OpenAI's shape for its clients; the flat fields below for kvbridge's checks
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        "text": text,
         "token_ids": tokens,
-        "finish_reason": last.finish_reason.value if last.finish_reason else None,
+        "finish_reason": finish,
     }
     if body.return_logits:
         out["logits"] = [r.tolist() for r in rows]

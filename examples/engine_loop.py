@@ -15,6 +15,7 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 from kvbridge.connector.common.api import WorkerConnector
 from kvbridge.examples.completions import HTTPFailure
@@ -22,6 +23,13 @@ from kvbridge.examples.engine import Engine
 from kvbridge.examples.request import EngineError, Request, RequestOutput
 
 logger = logging.getLogger("kvbridge.server")
+
+
+class OutputSink(Protocol):
+    """Where the engine thread puts one request's outputs (a ``queue.Queue``, or a bridge
+    into an event loop: ``examples/http_app.py``)."""
+
+    def put(self, item: RequestOutput | Exception) -> None: ...
 
 
 class EngineLoop:
@@ -32,7 +40,7 @@ class EngineLoop:
         self._factory = factory
         self._idle_s = idle_s
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._streams: dict[str, queue.Queue[RequestOutput | Exception]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -42,6 +50,7 @@ class EngineLoop:
         self.status_counts: dict[str, int] = {}
         self.free_blocks = 0
         self.healthy = True
+        self._aborted = False
 
     @property
     def worker(self) -> WorkerConnector | None:
@@ -55,10 +64,12 @@ class EngineLoop:
         if self._error is not None:
             raise self._error
 
-    def submit(self, request: Request) -> queue.Queue[RequestOutput | Exception]:
-        stream: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        self._inbox.put(("add", (request, stream)))
-        return stream
+    def submit(self, request: Request, stream: OutputSink | None = None) -> OutputSink:
+        """Queue ``request``; its outputs (or the exception that ends it) go to ``stream``
+        (a new ``queue.Queue`` when None), put from the engine thread."""
+        sink: OutputSink = queue.Queue() if stream is None else stream
+        self._inbox.put(("add", (request, sink)))
+        return sink
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -87,7 +98,9 @@ class EngineLoop:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished
             self._drain(block=not busy)
-            if not (self.engine.has_unfinished or self.worker is not None):
+            # an abort's last output comes out of the next step, even with nothing else to do
+            aborted, self._aborted = self._aborted, False
+            if not (self.engine.has_unfinished or self.worker is not None or aborted):
                 continue
             try:
                 outputs = self.engine.step()
@@ -118,6 +131,7 @@ class EngineLoop:
             timeout = None
             if kind == "abort":
                 self.engine.abort_request(str(item), "client went away")
+                self._aborted = True
                 continue
             request, stream = item  # type: ignore[misc]
             try:

@@ -1,7 +1,8 @@
-"""Launching real server processes: a prefill, a decode and the proxy, each in its own
-process group on 127.0.0.1 (fault tests, the soak script). Every server binds port 0 (HTTP
-and side channel) and reports what it got in its ready file (``examples/ready.py``): no
-port is picked here for a process to bind later. Every wait has a deadline; ``close()``
+"""Launching real server processes: a prefill, a decode and vllm-router in front of them
+(``examples/router.py``), each in its own process group on 127.0.0.1 (fault tests, the soak
+script). Every worker binds port 0 (HTTP and side channel) and reports what it got in its
+ready file (``examples/ready.py``); the router's launcher holds the ports it hands the
+router until the router bound them. Every wait has a deadline; ``close()``
 kills whatever is left (SIGCONT first, so a stopped process can die)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge.examples.check import complete, http_get, parse_metrics
+from kvbridge.examples.check import complete, http_get, scrape
 from kvbridge.examples.ready import wait_ready_file
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class Proc:
         raise AssertionError(f"{self.name} not healthy within {timeout_s} s:\n{self.tail()}")
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(http_get(self.url + "/metrics", timeout_s=5.0)[1].decode())
+        return scrape(self.url)
 
     def free_blocks(self) -> tuple[float, float]:
         m = self.metrics()
@@ -148,7 +149,8 @@ def worker_args(
 @dataclass
 class Cluster:
     """Prefill (block ``prefill_block_size``, ``prefill_kv``), decode (block
-    ``decode_block_size``, ``decode_kv``) of ``model`` on ``device``, and a proxy."""
+    ``decode_block_size``, ``decode_kv``) of ``model`` on ``device``, and vllm-router in
+    P/D mode in front of them."""
 
     logs: Path
     prefill_kv: dict = field(default_factory=dict)
@@ -186,7 +188,7 @@ class Cluster:
                 self._worker_argv(decode_kv, self.decode_block_size, self.decode_args),
                 self.logs / "decode.log",
             ),
-            "proxy": Proc("proxy", [], self.logs / "proxy.log"),
+            "router": Proc("router", [], self.logs / "router.log"),
         }
 
     def _worker_argv(self, kv: dict, block_size: int, extra: list[str]) -> list[str]:
@@ -200,49 +202,47 @@ class Cluster:
         )
         return server + args + extra
 
-    def _proxy_argv(self) -> list[str]:
+    def _router_argv(self) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "kvbridge.examples.proxy",
-            "--port",
-            "0",
+            "kvbridge.examples.router",
             "--prefill",
             self.procs["prefill"].url,
             "--decode",
             self.procs["decode"].url,
-            "--timeout",
-            "60",
+            "--health-check-interval",
+            "1",
         ]
 
     def __getitem__(self, name: str) -> Proc:
         return self.procs[name]
 
     def start(self) -> Cluster:
-        """The workers, then (their URLs known) the proxy; each healthy."""
+        """The workers, then (their URLs known) the router; each healthy."""
         workers = [self.procs["prefill"], self.procs["decode"]]
         for p in workers:
             p.start()
         for p in workers:
             p.wait_healthy()
-        self._start_proxy()
+        self._start_router()
         return self
 
-    def _start_proxy(self) -> None:
-        proxy = self.procs["proxy"]
-        proxy.kill()
-        proxy.argv = self._proxy_argv()
-        proxy.start()
-        proxy.wait_healthy()
+    def _start_router(self) -> None:
+        router = self.procs["router"]
+        router.kill()
+        router.argv = self._router_argv()
+        router.start()
+        router.wait_healthy()
 
     def restart(self, name: str) -> None:
         """Kill and start ``name`` again (on new ephemeral ports); a restarted worker gets
-        a proxy that knows its new URL."""
+        a router that knows its new URL."""
         self.procs[name].kill()
         self.procs[name].start()
         self.procs[name].wait_healthy()
-        if name != "proxy":
-            self._start_proxy()
+        if name != "router":
+            self._start_router()
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -2,20 +2,20 @@
 in one process, through real HTTP and real NIXL.
 
 For each configuration this starts real server processes (``kvbridge.examples.launch``: prefill
-block 32, decode block 16, and the proxy; or one server with no connector) and sends
+block 32, decode block 16, and vllm-router; or one server with no connector) and sends
 requests of ``--lengths`` prompt tokens at each ``--concurrency``, every prompt unique
 (no prefix-cache hits), ``max_tokens=1``: the answer is the first token, so the client's
 time is the time to first token (TTFT)::
 
     single   client -> server: prefill + first token
-    pull     client -> proxy -> prefill (max_tokens=1) -> decode: handshake once, Prepare
+    pull     client -> router -> prefill (max_tokens=1) -> decode: handshake once, Prepare
              if a rewrite is due, READ, first token
     push     ... -> decode: Push, prefill WRITEs, Pushed, first token
 
 Per point it prints TTFT p50/p90 per configuration and, from the servers' /metrics, the
 mean transfer time per load (decode: post to done), bytes and descriptors per request.
 "overhead" = TTFT p50 (P/D) - TTFT p50 (single) - mean transfer: what the handover costs
-beyond moving the bytes (the proxy's second request, decode scheduling, notifications,
+beyond moving the bytes (the router's second request, decode scheduling, notifications,
 polling). One warm-up request per configuration first (handshake, NIXL connection).
 
 Run:  .venv/bin/python scripts/bench_e2e.py [--lengths 128,512,2048] [--concurrency 1,4,16]
@@ -66,7 +66,7 @@ class Point:
 
 
 class Target:
-    """Where requests go: the proxy of a P/D pair, or one server; its /metrics sources."""
+    """Where requests go: the router of a P/D pair, or one server; its /metrics sources."""
 
     def __init__(self, name: str, url: str, procs: list[Proc], closer) -> None:
         self.name, self.url, self.procs, self._close = name, url, procs, closer
@@ -101,7 +101,7 @@ def start_pair(mode: str, model: str, num_blocks: int, device: torch.device, log
         cluster.close()
         raise
     return Target(
-        mode, cluster["proxy"].url, [cluster["decode"], cluster["prefill"]], cluster.close
+        mode, cluster["router"].url, [cluster["decode"], cluster["prefill"]], cluster.close
     )
 
 
@@ -158,7 +158,8 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
         after = target.metrics()
 
         def delta(name: str) -> float:
-            return after.get(f"kvbridge_{name}", 0.0) - before.get(f"kvbridge_{name}", 0.0)
+            key = f"kvbridge_{name}_total"
+            return after.get(key, 0.0) - before.get(key, 0.0)
 
         loads = delta("transfers")
         if loads != requests:
@@ -167,7 +168,13 @@ def run_point(target: Target, length: int, conc: int, requests: int, rng: random
         point.bytes_per_req = delta("bytes_read") / max(loads, 1)
         point.descs_per_req = delta("descriptors_posted") / max(loads, 1)
         point.phases_ms = {
-            phase: delta(f"load_{phase}_seconds") / max(loads, 1) * 1e3 for phase in PHASES
+            phase: (
+                after.get(f'kvbridge_load_phase_seconds_sum{{phase="{phase}"}}', 0.0)
+                - before.get(f'kvbridge_load_phase_seconds_sum{{phase="{phase}"}}', 0.0)
+            )
+            / max(loads, 1)
+            * 1e3
+            for phase in PHASES
         }
     return point
 
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join(cells))
     print(
         "\nms throughout. xfer ms: decode's mean load time (post to done); overhead: P/D TTFT "
-        "p50 - single p50 - xfer (the handover beyond the bytes: proxy hop, scheduling, "
+        "p50 - single p50 - xfer (the handover beyond the bytes: router hop, scheduling, "
         "notifications, polling). desc/req: both workers' descriptors (pull: decode's "
         "READs, push: prefill's WRITEs)."
     )

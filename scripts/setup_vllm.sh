@@ -3,6 +3,6 @@
 # torch 2.13.0 first, then `pip install -e ".[test,vllm]"`, then the torchvision fix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-KVBRIDGE_EXTRAS=test,vllm
+KVBRIDGE_EXTRAS=test,vllm,router,docs,plot  # the same set as scripts/test.sh: one install serves both
 source scripts/setup_env.sh
 echo "vLLM extra ready: $(.venv/bin/python -c 'import vllm; print(vllm.__version__)')"

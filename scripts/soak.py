@@ -1,4 +1,4 @@
-"""Soak: many concurrent requests through the proxy, client aborts and injected faults, for a
+"""Soak: many concurrent requests through vllm-router, client aborts and injected faults, for a
 bounded time; then every completed output must equal the single-process reference, no
 block and no NIXL handle may be left, and memory must stay flat.
 
@@ -6,9 +6,9 @@ block and no NIXL handle may be left, and memory must stay flat.
 
     .venv/bin/python scripts/soak.py [--duration-s 600] [--concurrency 64]
 
-Starts a prefill (block 32), a decode (block 16, drops its first Done) and the proxy as
+Starts a prefill (block 32), a decode (block 16, drops its first Done) and the router as
 separate processes (tests/reliability/cluster.py). Client threads loop until the deadline:
-each picks a prompt of random length from a pool and sends it through the proxy (a
+each picks a prompt of random length from a pool and sends it through the router (a
 fraction streamed and dropped after the first chunk: a client abort). A fault thread
 injects, in turn: tampered params sent straight to decode (must get a 400), a prefill
 frozen with SIGSTOP for a second, a decode request whose prefill params name blocks past
@@ -87,16 +87,16 @@ class Soak:
 
     def client(self, seed: int) -> None:
         rng = random.Random(seed)
-        proxy = self.cluster["proxy"].url
+        router = self.cluster["router"].url
         while time.monotonic() < self.deadline:
             prompt = rng.choice(self.pool)
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
             try:
                 if rng.random() < self.args.abort_fraction:
-                    status, _ = post(proxy, {**body, "stream": True}, abort_after_first_chunk=True)
+                    status, _ = post(router, {**body, "stream": True}, abort_after_first_chunk=True)
                     self.count("aborted" if status == 200 else f"http_{status}")
                     continue
-                status, out = post(proxy, body)
+                status, out = post(router, body)
             except OSError as exc:
                 self.count("client_error", f"client error: {exc}")
                 continue
@@ -184,7 +184,7 @@ def main() -> int:
         cluster.start()
         # warm up (first contact, first compiles), then take the memory baseline
         for p in pool[:4]:
-            post(cluster["proxy"].url, {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+            post(cluster["router"].url, {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True})
         rss0 = {n: rss_kib(cluster[n]) for n in ("prefill", "decode")}
         soak = Soak(cluster, pool, want, args)
         threads = [

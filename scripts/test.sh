@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run kvbridge's checks: ruff, the import contracts (lint-imports),
 # the manual (`mkdocs build --strict`: a broken link, anchor or a page left out of the nav
-# fails), then pytest (vLLM tests included, so the venv gets the vllm extra; the plot tests
-# need the plot extra). Idempotent: a second run skips the installs.
+# fails), then pytest (vLLM tests included, so the venv gets the vllm extra; the vllm-router
+# tests need the router extra, the plot tests the plot extra). Idempotent: a second run
+# skips the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm,docs,plot}"
+KVBRIDGE_EXTRAS="${KVBRIDGE_EXTRAS:-test,vllm,router,docs,plot}"
 source scripts/setup_env.sh
 
 .venv/bin/ruff check .

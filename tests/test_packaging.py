@@ -19,7 +19,7 @@ import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("layouts", "handshake", "connector", "examples")
+ROOTS = ("layouts", "handshake", "connector", "examples", "cli")
 
 
 def _pyproject() -> dict:

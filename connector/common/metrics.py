@@ -1,8 +1,28 @@
-"""Connector counters, rendered as Prometheus text by the example server."""
+"""The connector's counters and its load-phase histogram, and their Prometheus form.
+
+:class:`ConnectorMetrics` is what a worker connector counts (monotonic, read by tests,
+logs and exporters). :data:`HELP` is the one catalogue of what each means; both exporters
+read it: the example servers' ``/metrics`` (:func:`metric_families`, through a
+``prometheus_client`` collector) and the vLLM adapter (``kvbridge.connector.vllm.stats``,
+through vLLM's own registry). Names follow Prometheus' conventions: every counter ends in
+``_total`` (``kvbridge_transfers_total``, ``kvbridge_transfer_seconds_total``), and each
+decode load's phases are one histogram, ``kvbridge_load_phase_seconds{phase=...}``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+# the phases of a decode load (kvbridge.connector.worker.decode.load_timeline)
+LOAD_PHASES = ("peer", "prepare", "data", "finish")
+LOAD_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -50,11 +70,119 @@ class ConnectorMetrics:
     load_prepare_seconds: float = 0.0
     load_data_seconds: float = 0.0
     load_finish_seconds: float = 0.0
+    # per phase: how many loads fell into each of LOAD_PHASE_BUCKETS (not cumulative; the
+    # last slot counts those above the largest bound)
+    load_phase_buckets: dict[str, list[int]] = field(
+        default_factory=lambda: {p: [0] * (len(LOAD_PHASE_BUCKETS) + 1) for p in LOAD_PHASES},
+        repr=False,
+    )
+
+    def observe_load(self, phases: dict[str, float]) -> None:
+        """One finished load's seconds per phase: into the sums and the histogram."""
+        for phase in LOAD_PHASES:
+            seconds = phases[phase]
+            name = f"load_{phase}_seconds"
+            setattr(self, name, getattr(self, name) + seconds)
+            self.load_phase_buckets[phase][bisect_left(LOAD_PHASE_BUCKETS, seconds)] += 1
+
+    def counters(self) -> dict[str, float]:
+        """Every counter by field name (the histogram's buckets aside)."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name in HELP}
 
     def prometheus(self, prefix: str = "kvbridge") -> str:
-        lines = []
-        for f in fields(self):
-            kind = "counter"
-            lines.append(f"# TYPE {prefix}_{f.name} {kind}")
-            lines.append(f"{prefix}_{f.name} {getattr(self, f.name)}")
-        return "\n".join(lines) + "\n"
+        """These metrics alone as Prometheus text (``prometheus_client``'s rendering)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(self, prefix))
+        return generate_latest(registry).decode()
+
+
+# HELP text of every counter of ConnectorMetrics, and of the scheduler's figures the vLLM
+# adapter reports; a field without an entry here is not exported.
+HELP = {
+    "handshakes": "Side-channel handshakes with peers that succeeded.",
+    "handshake_failures": "Side-channel handshakes that failed (refused pairing, no answer).",
+    "transfers": "Decode request loads that completed.",
+    "transfer_failures": "Decode request loads that failed.",
+    "bytes_read": "Bytes decode loaded from prefill (read, or pushed to it).",
+    "descriptors_posted": "NIXL descriptors posted (READs on decode, WRITEs on prefill).",
+    "transfer_seconds": "Seconds decode spent in request loads, post to done.",
+    "sender_rewrites": "Blocks prefill rewrote into its reader's format.",
+    "sender_restores": "Blocks prefill restored to its own format after a reader.",
+    "eager_hits": "Requests rewritten on save in the format their reader wanted.",
+    "eager_misses": "Requests rewritten on save that their reader wanted another way.",
+    "receiver_rewrites": "Blocks decode rewrote into its own format after loading.",
+    "staging_rounds": "Rounds of remote pages through decode's staging slots.",
+    "notifications_sent": "NIXL notifications sent.",
+    "notifications_received": "NIXL notifications received.",
+    "bad_notifications": "NIXL notifications received that could not be used.",
+    "leases_expired": "Prefill holds freed because their reader's lease expired.",
+    "loads_held": "Failed loads reported only after their in-flight READs ended.",
+    "held_overdue": "Failed loads whose READs still ran transfer_timeout_s after failing.",
+    "background_thread_failures": "Background threads that died (the worker is unhealthy).",
+    "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
+    "claims_sent": "Prepare messages decode sent claiming a hold.",
+    "pushes_written": "Push requests prefill wrote to completion.",
+    "push_failures": "Push requests prefill answered with a failure.",
+    "bytes_written": "Bytes prefill wrote into decode's blocks (push mode).",
+    "staged_to_host_bytes": "Bytes staged from the cache into the host mirror (sender).",
+    "staged_to_device_bytes": "Bytes staged from the host mirror into the cache (receiver).",
+    "load_peer_seconds": "Seconds decode loads waited for their peer (handshake).",
+    "load_prepare_seconds": "Seconds decode loads spent in the Prepare round trip.",
+    "load_data_seconds": "Seconds decode loads spent moving data (READs or pushes).",
+    "load_finish_seconds": "Seconds decode loads spent finishing (staging in, rewrites).",
+    # the scheduler side (the vLLM adapter reports these from its scheduler process)
+    "sends_done": "Prefill holds a reader released after loading.",
+    "sends_expired": "Prefill holds freed by lease expiry.",
+    "sends_aborted": "Prefill holds freed because the request was aborted.",
+    "loads_loaded": "Decode requests whose KV was loaded from prefill.",
+    "loads_recomputed": "Decode requests recomputed after a failed load.",
+    "loads_failed": "Decode requests failed after a failed load.",
+    "loads_aborted": "Decode requests aborted while loading.",
+    "loads_released": "Decode loads released to prefill without reading.",
+    "bad_params": "Requests whose kv_transfer_params could not be used.",
+}
+GAUGE_HELP = {
+    "held_requests": "Prefill requests whose blocks are held for a reader.",
+    "held_blocks": "Prefill blocks held for readers.",
+    "loading_requests": "Decode requests waiting for a load.",
+}
+# counters the load-phase histogram shows better (its _sum is their value)
+_IN_HISTOGRAM = {f"load_{p}_seconds" for p in LOAD_PHASES}
+
+
+def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iterator[Metric]:
+    """The counters (``<prefix>_<field>_total``) and the load-phase histogram."""
+    for name, value in metrics.counters().items():
+        if name not in _IN_HISTOGRAM:
+            yield CounterMetricFamily(f"{prefix}_{name}", HELP[name], value=value)
+    hist = HistogramMetricFamily(
+        f"{prefix}_load_phase_seconds",
+        "Seconds each decode load spent per phase: peer (handshake), prepare, data, finish.",
+        labels=["phase"],
+    )
+    bounds = [str(b) for b in LOAD_PHASE_BUCKETS] + ["+Inf"]
+    for phase in LOAD_PHASES:
+        counts = metrics.load_phase_buckets[phase]
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        buckets = list(zip(bounds, cumulative, strict=True))
+        hist.add_metric([phase], buckets, getattr(metrics, f"load_{phase}_seconds"))
+    yield hist
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{label="value",...}': value}`` (labels sorted by name; a
+    sample without labels is just its name), parsed by ``prometheus_client.parser``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+class _Families(Collector):
+    def __init__(self, metrics: ConnectorMetrics, prefix: str) -> None:
+        self.metrics, self.prefix = metrics, prefix
+
+    def collect(self) -> Iterator[Metric]:
+        return metric_families(self.metrics, self.prefix)

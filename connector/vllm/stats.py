@@ -3,12 +3,14 @@
 Workers and the scheduler each report the *increase* of their counters since their last
 report (plus a few gauges, reported as current values); vLLM aggregates the reports and
 hands them to :class:`KVBridgePromMetrics`, which exports ``vllm:kvbridge_<name>``
-(counters get Prometheus' ``_total`` suffix).
+(counters get Prometheus' ``_total`` suffix) with the HELP text of
+``kvbridge.connector.common.metrics``, the catalogue the example servers export from too.
+The load phases' sums are counters here (``vllm:kvbridge_load_data_seconds_total``):
+vLLM's stats pipeline carries increases from the workers, not observations.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -16,33 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.metrics import GAUGE_HELP, HELP
 
-# Scheduler-side figures; the worker side reports every ConnectorMetrics field.
-SCHEDULER_COUNTERS = (
-    "sends_done",
-    "sends_expired",
-    "sends_aborted",
-    "loads_loaded",
-    "loads_recomputed",
-    "loads_failed",
-    "loads_aborted",
-    "loads_released",
-    "bad_params",
-)
-GAUGES = ("held_requests", "held_blocks", "loading_requests")
-COUNTERS = tuple(f.name for f in fields(ConnectorMetrics)) + SCHEDULER_COUNTERS
-
-_DOCS = {
-    "bytes_read": "Bytes decode loaded from prefill through kvbridge (read, or pushed).",
-    "bytes_written": "Bytes prefill wrote into decode's blocks (push mode).",
-    "transfer_seconds": "Seconds decode spent in kvbridge request loads (post to done).",
-    "transfers": "Request loads kvbridge completed.",
-    "descriptors_posted": "NIXL descriptors kvbridge posted.",
-    "held_requests": "Prefill requests whose blocks kvbridge holds for a reader.",
-    "held_blocks": "Prefill blocks kvbridge holds for readers.",
-    "loading_requests": "Decode requests waiting for a kvbridge load.",
-}
+# Every counter the worker side (ConnectorMetrics.counters()) and the scheduler side
+# report, and the scheduler's gauges, each with its HELP text.
+GAUGES = tuple(GAUGE_HELP)
+COUNTERS = tuple(HELP)
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -101,7 +82,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             cls = self._gauge_cls if name in GAUGES else self._counter_cls
             metric = cls(
                 name=f"vllm:kvbridge_{name}",
-                documentation=_DOCS.get(name, f"kvbridge {name.replace('_', ' ')}."),
+                documentation=GAUGE_HELP[name] if name in GAUGES else HELP[name],
                 labelnames=labelnames,
             )
             self._metrics[name] = {

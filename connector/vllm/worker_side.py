@@ -136,7 +136,7 @@ class VLLMWorkerSide:
 
     def stats(self) -> KVBridgeStats | None:
         metrics = self.worker.metrics
-        data = self._delta.take({k: float(v) for k, v in vars(metrics).items()})
+        data = self._delta.take(metrics.counters())
         return KVBridgeStats(data=data) if data else None
 
     def shutdown(self) -> None:

@@ -55,7 +55,7 @@ def test_the_worker_is_unhealthy_once_its_idle_thread_died(
         _wait(lambda: side.worker.unhealthy_reason is not None, "the worker to be unhealthy")
         assert "ValueError: a bug in the worker's progress" in side.worker.unhealthy_reason
         assert side.worker.metrics.background_thread_failures == 1
-        assert "kvbridge_background_thread_failures 1" in side.worker.metrics.prometheus()
+        assert "kvbridge_background_thread_failures_total 1.0" in side.worker.metrics.prometheus()
     finally:
         side.worker.shutdown()
 

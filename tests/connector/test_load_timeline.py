@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.metrics import ConnectorMetrics, parse_metrics
 from kvbridge.connector.worker.decode.load_timeline import SLOW_LOAD_S, LoadTimeline
 
 
@@ -29,7 +29,12 @@ def test_record_adds_each_phase_to_its_counter():
     assert metrics.load_prepare_seconds == pytest.approx(2.0)
     assert metrics.load_data_seconds == pytest.approx(3.5)
     assert metrics.load_finish_seconds == pytest.approx(4.0)
-    assert "kvbridge_load_data_seconds 3.5" in metrics.prometheus()
+    samples = parse_metrics(metrics.prometheus())
+    assert samples['kvbridge_load_phase_seconds_sum{phase="data"}'] == pytest.approx(3.5)
+    assert samples['kvbridge_load_phase_seconds_count{phase="data"}'] == 2
+    # data took 3.0 s and 0.5 s: one by the 0.5 s bound, both by 5 s
+    assert samples['kvbridge_load_phase_seconds_bucket{le="0.5",phase="data"}'] == 1
+    assert samples['kvbridge_load_phase_seconds_bucket{le="5.0",phase="data"}'] == 2
 
 
 def test_a_slow_load_is_logged_with_its_phases(caplog):

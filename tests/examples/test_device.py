@@ -106,7 +106,7 @@ def test_a_worker_with_an_unusable_device_fails_before_anything_starts(no_cuda):
     [
         (server.main, ["--port", "0"]),
         (reference.main, ["--prompt", "hi"]),
-        (check.main, ["run", "--proxy", "http://127.0.0.1:9"]),
+        (check.main, ["run", "--router", "http://127.0.0.1:9"]),
     ],
     ids=["server", "reference", "check"],
 )

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples import proxy as proxy_mod
-from kvbridge.examples.check import compare, complete, http_get, make_prompts, parse_metrics
+from kvbridge.examples.check import compare, complete, http_get, make_prompts
 from kvbridge.examples.engine_loop import EngineLoop
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.server import WorkerHTTPServer
@@ -24,7 +28,7 @@ MODEL = "tiny-hybrid-state"
 
 
 def _serve(server) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     return thread
 
@@ -145,7 +149,11 @@ def test_concurrent_requests_and_metrics(worker_url):
     assert status == 200
     assert metrics['kvbridge_total_blocks{pool="kv"}'] == 64
     assert metrics['kvbridge_requests{state="running"}'] == 0
-    assert metrics['kvbridge_requests_finished{reason="length"}'] >= 6
+    assert metrics['kvbridge_requests_finished_total{reason="length"}'] >= 6
+    families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+    assert families["kvbridge_requests_finished"].type == "counter"  # exposed with _total
+    assert families["kvbridge_free_blocks"].type == "gauge"
+    assert all(f.documentation for f in families.values()), "every metric has HELP text"
 
 
 @pytest.fixture
@@ -195,3 +203,45 @@ def test_compare_flags_token_and_logit_mismatches():
     moved[2, 1] = np.nan
     assert not compare([1, 2, 3], moved, [1, 2, 3], logits, 1e-4).ok
     assert "end" in compare([1, 2], logits[:2], [1, 2, 3], logits, 1e-4).reason
+
+
+def _finished(url: str) -> dict[str, float]:
+    m = parse_metrics(http_get(url + "/metrics")[1].decode())
+    return {
+        r: m.get(f'kvbridge_requests_finished_total{{reason="{r}"}}', 0.0)
+        for r in ("abort", "length")
+    } | {
+        "running": m['kvbridge_requests{state="running"}'],
+        "used": m['kvbridge_total_blocks{pool="kv"}'] - m['kvbridge_free_blocks{pool="kv"}'],
+    }
+
+
+def _wait_for(what: str, check, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request_and_frees_its_blocks(worker_url, stream):
+    before = _finished(worker_url)
+    host, port = worker_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    # 250 tokens take seconds on the tiny model: the abort comes long before "length"
+    body = {"prompt": "a long answer, please", "max_tokens": 250, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}))
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    else:
+        _wait_for("the request to run", lambda: _finished(worker_url)["running"] == 1)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-answer
+    conn.close()
+    after = _wait_for(
+        "the abort",
+        lambda: (m := _finished(worker_url))["abort"] == before["abort"] + 1 and m,
+    )
+    assert after["length"] == before["length"]
+    assert after["running"] == 0 and after["used"] == 0

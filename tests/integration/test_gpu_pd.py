@@ -1,5 +1,5 @@
 """A prefill and a decode example server with their weights and KV cache on a CUDA device
-(``--device cuda``), NIXL between the two processes, the proxy in front: output tokens and
+(``--device cuda``), NIXL between the two processes, vllm-router in front: output tokens and
 per-step logits must equal the single-process reference run on the same device.
 
 The rows pair different block sizes, layouts and cross-layer packing. The GPU tier runs
@@ -95,7 +95,7 @@ def run_pair(row: Row, device: str, logs: Path) -> None:
                 "ignore_eos": True,
                 "stream": i % 2 == 1,
             }
-            out = cluster.complete("proxy", body)
+            out = cluster.complete("router", body)
             ids = tok.encode(prompt)
             want = reference_generate(model, ids, MAX_TOKENS, eos_id=None)
             got_logits = np.asarray(out["logits"], np.float32)

@@ -1,4 +1,4 @@
-"""scripts/run_integration.sh end to end: prefill, decode and proxy as real processes, NIXL
+"""scripts/run_integration.sh end to end: prefill, decode and vllm-router as real processes, NIXL
 between them, output and per-step logits checked against the single-process reference."""
 
 from __future__ import annotations

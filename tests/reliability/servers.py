@@ -53,7 +53,7 @@ def _start(role: str, kv: dict, block_size: int) -> Worker:
     loop, info = build(make_parser().parse_args(argv))
     loop.start()
     server = WorkerHTTPServer(("127.0.0.1", 0), loop, info, request_timeout_s=60)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     return Worker(f"http://127.0.0.1:{server.server_address[1]}", loop, server, thread)
 

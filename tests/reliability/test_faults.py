@@ -1,4 +1,4 @@
-"""Faults with real server processes (prefill, decode, proxy; real NIXL, real HTTP).
+"""Faults with real server processes (prefill, decode, vllm-router; real NIXL, real HTTP).
 
 SIGKILL and SIGSTOP a peer, drop a completion notification, fail a load under each policy.
 Expected every time: no hang (every wait has a deadline), the affected request ends by
@@ -67,14 +67,14 @@ def cluster(tmp_path_factory):
 def test_a_dropped_done_costs_prefill_a_lease_and_nothing_else(cluster, model):
     """decode drops its first Done: output right, prefill holds until the lease, then frees."""
     prompt = make_prompts(4)[0]
-    out = cluster.complete("proxy", _body(prompt))
+    out = cluster.complete("router", _body(prompt))
     free, total = cluster["prefill"].free_blocks()
     assert free < total  # still held: the Done never came
     assert out["token_ids"] == _want(model, prompt) and _all_but_last(out)
     cluster["prefill"].wait_all_free(LEASE_S + 5)
     m = cluster["prefill"].metrics()
-    assert m['kvbridge_send_outcomes{outcome="expired"}'] == 1
-    out = cluster.complete("proxy", _body(make_prompts(4)[1]))  # the next Done arrives
+    assert m['kvbridge_send_outcomes_total{outcome="expired"}'] == 1
+    out = cluster.complete("router", _body(make_prompts(4)[1]))  # the next Done arrives
     assert _all_but_last(out)
     cluster["prefill"].wait_all_free(2.0)  # by Done, well before a lease
 
@@ -91,7 +91,7 @@ def test_prefill_killed_before_the_load_decode_recomputes_and_a_restart_handshak
     cluster["decode"].wait_all_free(2.0)
     cluster.restart("prefill")
     prompt = make_prompts(6)[3]
-    out = cluster.complete("proxy", _body(prompt))
+    out = cluster.complete("router", _body(prompt))
     assert out["token_ids"] == _want(model, prompt) and _all_but_last(out)
     assert out["usage"]["loaded_tokens"] > 0  # the new incarnation was handshaken
     cluster["prefill"].wait_all_free(2.0)
@@ -113,7 +113,7 @@ def test_a_frozen_prefill_times_the_load_out_then_frees_when_it_thaws(cluster, m
     finally:
         cluster["prefill"].signal(signal.SIGCONT)
     cluster["prefill"].wait_all_free(LEASE_S + 5)
-    out = cluster.complete("proxy", _body(make_prompts(6)[5]))
+    out = cluster.complete("router", _body(make_prompts(6)[5]))
     assert _all_but_last(out)
 
 

@@ -21,6 +21,9 @@ READS_BOUND_PORT = {
     "tests/ports.py": "holds the socket (a dead port) for as long as the test runs",
     "tests/handshake/test_port_holder.py": "a child that holds the port it reports",
     "examples/vllm/procs.py": "the one probe: vLLM's --port and NixlConnector's base port",
+    "examples/server.py": "binds the socket uvicorn then serves on",
+    "examples/router.py": "holds the port (bound, SO_REUSEADDR, not listening) until "
+    "vllm-router, which refuses --port 0, bound it too",
 }
 KV_PORT = re.compile(r"""["']kv_port["']\s*:\s*(\d+)|\bkv_port=(\d+)""")
 # unit tests whose configs never bind (scheduler and config parsing only)

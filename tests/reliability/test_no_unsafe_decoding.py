@@ -74,7 +74,7 @@ def test_the_walker_finds_what_it_looks_for(tmp_path):
     ("where", "name", "limit"),
     [
         ("kvbridge.connector.common.notifications", "MAX_NOTIFICATION_BYTES", 64 * 1024),
-        ("kvbridge.examples.server", "MAX_BODY_BYTES", 1 << 20),
+        ("kvbridge.examples.http_app", "MAX_BODY_BYTES", 1 << 20),
         ("kvbridge.examples.proxy", "MAX_BODY_BYTES", 1 << 20),
         ("kvbridge.connector.common.params", "MAX_TOKENS", 1 << 24),
     ],

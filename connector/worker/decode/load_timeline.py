@@ -7,9 +7,9 @@
       |  (first      | (rewrite on the    | prefill's     | receiver rewrites,
       |  contact)    | sender), or none   | WRITEs (push) | repacks
 
-Each phase's seconds add up in :class:`ConnectorMetrics` (``load_<phase>_seconds``), so
-a slow handover shows which phase is slow; a load slower than ``SLOW_LOAD_S`` is logged
-with its phases.
+Each phase's seconds add up in :class:`ConnectorMetrics` (``load_<phase>_seconds``, and
+the ``kvbridge_load_phase_seconds`` histogram), so a slow handover shows which phase is
+slow; a load slower than ``SLOW_LOAD_S`` is logged with its phases.
 """
 
 from __future__ import annotations
@@ -47,10 +47,7 @@ class LoadTimeline:
 
     def record(self, request_id: str, finished: float, metrics: ConnectorMetrics) -> None:
         phases = self.phases(finished)
-        metrics.load_peer_seconds += phases["peer"]
-        metrics.load_prepare_seconds += phases["prepare"]
-        metrics.load_data_seconds += phases["data"]
-        metrics.load_finish_seconds += phases["finish"]
+        metrics.observe_load(phases)
         total = finished - self.added
         level = logging.INFO if total > SLOW_LOAD_S else logging.DEBUG
         if logger.isEnabledFor(level):
