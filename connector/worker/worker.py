@@ -211,6 +211,9 @@ class KVBridgeWorker:
             rewrite_on_save=self.rewrite_on_save,
             stage=self._stage,
             order=order,
+            # a Prepare or Push may come before the engine hands this worker the request
+            # (its next step, seconds away under load): wait for it as long as the lease
+            early_wait_s=self.config.lease_s,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
