@@ -471,6 +471,16 @@ def test_only_a_push_decode_with_packed_pages_advertises_its_staging_arena(
     assert plain.worker.description.staging is None
 
 
+def test_a_pull_decode_with_packed_pages_registers_its_arena_at_startup(clock, made):
+    """Pull: the arena exists from register_kv_caches on (not made inside the first load
+    that stages, where it cost seconds: docs/handover.md), and is not advertised."""
+    decode = make_side("kv_consumer", "decode", 32, PACKED, "F", clock, repacker_for=HndRepacker)
+    made.append(decode)
+    staging = decode.worker._receiver._staged._pools  # the worker's one StagingPools
+    assert staging.region is not None
+    assert decode.worker.description.staging is None
+
+
 def test_a_staging_arena_too_small_for_one_page_fails_the_push_by_name(make_staged_pair):
     """Negotiation refuses the pair (the Push could not land): the load fails naming the
     knob and prefill frees at once."""
