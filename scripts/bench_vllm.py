@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             prefill_block_size=args.prefill_block_size,
             decode_block_size=args.decode_block_size,
             with_reference=True,  # the cold-start row's baseline
+            # kvbridge's defaults: start_pd would lower the engine threads' priority on
+            # a machine with fewer cores than busy engine threads; a user's servers do not
+            kv_extra={"extra": {"engine_thread_nice": 0}} if connector == "kvbridge" else None,
             max_model_len=args.max_model_len,
             enforce_eager=not args.compile,
         ) as pd:
