@@ -168,10 +168,8 @@ class PeerDirectory:
 
     def _fetch(self, key: PeerKey, host: str, port: int) -> None:
         try:
-            logger.info("TRACE handshake start %s", key)
             self._client.forget(*key)
             desc = self._client.get(key[0], key[1], host, port)
-            logger.info("TRACE handshake answered %s", key)
             self._results.put((key, desc))
         except Exception as exc:  # delivered to the step thread, which fails the loads
             self._results.put((key, exc))

@@ -203,8 +203,8 @@ class KVBridgeWorker:
         if self._stages_reads(buffers):
             # pull: larger prefill pages land in these slots. Allocated and registered
             # now, on the engine's thread at startup, not inside the first such load
-            # (there it cost seconds, from the idle-progress thread: docs/handover.md);
-            # after the description, which advertises slots only to pushing prefills
+            # (docs/handover.md); after the description, which advertises slots only
+            # to pushing prefills
             staging.open()
         self._peers = side.directory(can_repack=self._repacker is not None)
         order = self._device_order(buffers.device)
