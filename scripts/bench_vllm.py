@@ -13,8 +13,14 @@ decode step). Decode's Prometheus metrics give the KV load time, bytes and descr
 per request. Then every configuration in ``--refused`` (prefill -> decode block sizes) is
 tried once per connector and reported as served or refused.
 
+Before the grid, nothing warms the servers: the first request after all of them report
+healthy is the cold-start row, sent to a plain reference server (no connector, started
+with the pair) and then through the proxy, side by side (docs/handover.md).
+
 Prints one table row per point with the kvbridge / NixlConnector TTFT ratio (< 1: kvbridge
-is faster). Prompts are unique per request (no prefix-cache hits anywhere).
+is faster) and the loads decode recomputed (kvbridge: ``loads_recomputed``; NixlConnector:
+``nixl_num_failed_transfers``). Prompts are unique per request (no prefix-cache hits
+anywhere).
 """
 
 from __future__ import annotations
@@ -35,19 +41,22 @@ from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
 from scripts.bench_json import add_json_argument, write_json
 
-# Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors sum)
+# Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors
+# sum, loads recomputed)
 LOAD_METRICS = {
     "kvbridge": (
         "vllm:kvbridge_transfer_seconds_total",
         "vllm:kvbridge_transfers_total",
         "vllm:kvbridge_bytes_read_total",
         "vllm:kvbridge_descriptors_posted_total",
+        "vllm:kvbridge_loads_recomputed_total",
     ),
     "nixl": (
         "vllm:nixl_xfer_time_seconds_sum",
         "vllm:nixl_xfer_time_seconds_count",
         "vllm:nixl_bytes_transferred_sum",
         "vllm:nixl_num_descriptors_sum",
+        "vllm:nixl_num_failed_transfers_total",
     ),
 }
 
@@ -62,6 +71,7 @@ class Point:
     load_ms: float | None
     bytes_per_req: float | None
     descs_per_req: float | None
+    recomputed: float = 0.0
 
     def pct(self, q: float) -> float:
         xs = sorted(self.ttft_s)
@@ -135,7 +145,7 @@ def run_point(
     for t in threads:
         t.join()
     after = scrape(pd.decode_url)
-    secs, count, nbytes, descs = (
+    secs, count, nbytes, descs, recomputed = (
         after.get(n, 0.0) - before.get(n, 0.0) for n in LOAD_METRICS[pd.connector]
     )
     loads = count if count > 0 else None
@@ -148,7 +158,32 @@ def run_point(
         load_ms=1e3 * secs / loads if loads else None,
         bytes_per_req=nbytes / len(results) if results else None,
         descs_per_req=descs / len(results) if results else None,
+        recomputed=recomputed,
     )
+
+
+@dataclass
+class ColdStart:
+    """The first request after every server reported healthy, side by side."""
+
+    connector: str
+    reference_s: float  # a plain vLLM server's first request (TTFT)
+    pd_s: float  # the first request through the proxy (TTFT)
+    recomputed: float
+
+
+def cold_start(pd: PDServers, length: int, timeout_s: float) -> ColdStart:
+    """TTFT of the reference server's first request, then of the pair's (other prompts
+    of the same length: no prefix cache helps either)."""
+    assert pd.reference_url is not None
+    prompts = [make_prompts(1, 2 * length, seed=7_000 + i)[0][:length] for i in range(2)]
+    before = scrape(pd.decode_url)
+    ref_s = ttft(pd.reference_url, pd.model_name, prompts[0], timeout_s)
+    pd_s = ttft(pd.proxy_url, pd.model_name, prompts[1], timeout_s)
+    time.sleep(1.0)  # decode's stats reach its API server a moment after the request
+    after = scrape(pd.decode_url)
+    name = LOAD_METRICS[pd.connector][4]
+    return ColdStart(pd.connector, ref_s, pd_s, after.get(name, 0.0) - before.get(name, 0.0))
 
 
 def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
@@ -218,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         args.connectors_for_grid = args.connectors
 
     points: dict[tuple[str, int, int], Point] = {}
+    colds: list[ColdStart] = []
     for connector in args.connectors_for_grid:
         print(
             f"== {connector}: prefill {args.prefill_block_size} -> decode {args.decode_block_size}",
@@ -227,11 +263,22 @@ def main(argv: list[str] | None = None) -> int:
             connector=connector,
             prefill_block_size=args.prefill_block_size,
             decode_block_size=args.decode_block_size,
-            with_reference=False,
+            with_reference=True,  # the cold-start row's baseline
+            # kvbridge's defaults: start_pd would lower the engine threads' priority on
+            # a machine with fewer cores than busy engine threads; a user's servers do not
+            kv_extra={"extra": {"engine_thread_nice": 0}} if connector == "kvbridge" else None,
             max_model_len=args.max_model_len,
             enforce_eager=not args.compile,
         ) as pd:
-            ttft(pd.proxy_url, pd.model_name, make_prompts(1, 64, seed=1)[0], args.timeout)
+            # no warm-up: the first request is the cold-start row
+            cold = cold_start(pd, args.lengths[0], args.timeout)
+            colds.append(cold)
+            print(
+                f"  cold start: first TTFT {cold.pd_s * 1e3:.0f} ms through the proxy, "
+                f"{cold.reference_s * 1e3:.0f} ms on a cold single server, "
+                f"recomputed {cold.recomputed:.0f}",
+                flush=True,
+            )
             for length in args.lengths:
                 for conc in args.concurrency:
                     n = max(args.requests, conc)
@@ -243,15 +290,27 @@ def main(argv: list[str] | None = None) -> int:
                         f"  len {length:5d} conc {conc}: TTFT p50 {p.pct(0.5) * 1e3:8.1f} ms "
                         f"p90 {p.pct(0.9) * 1e3:8.1f} ms, load {fmt(p.load_ms)} ms, "
                         f"{fmt(p.bytes_per_req, 1 / 1024, 0)} KiB, "
-                        f"{fmt(p.descs_per_req, 1, 0)} desc, errors {p.errors}",
+                        f"{fmt(p.descs_per_req, 1, 0)} desc, errors {p.errors}, "
+                        f"recomputed {p.recomputed:.0f}",
                         flush=True,
                     )
 
     print(
-        "\n| prompt | conc | kvbridge TTFT p50 / p90 (ms) | NixlConnector TTFT p50 / p90 (ms) "
-        "| ratio p50 / p90 | decode KV load (ms) kvb / nixl | KiB/req | desc/req kvb / nixl |"
+        "\n| connector | cold start: first TTFT after health (ms) | cold single server (ms) "
+        "| difference (ms) | recomputed |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|")
+    for c in colds:
+        print(
+            f"| {c.connector} | {c.pd_s * 1e3:.0f} | {c.reference_s * 1e3:.0f} "
+            f"| {(c.pd_s - c.reference_s) * 1e3:+.0f} | {c.recomputed:.0f} |"
+        )
+    print(
+        "\n| prompt | conc | kvbridge TTFT p50 / p90 (ms) | NixlConnector TTFT p50 / p90 (ms) "
+        "| ratio p50 / p90 | decode KV load (ms) kvb / nixl | KiB/req | desc/req kvb / nixl "
+        "| recomputed kvb / nixl |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         for conc in args.concurrency:
             k, x = points.get(("kvbridge", length, conc)), points.get(("nixl", length, conc))
@@ -262,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {length} | {conc} | {k.pct(0.5) * 1e3:.0f} / {k.pct(0.9) * 1e3:.0f} "
                 f"| {x.pct(0.5) * 1e3:.0f} / {x.pct(0.9) * 1e3:.0f} | {r50:.2f} / {r90:.2f} "
                 f"| {fmt(k.load_ms)} / {fmt(x.load_ms)} | {fmt(k.bytes_per_req, 1 / 1024, 0)} "
-                f"| {fmt(k.descs_per_req, 1, 0)} / {fmt(x.descs_per_req, 1, 0)} |"
+                f"| {fmt(k.descs_per_req, 1, 0)} / {fmt(x.descs_per_req, 1, 0)} "
+                f"| {k.recomputed:.0f} / {x.recomputed:.0f} |"
             )
     rows = [{**vars(p), "ttft_p50_ms": p.pct(0.5) * 1e3, "ttft_p90_ms": p.pct(0.9) * 1e3}
             for p in points.values()]  # fmt: skip

@@ -10,8 +10,9 @@ agents are not thread-safe::
                 --> Peer READY / INCOMPATIBLE / FAILED
 
 :meth:`PeerDirectory.warm` does the same before any request names the peer (from
-``extra.warm_peers``: listener addresses known at startup), and also sets up the NIXL
-connection, so the first request to that peer pays none of it.
+``extra.warm_peers``: listener addresses known at startup), so the first request to that
+peer pays none of it. Every peer that becomes READY gets its NIXL connection started at
+once (``make_connection``), not on its first transfer.
 
 An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bridged):
 its agent is kept for notifications only, so loads against it fail at once *and* tell it
@@ -163,11 +164,6 @@ class PeerDirectory:
             peer = Peer(key=key, host=host, port=port)
             self._peers[key] = peer
             self._connect(peer, result)
-            if peer.state is PeerState.READY:
-                try:
-                    self._engine.connect(peer.agent)
-                except KVBridgeError as exc:  # the first transfer connects instead
-                    logger.warning("NIXL connection to %s not set up early: %s", key, exc)
             added.append(peer)
 
     def _fetch(self, key: PeerKey, host: str, port: int) -> None:
@@ -228,8 +224,19 @@ class PeerDirectory:
             peer.state = PeerState.READY
             self.handshakes += 1
             logger.info("peer %s ready:\n%s", peer.key, plan)
+            self._wire_up(peer)
         except KVBridgeError as exc:
             self._fail(peer, str(exc))
+
+    def _wire_up(self, peer: Peer) -> None:
+        """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
+        once): a first transfer on an unconnected endpoint stays pending until the
+        *peer's* UCX worker answers the wire-up, and an engine whose threads are busy may
+        answer late (docs/handover.md). The peer's listener does the same towards us."""
+        try:
+            self._engine.connect(peer.agent)
+        except KVBridgeError as exc:  # the first transfer connects instead
+            logger.warning("NIXL connection to %s not set up early: %s", peer.key, exc)
 
     def _incompatible(self, peer: Peer, desc: WorkerDescription, reason: str) -> None:
         peer.agent = self._engine.add_peer(desc.nixl_metadata)

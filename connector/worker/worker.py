@@ -200,6 +200,12 @@ class KVBridgeWorker:
             rewrites_on_save=self.rewrite_on_save,
             staging=staging.region,
         )
+        if self._stages_reads(buffers):
+            # pull: larger prefill pages land in these slots. Allocated and registered
+            # now, on the engine's thread at startup, not inside the first such load
+            # (docs/handover.md); after the description, which advertises slots only
+            # to pushing prefills
+            staging.open()
         self._peers = side.directory(can_repack=self._repacker is not None)
         order = self._device_order(buffers.device)
         self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
@@ -211,6 +217,9 @@ class KVBridgeWorker:
             rewrite_on_save=self.rewrite_on_save,
             stage=self._stage,
             order=order,
+            # a Prepare or Push may come before the engine hands this worker the request
+            # (its next step, seconds away under load): wait for it as long as the lease
+            early_wait_s=self.config.lease_s,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
@@ -255,6 +264,16 @@ class KVBridgeWorker:
                 self._targets.warm(host, peer_port)
         if self._idle is not None:
             self._idle.start()
+
+    def _stages_reads(self, buffers: KVCacheBuffers) -> bool:
+        """A decode in pull mode whose engine repacks packed pages: it reads prefill's
+        larger (or non-dividing) pages into its staging slots."""
+        return (
+            self.transfer_mode is TransferMode.PULL
+            and self.config.is_consumer
+            and self._repacker is not None
+            and bool(buffers.format.block_packing)
+        )
 
     def _stages_pushes(self, buffers: KVCacheBuffers) -> bool:
         """A decode in push mode whose engine repacks packed pages: a prefill with larger

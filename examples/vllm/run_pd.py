@@ -290,6 +290,9 @@ def run(cfg: RunConfig) -> int:
             )
             return 1
         print(f"all servers healthy after {pd.start_s:.1f} s", flush=True)
+        # TP > 1 only, and not for the handover: vLLM's own first forward at TP > 1
+        # compiles (see warm_tp_servers). TP 1 servers get no warm-up: the first P/D
+        # prompt is the servers' first request, as for a user (docs/handover.md)
         warm_tp_servers(pd, cfg)
         before = scrape(pd.decode_url)
         t_run = time.monotonic()

@@ -181,6 +181,38 @@ def test_a_decode_abort_while_the_push_is_asked_frees_both_sides(pair):
     _pools_full(prefill, decode)
 
 
+def test_a_push_that_comes_before_prefill_worker_has_the_request_waits_for_it(pair, clock):
+    """vLLM hands its worker a finished request with its next step, which under load may
+    be seconds after the params reached decode: the Push waits for the request as long as
+    the lease, not a fixed few seconds, and the load is written, not recomputed."""
+    prefill, decode = pair
+    p = Request("p1", token_ids(150), _remote_decode())
+    params = prefill_finish(prefill, p)  # the scheduler finished p1; its worker has no step yet
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([decode], lambda: decode.worker.metrics.notifications_sent >= 1, "Push sent")
+    pusher = prefill.worker._pusher
+    assert pusher is not None
+    run_until(
+        [decode], lambda: _worker_progress(prefill) and pusher.num_inflight == 1, "Push taken"
+    )
+    clock.now += 20.0  # a long engine step: more than the old fixed 5 s, less than the lease
+    _worker_progress(prefill)
+    assert pusher.num_inflight == 1 and prefill.worker.metrics.push_failures == 0
+    run_until([prefill, decode], lambda: loaded(decode, "d1"), "d1 loaded")
+    assert not failed(decode, "d1") and prefill.worker.metrics.push_failures == 0
+    _finish_decode(decode, d)
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill frees p1 after Done")
+    _pools_full(prefill, decode)
+
+
+def _worker_progress(side: Side) -> bool:
+    """The worker's own progress (notifications, pushes) without an engine step, as its
+    idle-progress thread runs it: no scheduler metadata is handed over."""
+    side.worker.get_finished()
+    return True
+
+
 def test_a_push_for_a_request_prefill_no_longer_keeps_is_refused_by_name(pair):
     prefill, decode = pair
     p = Request("p1", token_ids(150), _remote_decode())
@@ -437,6 +469,16 @@ def test_only_a_push_decode_with_packed_pages_advertises_its_staging_arena(
     assert prefill.worker.description.staging is None
     _, plain = make_pair()  # push between kvbridge layouts: nothing to stage
     assert plain.worker.description.staging is None
+
+
+def test_a_pull_decode_with_packed_pages_registers_its_arena_at_startup(clock, made):
+    """Pull: the arena exists from register_kv_caches on (not made inside the first load
+    that stages, where it cost seconds: docs/handover.md), and is not advertised."""
+    decode = make_side("kv_consumer", "decode", 32, PACKED, "F", clock, repacker_for=HndRepacker)
+    made.append(decode)
+    staging = decode.worker._receiver._staged._pools  # the worker's one StagingPools
+    assert staging.region is not None
+    assert decode.worker.description.staging is None
 
 
 def test_a_staging_arena_too_small_for_one_page_fails_the_push_by_name(make_staged_pair):

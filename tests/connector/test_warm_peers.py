@@ -100,3 +100,22 @@ def test_a_silent_warm_peer_is_logged_and_requests_still_load(cluster, dead_port
     )
     _load(cluster, prefill, decode, seed=7)
     assert decode.worker.metrics.handshakes == 1
+
+
+def test_both_sides_start_the_nixl_connection_at_the_handshake(cluster, monkeypatch):
+    """Without warm_peers: decode connects to prefill as soon as the handshake answered,
+    and prefill to decode as soon as it learned the requester (docs/handover.md: a first
+    READ on an unconnected endpoint waits for the other side's UCX progress)."""
+    connected: list[tuple[str, str]] = []
+    real_connect = NixlTransferEngine.connect
+
+    def connect(self: NixlTransferEngine, peer: str) -> None:
+        connected.append((self.agent_name, peer))
+        real_connect(self, peer)
+
+    monkeypatch.setattr(NixlTransferEngine, "connect", connect)
+    prefill = cluster.new_node("kv_producer", FMT, "F")
+    decode = cluster.new_node("kv_consumer", FMT, "F")
+    _load(cluster, prefill, decode, seed=8)
+    p, d = prefill.worker.agent_name, decode.worker.agent_name
+    assert sorted(connected) == sorted([(d, p), (p, d)])

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
-from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S
 from kvbridge.handshake.client import ClientConfig
 from kvbridge.layouts.allocation import read_group_token_major
 from kvbridge.layouts.layout import KVLayout, KVPacking
@@ -75,6 +74,8 @@ FORMAT_PAIRS = [
     ("ks-HND-k8", "bf-HND"),
     ("x-HND-k8", "ks-NHD"),
 ]
+LEASE_S = 4.0  # a short lease for the tests that wait for it to pass
+
 BLOCK_PAIRS = [(16, 16), (16, 64), (64, 16), (64, 64)]
 KINDS = ["FSM", "FS", "F"]
 
@@ -424,9 +425,12 @@ def test_dead_port_fails_within_handshake_timeout(cluster: Cluster, dead_port: i
 
 def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None:
     """The plan needs a sender rewrite, so decode asks prefill to Prepare a request it
-    never kept: after EARLY_PREPARE_TTL_S (the request might still have been on its way to
-    prefill's worker) Prepared(ok=False) becomes a LoadFailure that names the request."""
-    prefill = cluster.node("kv_producer", fmt("x-NHD", 64), "FS")
+    never kept: once prefill's lease passed (the request might still have been on its way
+    to prefill's worker, which waits for it as long as it could still be kept)
+    Prepared(ok=False) becomes a LoadFailure that names the request."""
+    prefill = cluster.new_node(
+        "kv_producer", fmt("x-NHD", 64), "FS", lease_s=LEASE_S, heartbeat_s=1.0
+    )
     decode = cluster.node("kv_consumer", fmt("x-HND-k8", 16), "FS")
     prefill.fill(11)
     decode.fill(12)
@@ -439,7 +443,7 @@ def test_unknown_remote_request_fails_load_then_serves(cluster: Cluster) -> None
         [prefill, decode],
         lambda: req.load_id in decode.failed or req.load_id in decode.loaded,
         f"LoadFailure for {req.load_id}",
-        timeout_s=EARLY_PREPARE_TTL_S + 10,
+        timeout_s=LEASE_S + 10,
     )
     failure = decode.failed[req.load_id]
     assert ghost in failure.reason and "prepare" in failure.reason, failure.reason

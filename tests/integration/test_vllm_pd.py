@@ -169,26 +169,11 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
         servers["proxy"] = proxy
         start_all([proxy], timeout_s=60)
-        cluster = Cluster(servers, {"L": llama.name, "G": gemma.name, "P": llama.name})
-        # every decode -> prefill direction the tests use (its first handshake)
-        pairs = {(p, d) for p, d, _ in PAIRS} | {("G32a", "G32b"), ("G32b", "G32a")}
-        pairs |= {("P128", "P32")}
-        _warm_up(cluster, sorted(pairs))
-        yield cluster
+        # no warm-up: the first request of each pair is its first handshake, as for a
+        # user (tests/integration/test_vllm_cold_start.py times it; docs/handover.md)
+        yield Cluster(servers, {"L": llama.name, "G": gemma.name, "P": llama.name})
     finally:
         stop_all(list(servers.values()))
-
-
-def _warm_up(cluster: Cluster, pairs: list[tuple[str, str]]) -> None:
-    """One P/D request per pair, outcome ignored: its first handshakes. A freshly started
-    vLLM server sometimes leaves the first handshake attempts unanswered (CI: ~15 s for a
-    gemma pair, ~30 s for L128b -> L128a), which outlasts a 15 s lease under policy 'fail'
-    (an HTTP 500) or a 30 s load timeout (a recompute)."""
-    for i, (prefill, decode) in enumerate(pairs):
-        try:
-            cluster.pd(prefill, decode, make_prompts(1, 40, seed=8800 + i)[0])
-        except ServerFailed as exc:
-            print(f"warm-up {prefill} -> {decode} failed (ignored): {str(exc)[:200]}")
 
 
 def _assert_same(reference: Completion, got: Completion) -> None:

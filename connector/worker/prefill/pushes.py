@@ -59,7 +59,7 @@ from kvbridge.connector.transfer.transport import (
 from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.prefill.answers import Answers
-from kvbridge.connector.worker.prefill.sender import EARLY_PREPARE_TTL_S, Sender
+from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
 
@@ -162,7 +162,7 @@ class Pusher:
             agent=agent,
             key=key,
             deadline=now + msg.timeout_s,
-            wait_until=now + min(msg.timeout_s, EARLY_PREPARE_TTL_S),
+            wait_until=now + min(msg.timeout_s, self._sender.early_wait_s),
         )
 
     def cancel(self, request_id: str, reader_rank: int) -> None:
@@ -208,6 +208,10 @@ class Pusher:
             self._fail(push, f"cannot push to decode {push.key}: {reason}")
             return
         spec = self._sender.kept(push.msg.request_id)
+        if spec is None and self._sender.has_ended(push.msg.request_id):
+            # freed by the engine before it reached this worker (abort), or its hold ended
+            self._fail(push, f"request {push.msg.request_id!r} ended here before the push")
+            return
         if now > push.deadline or (spec is None and now > push.wait_until):
             waited = "the request to be kept here" if spec is None else "decode's description"
             self._fail(push, f"timed out waiting for {waited}")

@@ -40,8 +40,11 @@ request with its next step, and an idle engine takes none, while decode (which n
 ``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
 for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added. A ``Prepare`` may
 arrive that early too (a rewrite, or a decode claiming the blocks near the lease end): it
-is answered when the request is added, or refused after ``EARLY_PREPARE_TTL_S``; one for
-a request that already ended here is refused at once.
+is answered when the request is added, or refused once ``early_wait_s`` passed (the
+worker passes its lease: the engine hands over a finished request with its next step,
+which under load may be seconds away, and a request it still owns is finishing, not
+gone); one for a request that already ended here, or that the engine freed before
+handing it over, is refused at once.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ from kvbridge.layouts.errors import KVBridgeError
 logger = logging.getLogger(__name__)
 
 EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
-EARLY_PREPARE_TTL_S = 5.0  # how long a Prepare waits for its request to be added
+# how long a Prepare (or Push) waits for its request to be added, unless the worker says
+# otherwise (it passes its lease): the engine may take several seconds to hand over a
+# request it finished (a long step under load); 5 s lost pushes under 8 concurrent loads
+EARLY_PREPARE_TTL_S = 30.0
 MAX_HOLD_S = 600.0  # the longest hold one claim may ask for (Prepare.hold_s)
 
 
@@ -96,10 +102,13 @@ class Sender:
         rewrite_on_save: bool = False,
         stage: HostStage | None = None,
         order: DeviceOrder | None = None,
+        early_wait_s: float = EARLY_PREPARE_TTL_S,
     ) -> None:
-        """``stage``: the host mirror NIXL moves instead of ``buffers`` (host staging);
-        kept blocks are copied there once they are in the format their reader gets.
-        ``order``: fences the rewrite kernels before NIXL may read the blocks."""
+        """``early_wait_s``: how long a ``Prepare`` or ``Push`` for a request not handed
+        over yet waits for it (the worker passes its lease). ``stage``: the host mirror
+        NIXL moves instead of ``buffers`` (host staging); kept blocks are copied there once
+        they are in the format their reader gets. ``order``: fences the rewrite kernels
+        before NIXL may read the blocks."""
         self._buffers = buffers
         self._order = order or DeviceOrder(buffers.device)
         self._stage = stage
@@ -107,6 +116,7 @@ class Sender:
         self._rewrites_in_place = rewrites_in_place
         self._metrics = metrics
         self._clock = clock
+        self.early_wait_s = early_wait_s
         self._pending: dict[str, _Pending] = {}
         self._lending = BlockLending(buffers, metrics, self._order)
         self._finished: set[str] = set()
@@ -153,7 +163,7 @@ class Sender:
             if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
                 return _unknown(msg.request_id)
             _, waiting = self._early_prepares.setdefault(
-                msg.request_id, (self._clock() + EARLY_PREPARE_TTL_S, [])
+                msg.request_id, (self._clock() + self.early_wait_s, [])
             )
             waiting.append((agent, msg))
             return None
