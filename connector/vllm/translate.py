@@ -51,6 +51,9 @@ _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
 # user sets in "extra" wins.
 VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
 
+# vLLM KVQuantMode names whose pages hold only the KV elements (no scales inside)
+_PLAIN_QUANT_MODES = frozenset({"NONE", "FP8_PER_TENSOR"})
+
 NULL_BLOCK_ID = 0  # vLLM's block pool hands block 0 out as the "null" placeholder
 
 
@@ -100,13 +103,17 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
             f"{kind} is not supported yet"
         )
     head_size_v = getattr(vspec, "head_size_v", None)
-    if head_size_v not in (None, vspec.head_size):
+    # MLA keeps one latent per token: vLLM 0.32 says so with head_size_v=0
+    no_v = kind == "MLAAttentionSpec" and head_size_v == 0
+    if head_size_v not in (None, vspec.head_size) and not no_v:
         raise ConfigError(f"{where}: head_size_v={head_size_v} != head_size={vspec.head_size}")
     for name in ("page_size_padded", "num_head_slots", "state_content_bytes"):
         if getattr(vspec, name, None) is not None:
             raise ConfigError(f"{where}: {name}={getattr(vspec, name)} is not supported")
     quant = getattr(vspec, "kv_quant_mode", None)
-    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+    # fp8 with per-tensor scales: the page holds plain one-byte elements (the scales are
+    # the layer's, equal on both sides); per-token/head scales live in the page: refused
+    if quant is not None and getattr(quant, "name", "NONE") not in _PLAIN_QUANT_MODES:
         raise ConfigError(f"{where}: quantised KV caches ({quant}) are not supported")
     common = {"block_size": vspec.block_size, "head_size": vspec.head_size, "dtype": vspec.dtype}
     if kind == "FullAttentionSpec":
