@@ -162,6 +162,35 @@ def kv_layout(vllm_kv_cache_config: Any) -> tuple[KVLayout | None, bool | None]:
     return _VLLM_LAYOUTS[name]
 
 
+# Block sizes every GPU attention backend takes as a kernel block: a block-outer layout
+# runs the kernels on whole manager blocks (vLLM does not split them).
+_BLOCK_OUTER_SIZES = frozenset({16, 32, 64})
+
+
+def preferred_layout(vllm_config: Any, *, is_cpu: bool) -> str | None:
+    """The ``KVCacheLayout`` kvbridge asks vLLM for (``get_required_kvcache_layout``).
+
+    ``BHLNC`` where it can: a block of every layer is one run, and each head of it too,
+    so one descriptor moves a block between ranks of any TP sizes and neither side
+    rewrites (vLLM's prefill may not: its prefix cache reads the blocks). Otherwise
+    ``LBHNC``, head-major per layer: hybrid models (vLLM overlays the groups of a
+    block-outer block, which kvbridge does not move), block sizes some backend may not
+    run as one kernel block, and vLLM's CPU attention (LBHNC only). MLA: None (one
+    latent head; vLLM's default layout moves whole pages). vLLM uses the answer when
+    every backend supports it, and ``VLLM_KV_CACHE_LAYOUT`` overrides it.
+    """
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return None
+    if getattr(model, "use_mla", False):
+        return None
+    hybrid = getattr(model, "is_hybrid", False) or model.get_sliding_window() is not None
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if is_cpu or hybrid or block_size not in _BLOCK_OUTER_SIZES:
+        return "LBHNC"
+    return "BHLNC"
+
+
 def parse_params(raw: object) -> KVTransferParams | None:
     """``request.kv_transfer_params`` (a dict from the API) as kvbridge params.
 
