@@ -14,16 +14,10 @@ adds every pair of (layout, block size) for FlashAttention, pull and push
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +26,7 @@ from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.handshake import tp
 from tests.connector.conftest import new_id
+from tests.vllm_layouts.prefill_host import EVENT_TIMEOUT_S, PrefillHost
 from tests.vllm_layouts.vllm_alloc import Allocation
 from tests.vllm_layouts.vllm_peer import (
     NUM_BLOCKS,
@@ -46,11 +41,7 @@ from tests.vllm_layouts.vllm_peer import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
-CHILD = Path(__file__).with_name("_vllm_prefill.py")
 TOKENS = 120  # not a multiple of any block size: the last block is partial
-START_TIMEOUT_S = 120.0  # the host imports torch, vLLM and NIXL on a shared 2-core machine
-EVENT_TIMEOUT_S = 30.0
 
 FA, TRITON, AITER = "FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA"
 
@@ -90,83 +81,6 @@ WIDE_PAIRS = [
 MATRIX = PAIRS + (WIDE_PAIRS if os.environ.get("KVBRIDGE_VLLM_LAYOUT_MATRIX") == "1" else [])
 
 
-class PrefillHost:
-    """The prefill ranks of every pair, in one process of their own (``_vllm_prefill.py``),
-    with a replica of each rank's bytes."""
-
-    def __init__(self, log: Path) -> None:
-        self._log = log
-        self._log_file = log.open("w")
-        # the parent's PYTHONPATH: kvbridge may come from a checkout, not the install
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": path},
-        )
-        self._events: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.sent: dict[str, set[str]] = {}
-        self.wait_for("started", timeout_s=START_TIMEOUT_S)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                self._events.put(json.loads(line[3:]))
-        self._events.put({"event": "eof"})
-
-    def _note(self, event: dict) -> dict:
-        if event["event"] == "sent":
-            self.sent.setdefault(event["key"], set()).add(event["request_id"])
-        if event["event"] in ("error", "eof"):
-            raise AssertionError(f"prefill host said {event}; log: {self._log.read_text()[-3000:]}")
-        return event
-
-    def wait_for(self, name: str, timeout_s: float = EVENT_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(
-                    f"prefill host: no {name!r} event within {timeout_s} s; "
-                    f"log: {self._log.read_text()[-3000:]}"
-                ) from None
-            if self._note(event)["event"] == name:
-                return event
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self._note(self._events.get_nowait())
-            except queue.Empty:
-                return
-
-    def command(self, **cmd: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.command(cmd="quit")
-                self.proc.wait(timeout=30)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        finally:
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                if pipe is not None:
-                    pipe.close()
-            self._log_file.close()
-
-
 @dataclass
 class PrefillRank:
     key: str
@@ -197,15 +111,7 @@ def ranks(host: PrefillHost) -> Iterator:
         for r in range(spec.tp_size):
             rank_spec = replace(spec, rank=r)
             key = f"{engine_id}-r{r}"
-            host.command(
-                cmd="open",
-                key=key,
-                spec=asdict(rank_spec),
-                engine_id=engine_id,
-                mode=mode,
-                seed=1000 + r,
-            )
-            port = host.wait_for("ready")["port"]
+            port = host.open_rank(key, asdict(rank_spec), engine_id, mode, seed=1000 + r)
             replica = build_allocation(rank_spec)
             fill(replica, 1000 + r)
             out.append(PrefillRank(key, port, replica))
@@ -218,8 +124,7 @@ def ranks(host: PrefillHost) -> Iterator:
         for d in decodes:
             d.shutdown()
         for p in opened:
-            host.command(cmd="close", key=p.key)
-            host.wait_for("closed")
+            host.close_rank(p.key)
 
 
 def _label(case: tuple[SideSpec, SideSpec, str]) -> str:
@@ -236,10 +141,7 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
     remote = rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-TOKENS // pspec.block_size)]
     rid = new_id("req")
     for p in prefill:
-        host.command(
-            cmd="send", key=p.key, request_id=rid, block_ids=[remote.tolist()], first_block=[0]
-        )
-        host.wait_for("kept")
+        host.send(p.key, rid, remote.tolist())
     d_allocs, d_sides = [], []
     for r in range(dspec.tp_size):
         spec = replace(dspec, rank=r)

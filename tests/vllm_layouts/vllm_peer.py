@@ -39,6 +39,9 @@ class SideSpec:
     mla: bool = False
     dtype: str = "float16"
     head_size: int = 16
+    num_layers: int = 3
+    num_blocks: int = NUM_BLOCKS
+    total_heads: int = TOTAL_HEADS
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -48,16 +51,20 @@ class SideSpec:
 
 
 def build_allocation(spec: SideSpec) -> Allocation:
-    heads = 1 if spec.mla else rank_heads(spec.rank, spec.tp_size, TOTAL_HEADS).count
+    heads = 1 if spec.mla else rank_heads(spec.rank, spec.tp_size, spec.total_heads).count
     model = Model(
-        num_kv_heads=heads, mla=spec.mla, dtype=getattr(torch, spec.dtype), head_size=spec.head_size
+        num_layers=spec.num_layers,
+        num_kv_heads=heads,
+        mla=spec.mla,
+        dtype=getattr(torch, spec.dtype),
+        head_size=spec.head_size,
     )
     return allocate(
         model,
         block_size=spec.block_size,
         layout=KVCacheLayout[spec.layout],
         backend_name=spec.backend,
-        num_blocks=NUM_BLOCKS,
+        num_blocks=spec.num_blocks,
     )
 
 
@@ -87,7 +94,7 @@ def worker_side(spec: SideSpec, a: Allocation, role: str, engine_id: str, mode: 
         translate.transfer_config(vcfg),
         translate.kv_cache_config(a.kv_cache_config),
         model_name="tiny",
-        total_kv_heads=1 if spec.mla else TOTAL_HEADS,
+        total_kv_heads=1 if spec.mla else spec.total_heads,
         layout_hint=layout,
         rank=spec.rank,
         tp_size=spec.tp_size,
