@@ -197,6 +197,12 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
         host.drain()
     assert not failed, (failed, [s.worker.get_finished() for s in d_sides])
     heads = 1 if pspec.mla else TOTAL_HEADS
+    if mode == "pull" and pspec.layout == dspec.layout == "BHLNC":
+        # head-outer on both sides: one descriptor per (prefill block, source rank), no
+        # rewrite on either side, at any TP ratio
+        for r, side in enumerate(d_sides):
+            sources = tp.sources(r, dspec.tp_size, pspec.tp_size, heads)
+            assert side.worker.metrics.descriptors_posted == len(remote) * len(sources)
     for r, a in enumerate(d_allocs):
         got = tokens(a, local)[:, :TOKENS]
         slices = tp.sources(r, dspec.tp_size, pspec.tp_size, heads) if not pspec.mla else None
