@@ -16,8 +16,9 @@ import torch
 
 from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.vllm import translate
-from kvbridge.layouts.allocation import KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from kvbridge.layouts.arrangement import HeadOrder
+from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
 from tests.vllm_layouts.vllm_alloc import (
     BACKENDS,
@@ -178,3 +179,16 @@ def test_mamba_state_group_is_refused_by_name():
     )
     with pytest.raises(ConfigError, match="MambaSpec is not supported"):
         translate.kv_cache_config(a.kv_cache_config)
+
+
+def test_head_outer_buffers_refuse_per_layer_rows_and_need_cross_layer():
+    """A BHLNC cache keeps no layer's page in one run: asking for one is an error, and a
+    head-outer format without a cross-layer buffer cannot be built."""
+    a = allocate(Model(), block_size=16, layout=KVCacheLayout.BHLNC, backend_name="FLASH_ATTN")
+    b = adopt(a)
+    with pytest.raises(LayoutError, match="head-outer"):
+        b.layer_bytes(b.config.layer_names[0])
+    with pytest.raises(LayoutError, match="needs a cross-layer cache"):
+        CacheFormat(heads=HeadOrder.IN_CHUNK, cross_layer=False)
+    # one region over every block, as NIXL sees it
+    assert [r.block_bytes for r in b.regions()] == [b.config.page_size_bytes * 3]
