@@ -21,6 +21,7 @@ from kvbridge.handshake.messages import (
 )
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.arrangement import HeadOrder
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout, KVPacking
@@ -208,6 +209,7 @@ def describe(
         can_repack=can_repack,
         rewrites_on_save=rewrites_on_save,
         staging=_region_to_wire(staging) if staging is not None else None,
+        kv_heads=fmt.heads.value,
     )
 
 
@@ -261,6 +263,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
             packing=KVPacking.parse(desc.kv_packing),
             block_packing=desc.block_packing,
             packed_heads_major=desc.packed_heads_major,
+            heads=HeadOrder.parse(desc.kv_heads),
         )
         regions = tuple(
             RegionInfo(

@@ -24,7 +24,9 @@ Protocol history:
         WorkerDescription.staging (default none): the registered staging arena a pushing
         prefill writes whole pages into (engine-packed pages larger than decode's);
         WireSpec.state_sharding (default empty: not described): how each state tensor is
-        split over TP ranks, so that state groups move between different TP sizes.
+        split over TP ranks, so that state groups move between different TP sizes;
+        WorkerDescription.kv_heads (default "inner"): where the KV heads sit in a block
+        (CacheFormat.heads; "chunk" is vLLM's head-outer cross-layer BHLNC).
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # size) whose slots a prefill with larger pages writes into
     # (kvbridge.connector.worker.staging.staging)
     staging: WireRegion | None = None
+    kv_heads: str = "inner"  # CacheFormat.heads (kvbridge.layouts.arrangement.HeadOrder)
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

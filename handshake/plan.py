@@ -55,7 +55,7 @@ from kvbridge.handshake.plan_model import (
 )
 from kvbridge.handshake.tp_plan import head_slice, tp_attention_plan
 from kvbridge.handshake.tp_state import state_layers, tp_state_plan
-from kvbridge.layouts.arrangement import BlockArrangement
+from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.groups import KVCacheGroup
 from kvbridge.layouts.specs import AttentionSpec, StateSpec
@@ -182,10 +182,13 @@ def _attention_plan(
     u, r_local, r_remote = wire_chunk(lspec, rspec)
     kb_local = local.format.kernel_block_size_for(lspec.block_size)
     grain = min(granularity(local, lspec), granularity(remote, rspec))
+    # head-outer cross-layer blocks on both sides (vLLM's BHLNC) travel as they are
+    head_outer = grain is Granularity.GROUP and local.format.heads is remote.format.heads
     wire = BlockArrangement(
         layout=local.format.layout,
         sub_blocks_per_chunk=u // kb_local if u % kb_local == 0 else 1,
         parts_outer=grain is Granularity.PART,
+        heads=local.format.heads if head_outer else HeadOrder.INNER,
     )
     sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
     streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)

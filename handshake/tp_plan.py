@@ -168,9 +168,10 @@ def tp_attention_plan(
         )
     u, r_local, r_remote = wire_chunk(lspec, rspec)
     grain = min(granularity(local, lspec), granularity(remote, rspec))
-    if not remote.rewrites_in_place:
+    if not remote.rewrites_in_place and remote.format.heads is not HeadOrder.IN_CHUNK:
         # Read where the sender keeps its heads: inside each (layer, K|V) part, so that an
-        # HND sender's head slice is one run per part and no rewrite is needed.
+        # HND sender's head slice is one run per part and no rewrite is needed. A
+        # head-outer sender (vLLM's BHLNC) keeps a head slice of a whole block in one run.
         grain = Granularity.PART
     wire = BlockArrangement(
         layout=KVLayout.HND,

@@ -18,12 +18,12 @@ transforms and descriptor code never branch on the allocation kind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry
+from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder, UnitGeometry
 from kvbridge.layouts.block_table import kernel_ratio
 from kvbridge.layouts.errors import BlockIdError, LayoutError
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
@@ -47,6 +47,16 @@ class CacheFormat:
     # with block_packing: each head's elements form one contiguous run of the page, heads
     # in order (a slice of heads is a byte range; tensor parallelism reads one)
     packed_heads_major: bool = False
+    # Where the KV heads sit in a block. ``IN_CHUNK`` (cross-layer only): each head of a
+    # block holds every layer of the group in one run, ``[H][L][t, D]`` (vLLM's BHLNC), so
+    # a slice of heads (a tensor-parallel rank's share) is one byte range of the block.
+    heads: HeadOrder = HeadOrder.INNER
+
+    def __post_init__(self) -> None:
+        if self.heads is HeadOrder.IN_CHUNK and not self.cross_layer:
+            raise LayoutError("heads=IN_CHUNK (head-outer blocks) needs a cross-layer cache")
+        if self.heads is HeadOrder.IN_LAYER:
+            raise LayoutError("heads=IN_LAYER is a wire order, not a cache format")
 
     def kernel_block_size_for(self, block_size: int) -> int:
         kb = self.kernel_block_size or block_size
@@ -54,9 +64,10 @@ class CacheFormat:
         return kb
 
     def native_arrangement(self, block_size: int) -> BlockArrangement:
-        return BlockArrangement.native(
+        native = BlockArrangement.native(
             self.layout, block_size, self.kernel_block_size_for(block_size)
         )
+        return replace(native, heads=self.heads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +152,11 @@ class KVCacheBuffers:
 
     def layer_bytes(self, layer_name: str) -> torch.Tensor:
         """``(num_blocks, page_bytes)`` uint8 rows of one layer (a strided view)."""
+        if self.format.heads is not HeadOrder.INNER:
+            raise LayoutError(
+                f"layer {layer_name!r}: a head-outer cache ({self.format.heads.value}) keeps "
+                f"no layer's page in one run; read whole blocks (unit_slots) instead"
+            )
         try:
             return self._layer_bytes[layer_name]
         except KeyError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.arrangement import HeadOrder
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.layout import KVLayout, KVPacking
@@ -46,6 +47,9 @@ class LayerFormat:
     kv_interleaved: bool
     block_stride_bytes: int  # distance between logical blocks
     base_addr: int  # address of block 0
+    # 0: the heads of a block are dense. Else the distance between two heads of a block:
+    # the layer is a view into a head-outer cross-layer buffer (vLLM's BHLNC)
+    head_stride_bytes: int = 0
 
 
 def _physical(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -127,9 +131,14 @@ def describe_layer(
         )
     layout, packing, kb, kv_interleaved, _ = matches[0]
     # Density: every axis inside the outermost one must be packed; the outermost may be
-    # sparser only for blocks-first (views into a cross-layer buffer).
+    # sparser only for blocks-first (views into a cross-layer buffer), and the head axis
+    # of an HND block of one part, whose heads then hold other layers between them.
+    head_stride = 0
     for i in range(len(sizes) - 1, 0, -1):
         want = 1 if i == len(sizes) - 1 else strides[i + 1] * sizes[i + 1]
+        if _head_outer_axis(i, sizes, strides, want, layout, packing, kb, spec):
+            head_stride = strides[i]
+            continue
         if strides[i] != want:
             raise ExternalLayoutError(
                 f"{where}: axis of size {sizes[i]} (memory order {sizes}) has element stride "
@@ -157,6 +166,31 @@ def describe_layer(
         kv_interleaved=kv_interleaved,
         block_stride_bytes=block_stride * spec.itemsize,
         base_addr=tensor.data_ptr(),
+        head_stride_bytes=head_stride * spec.itemsize,
+    )
+
+
+def _head_outer_axis(
+    i: int,
+    sizes: list[int],
+    strides: list[int],
+    want: int,
+    layout: KVLayout,
+    packing: KVPacking,
+    kb: int,
+    spec: AttentionSpec,
+) -> bool:
+    """Whether axis ``i`` is the head axis of a head-outer cross-layer view: memory order
+    ``(blocks, H, kb, C)`` with ``H`` strided by whole multiples of a head's run."""
+    return (
+        i == 1
+        and len(sizes) == 4
+        and layout is KVLayout.HND
+        and packing is KVPacking.BLOCKS_FIRST
+        and kb == spec.block_size
+        and sizes[1] == spec.num_kv_heads > 1
+        and strides[1] > want
+        and strides[1] % want == 0
     )
 
 
@@ -214,6 +248,15 @@ def adopt_kv_caches(
     )
     config = replace(config, groups=groups)
     page = config.page_size_bytes
+    if any(f.head_stride_bytes for f in formats.values()):
+        fmt = CacheFormat(
+            layout=first.layout,
+            kernel_block_size=first.kernel_block_size,
+            cross_layer=True,
+            block_packing=block_packing,
+            heads=HeadOrder.IN_CHUNK,
+        )
+        return _adopt_head_outer(config, fmt, tensors, formats)
     cross_layer = first.block_stride_bytes != page
     fmt = CacheFormat(
         layout=first.layout,
@@ -279,3 +322,55 @@ def _adopt_cross_layer(
     buf = _byte_rows(first, config.num_blocks, row, row)
     layer_bytes = {name: buf[:, i * page : (i + 1) * page] for i, name in enumerate(names)}
     return KVCacheBuffers.adopt(config, fmt, [buf], layer_bytes, device=first.device)
+
+
+def _adopt_head_outer(
+    config: KVCacheConfig,
+    fmt: CacheFormat,
+    tensors: Mapping[str, torch.Tensor],
+    formats: Mapping[str, LayerFormat],
+) -> KVCacheBuffers:
+    """vLLM's BHLNC: one buffer, a block is ``[H][L][kb, C]`` over every layer::
+
+        row b: [ head 0: L0 | L1 | ... | L(n-1) ][ head 1: L0 | ... ] ...
+                 |<- run ->|                       run = kb * C bytes
+
+    kvbridge's head-outer cross-layer format (``HeadOrder.IN_CHUNK``) with one group.
+    """
+    names = config.layer_names
+    if len(config.groups) != 1:
+        raise ExternalLayoutError(
+            f"a head-outer (BHLNC) cache with {len(config.groups)} KV-cache groups: kvbridge "
+            f"moves head-outer blocks of one group only; set VLLM_KV_CACHE_LAYOUT=BLHNC or "
+            f"LBHNC for hybrid models"
+        )
+    page = config.page_size_bytes
+    spec = config.groups[0].spec
+    assert isinstance(spec, AttentionSpec)
+    run = page // spec.num_kv_heads
+    row = page * len(names)
+    first = tensors[names[0]]
+    storage = first.untyped_storage().data_ptr()
+    base = formats[names[0]].base_addr
+    for i, name in enumerate(names):
+        f, t = formats[name], tensors[name]
+        problems = []
+        if t.untyped_storage().data_ptr() != storage:
+            problems.append("lives in another storage than the first layer")
+        if f.block_stride_bytes != row:
+            problems.append(f"block stride {f.block_stride_bytes} B, expected {row} B")
+        if f.head_stride_bytes != run * len(names):
+            problems.append(f"head stride {f.head_stride_bytes} B, expected {run * len(names)} B")
+        if f.base_addr - base != i * run:
+            problems.append(
+                f"starts {f.base_addr - base} B after the first layer, expected {i * run} B "
+                f"(layer {i} of {list(names)})"
+            )
+        if problems:
+            raise ExternalLayoutError(
+                f"layer {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} is a "
+                f"head-outer (BHLNC) view but {'; '.join(problems)}; a head-outer buffer must "
+                f"hold, per block and head, every layer's run side by side"
+            )
+    buf = _byte_rows(first, config.num_blocks, row, row)
+    return KVCacheBuffers.adopt(config, fmt, [buf], {}, device=first.device)

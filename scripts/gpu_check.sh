@@ -5,7 +5,12 @@
 #      (kv_buffer_device "cpu": pinned host mirrors);
 #   2. scripts/bench_layouts.py --device cuda: rewrites vs a device copy of the same bytes;
 #   3. scripts/bench_transfer.py --device cuda --host-staging compare: connector loads vs
-#      raw NIXL READ / WRITE on VRAM, direct and host-staged.
+#      raw NIXL READ / WRITE on VRAM, direct and host-staged;
+#   4. when `import vllm` finds a CUDA build and a GPU: real vLLM prefill + decode servers
+#      on the GPU (scripts/run_vllm_pd.sh, tiny generated model, TP 1), pull and push,
+#      different block sizes and so different layouts (kvbridge asks vLLM for BHLNC at
+#      block sizes 16-64 and LBHNC above; VLLM_KV_CACHE_LAYOUT forces one), greedy tokens
+#      and logprobs compared with a single server; "skipped: no CUDA vLLM" otherwise.
 #
 # Python: $PYTHON (default: .venv/bin/python if present, else python3), which must hold a
 # CUDA build of torch. Packages missing there (nixl, msgspec, pyzmq) are installed from the
@@ -15,6 +20,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything (about 5-8 minutes on an H100)
 #   QUICK=1 bash scripts/gpu_check.sh    # smaller benchmarks
+#   bash scripts/gpu_check.sh vllm       # step 4 only (prints the skip line without a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +31,13 @@ OUT="${OUT:-gpu_check_out}"
 WHEELS="${WHEELS:-.whl}"
 mkdir -p "$OUT"
 
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+ONLY="${1:-}"
+if [ -n "$ONLY" ] && [ "$ONLY" != vllm ]; then
+    echo "gpu_check: unknown argument $ONLY (the only one is: vllm)" >&2
+    exit 2
+fi
+
+if [ -z "$ONLY" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: $PYTHON sees no CUDA device (torch.cuda.is_available() is False)" >&2
     exit 2
 fi
@@ -52,17 +64,21 @@ done
 export PYTHONPATH=".:$ROOT_LINKS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
+if [ -z "$ONLY" ]; then
 "$PYTHON" - <<'EOF' | tee "$OUT/device.txt"
 import nixl, torch
 p = torch.cuda.get_device_properties(0)
 print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}, nixl {getattr(nixl, '__version__', '?')}")
 EOF
+fi
 
 failed=()
+ran=0
 step() {
     local name="$1"
     shift
+    ran=$((ran + 1))
     echo "== $name: $*"
     if "$@" 2>&1 | tee "$OUT/$name.log"; then
         echo "== $name: ok"
@@ -72,6 +88,7 @@ step() {
     fi
 }
 
+if [ -z "$ONLY" ]; then
 step tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
 if [ -n "${QUICK:-}" ]; then
     step layouts "$PYTHON" scripts/bench_layouts.py --device cuda --quick
@@ -81,9 +98,53 @@ else
     step layouts "$PYTHON" scripts/bench_layouts.py --device cuda
     step transfer "$PYTHON" scripts/bench_transfer.py --device cuda --host-staging compare
 fi
+fi
+
+# 4. vLLM on the GPU. run_vllm_pd.sh runs `.venv/bin/python -m kvbridge.examples.vllm.run_pd`;
+# with another $PYTHON the step runs that module with it. Three servers share the GPU.
+if "$PYTHON" - >"$OUT/vllm-probe.txt" 2>&1 <<'EOF'
+import sys
+
+import torch
+
+try:
+    from vllm.platforms import current_platform
+except Exception as exc:  # no vLLM, or a build that does not import here
+    print(f"import vllm failed: {type(exc).__name__}: {exc}")
+    sys.exit(1)
+print(f"vLLM platform {type(current_platform).__name__}, cuda {torch.cuda.is_available()}")
+sys.exit(0 if current_platform.is_cuda() and torch.cuda.is_available() else 1)
+EOF
+then
+    if [ "$PYTHON" = .venv/bin/python ]; then PD=(bash scripts/run_vllm_pd.sh); else
+        PD=("$PYTHON" -m kvbridge.examples.vllm.run_pd); fi
+    export KVBRIDGE_VLLM_SERVER_ARGS="${KVBRIDGE_VLLM_SERVER_ARGS:---gpu-memory-utilization 0.25}"
+    # name, mode, prefill block, decode block, VLLM_KV_CACHE_LAYOUT ("-": kvbridge asks vLLM)
+    CASES=(
+        "pull-b32-b32 pull 32 32 -"
+        "pull-b128-b32 pull 128 32 -"
+        "push-b64-b128 push 64 128 -"
+        "push-b32-b64-LBNHC push 32 64 LBNHC"
+        "pull-b64-b32-BLHNC pull 64 32 BLHNC"
+    )
+    if [ -n "${QUICK:-}" ]; then CASES=("${CASES[1]}" "${CASES[2]}"); fi
+    for case in "${CASES[@]}"; do
+        read -r name mode pbs dbs layout <<<"$case"
+        envs=(PREFILL_BLOCK_SIZE="$pbs" DECODE_BLOCK_SIZE="$dbs" LOG_DIR="$OUT/vllm-pd-$name"
+            KVBRIDGE_EXTRA="{\"transfer_mode\": \"$mode\"}")
+        if [ "$layout" != - ]; then envs+=(VLLM_KV_CACHE_LAYOUT="$layout"); fi
+        step "vllm-pd-$name" env "${envs[@]}" "${PD[@]}"
+    done
+else
+    echo "== vllm-pd: skipped: no CUDA vLLM ($(tail -n 1 "$OUT/vllm-probe.txt"))"
+fi
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}"
     exit 1
 fi
-echo "gpu_check: all steps passed (logs in $OUT/)"
+if [ "$ran" -eq 0 ]; then
+    echo "gpu_check: no step ran"
+    exit 0
+fi
+echo "gpu_check: all $ran steps passed (logs in $OUT/)"

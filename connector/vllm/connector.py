@@ -175,6 +175,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 
+    # -- engine configuration ---------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        from vllm.platforms import current_platform
+
+        return translate.preferred_layout(vllm_config, is_cpu=current_platform.is_cpu())
+
     # -- stats ------------------------------------------------------------------------------
 
     @classmethod

@@ -27,6 +27,18 @@ _VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
     "LBNHC": (KVLayout.NHD, False),
     "BLHNC": (KVLayout.HND, True),
     "BLNHC": (KVLayout.NHD, True),
+    # head-outer cross-layer: per block, each head holds every layer (HeadOrder.IN_CHUNK)
+    "BHLNC": (KVLayout.HND, True),
+}
+
+# Layouts kvbridge cannot move, with what to change. LHBNC (per layer, heads outermost,
+# then blocks) keeps each (layer, head, block) apart: 2 * L * H descriptors per block.
+_REFUSED_LAYOUTS: dict[str, str] = {
+    "LHBNC": (
+        "per layer it keeps each head's blocks apart ([L, H, B, N, C]), which kvbridge "
+        "does not move; every backend that offers LHBNC (ROCm) also offers LBHNC: set "
+        "VLLM_KV_CACHE_LAYOUT=LBHNC (kvbridge asks vLLM for it unless that variable is set)"
+    ),
 }
 
 # Keys vLLM itself adds to kv_transfer_params on the way out (its scheduler reports the
@@ -38,6 +50,9 @@ _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
 # (a claim's Prepare, Done). Inside vLLM these replace ExtraConfig's defaults; a value the
 # user sets in "extra" wins.
 VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
+
+# vLLM KVQuantMode names whose pages hold only the KV elements (no scales inside)
+_PLAIN_QUANT_MODES = frozenset({"NONE", "FP8_PER_TENSOR"})
 
 NULL_BLOCK_ID = 0  # vLLM's block pool hands block 0 out as the "null" placeholder
 
@@ -88,13 +103,17 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
             f"{kind} is not supported yet"
         )
     head_size_v = getattr(vspec, "head_size_v", None)
-    if head_size_v not in (None, vspec.head_size):
+    # MLA keeps one latent per token: vLLM 0.32 says so with head_size_v=0
+    no_v = kind == "MLAAttentionSpec" and head_size_v == 0
+    if head_size_v not in (None, vspec.head_size) and not no_v:
         raise ConfigError(f"{where}: head_size_v={head_size_v} != head_size={vspec.head_size}")
     for name in ("page_size_padded", "num_head_slots", "state_content_bytes"):
         if getattr(vspec, name, None) is not None:
             raise ConfigError(f"{where}: {name}={getattr(vspec, name)} is not supported")
     quant = getattr(vspec, "kv_quant_mode", None)
-    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+    # fp8 with per-tensor scales: the page holds plain one-byte elements (the scales are
+    # the layer's, equal on both sides); per-token/head scales live in the page: refused
+    if quant is not None and getattr(quant, "name", "NONE") not in _PLAIN_QUANT_MODES:
         raise ConfigError(f"{where}: quantised KV caches ({quant}) are not supported")
     common = {"block_size": vspec.block_size, "head_size": vspec.head_size, "dtype": vspec.dtype}
     if kind == "FullAttentionSpec":
@@ -131,12 +150,45 @@ def kv_layout(vllm_kv_cache_config: Any) -> tuple[KVLayout | None, bool | None]:
     if name is None:
         return None, None
     name = getattr(name, "name", name)
+    if name in _REFUSED_LAYOUTS:
+        raise ConfigError(
+            f"vLLM KV-cache layout {name!r} is not supported: {_REFUSED_LAYOUTS[name]}"
+        )
     if name not in _VLLM_LAYOUTS:
         raise ConfigError(
             f"vLLM KV-cache layout {name!r} is not supported; kvbridge reads "
             f"{sorted(_VLLM_LAYOUTS)}"
         )
     return _VLLM_LAYOUTS[name]
+
+
+# Block sizes every GPU attention backend takes as a kernel block: a block-outer layout
+# runs the kernels on whole manager blocks (vLLM does not split them).
+_BLOCK_OUTER_SIZES = frozenset({16, 32, 64})
+
+
+def preferred_layout(vllm_config: Any, *, is_cpu: bool) -> str | None:
+    """The ``KVCacheLayout`` kvbridge asks vLLM for (``get_required_kvcache_layout``).
+
+    ``BHLNC`` where it can: a block of every layer is one run, and each head of it too,
+    so one descriptor moves a block between ranks of any TP sizes and neither side
+    rewrites (vLLM's prefill may not: its prefix cache reads the blocks). Otherwise
+    ``LBHNC``, head-major per layer: hybrid models (vLLM overlays the groups of a
+    block-outer block, which kvbridge does not move), block sizes some backend may not
+    run as one kernel block, and vLLM's CPU attention (LBHNC only). MLA: None (one
+    latent head; vLLM's default layout moves whole pages). vLLM uses the answer when
+    every backend supports it, and ``VLLM_KV_CACHE_LAYOUT`` overrides it.
+    """
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return None
+    if getattr(model, "use_mla", False):
+        return None
+    hybrid = getattr(model, "is_hybrid", False) or model.get_sliding_window() is not None
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if is_cpu or hybrid or block_size not in _BLOCK_OUTER_SIZES:
+        return "LBHNC"
+    return "BHLNC"
 
 
 def parse_params(raw: object) -> KVTransferParams | None:

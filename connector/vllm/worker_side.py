@@ -45,12 +45,17 @@ class VLLMWorkerSide:
         layout_hint: KVLayout | None,
         rank: int,
         tp_size: int,
+        cpu_attention: bool | None = None,
     ) -> None:
         """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
         ephemeral port, reported by :meth:`handshake_metadata`) and its
-        caches hold its share of the model's ``total_kv_heads`` KV heads."""
+        caches hold its share of the model's ``total_kv_heads`` KV heads.
+        ``cpu_attention``: whether vLLM's CPU attention (engine-packed pages) wrote the
+        caches; None asks vLLM's platform (its CPU build runs CPU attention). False reads
+        CPU-memory caches as a GPU backend's views describe them (the GPU tier on CPU)."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
+        self._cpu_attention = cpu_attention
         self._engine_nice = config.extra.engine_thread_nice
         spec = kv_config.groups[0].spec
         assert isinstance(spec, AttentionSpec)
@@ -76,7 +81,7 @@ class VLLMWorkerSide:
         # Layers that share another layer's cache (no spec of their own) are not in the
         # groups and are not transferred separately.
         tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
-        packing = block_packing(self.kv_config, tensors)
+        packing = block_packing(self.kv_config, tensors, cpu_attention=self._cpu_attention)
         buffers = adopt_kv_caches(
             self.kv_config,
             tensors,
@@ -167,7 +172,12 @@ def heads_major(kv_config: KVCacheConfig) -> bool:
     return True
 
 
-def block_packing(kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> str:
+def block_packing(
+    kv_config: KVCacheConfig,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    cpu_attention: bool | None = None,
+) -> str:
     """vLLM's id for the element order inside its CPU attention blocks ("" elsewhere).
 
     vLLM's CPU attention shows a ``[blocks, H, block_size, 2 * head_size]`` tensor but its
@@ -176,9 +186,11 @@ def block_packing(kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor])
     chosen per instruction set. Such blocks are byte-identical only to blocks of the same
     size and instruction set, which the id names.
     """
-    from vllm.platforms import current_platform
+    if cpu_attention is None:
+        from vllm.platforms import current_platform
 
-    if not any(t.device.type == "cpu" for t in tensors.values()) or not current_platform.is_cpu():
+        cpu_attention = current_platform.is_cpu()
+    if not any(t.device.type == "cpu" for t in tensors.values()) or not cpu_attention:
         return ""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

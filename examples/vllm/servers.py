@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -225,6 +226,9 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
             details["kv_transfer_config"] = kv.config
             details["kv_env"] = kv.env
         argv += list(spec.extra_args)
+        # arguments for every server of a run, e.g. "--gpu-memory-utilization 0.25" when
+        # three servers share one GPU (scripts/gpu_check.sh)
+        argv += shlex.split(os.environ.get("KVBRIDGE_VLLM_SERVER_ARGS", ""))
         env.update(spec.env)
         return Launch(argv=argv, env=env, port=port, details=details)
 

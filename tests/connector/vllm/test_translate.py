@@ -125,9 +125,11 @@ def test_unsupported_group_kind_and_layout_are_named():
     )
     with pytest.raises(ConfigError, match="MambaSpec is not supported yet"):
         translate.kv_cache_config(vcfg)
-    vcfg.kv_cache_layout = "BHLNC"
-    with pytest.raises(ConfigError, match="'BHLNC' is not supported"):
+    vcfg.kv_cache_layout = "LHBNC"
+    with pytest.raises(ConfigError, match=r"'LHBNC' is not supported.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
         translate.kv_layout(vcfg)
+    vcfg.kv_cache_layout = "BHLNC"  # head-outer cross-layer: supported
+    assert translate.kv_layout(vcfg) == (KVLayout.HND, True)
 
 
 def test_params_drop_vllm_proxy_placeholders_and_name_bad_fields():
