@@ -1,7 +1,8 @@
 """Ready files: a server binds port 0 and says which port it got.
 
 Nothing picks a "free" port for a server to bind later (another process may take it in
-between): the worker server and the proxy bind ``--port 0`` and, once bound, write
+between): the worker server binds ``--port 0`` (the vllm-router launcher holds an ephemeral
+port until the router bound it) and, once bound, writes
 ``--ready-file`` (JSON, written to a temporary name and renamed, so a reader never sees
 half of it)::
 

@@ -17,7 +17,9 @@ ready file (``examples/ready.py``) and waits for the router, passing SIGTERM/SIG
     python -m kvbridge.examples.router --prefill http://10.0.0.1:8100 \\
         --decode http://10.0.0.2:8200 --ready-file router.ready.json
 
-``--port N`` binds a fixed port instead (a deployment's front door).
+``--port N`` binds a fixed port instead (a deployment's front door); it is held the same
+way until the router binds it, and a port another process listens on is refused at once,
+naming the holder (the router itself would bind only after every worker answers).
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ import time
 from pathlib import Path
 
 from kvbridge.examples.ready import write_ready_file
+from kvbridge.handshake.port_holder import bind_error_text
 
 POLICIES = ("round_robin", "power_of_two", "cache_aware", "random")
 
 
 class RouterNotInstalled(RuntimeError):
     pass
+
+
+class RouterPortTaken(RuntimeError):
+    """The router's port cannot be bound; the message names the address and its holder."""
 
 
 def router_binary() -> str:
@@ -51,11 +58,17 @@ def router_binary() -> str:
     return found
 
 
-def reserve_port(host: str) -> socket.socket:
-    """A socket bound (SO_REUSEADDR, not listening) to an ephemeral port of ``host``."""
+def reserve_port(host: str, port: int = 0) -> socket.socket:
+    """A socket bound (SO_REUSEADDR, not listening) to ``port`` of ``host`` (0: an
+    ephemeral one). Raises RouterPortTaken, naming the holder, when that fails (a port
+    another process listens on cannot be bound even with SO_REUSEADDR)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RouterPortTaken(bind_error_text("vllm-router", host, port, exc)) from exc
     return sock
 
 
@@ -111,13 +124,15 @@ def start_router(
     **kwargs: object,
 ) -> tuple[subprocess.Popen, int, int]:
     """Start vllm-router (port 0: an ephemeral one, held until the router binds it); the
-    process, its HTTP port and its Prometheus port once it answers. Raises RuntimeError
+    process, its HTTP port and its Prometheus port once it answers. Raises RouterPortTaken
+    (naming the holder) when ``port`` is taken, RuntimeError
     (and kills the router) when it exits or does not listen within ``startup_timeout_s``
     (the router binds only once every worker answers ``/health``)."""
-    held = [reserve_port(host) for _ in range(2 if port == 0 else 1)]
+    held = [reserve_port(host, port)]
     try:
-        port = port or held[0].getsockname()[1]
-        metrics_port = held[-1].getsockname()[1]
+        held.append(reserve_port(host))
+        port = held[0].getsockname()[1]
+        metrics_port = held[1].getsockname()[1]
         argv = router_argv(
             prefill, decode, host=host, port=port, metrics_port=metrics_port, **kwargs
         )  # type: ignore[arg-type]

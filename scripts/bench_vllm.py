@@ -1,4 +1,4 @@
-"""kvbridge vs vLLM's NixlConnector on the same vLLM servers: TTFT through the proxy.
+"""kvbridge vs vLLM's NixlConnector on the same vLLM servers: TTFT through the router.
 
 ::
 
@@ -6,8 +6,8 @@
     .venv/bin/python scripts/bench_vllm.py --lengths 256 1024 --concurrency 1 4
 
 For each connector (kvbridge, then nixl) one prefill server, one decode server and the
-proxy run side by side (same model, same block sizes, same machine). At every point
-(prompt length x concurrency) the client sends streaming requests through the proxy and
+router run side by side (same model, same block sizes, same machine). At every point
+(prompt length x concurrency) the client sends streaming requests through the router and
 takes the time to the first streamed token (TTFT: prefill + handover + KV load + first
 decode step). Decode's Prometheus metrics give the KV load time, bytes and descriptors
 per request. Then every configuration in ``--refused`` (prefill -> decode block sizes) is
@@ -15,7 +15,7 @@ tried once per connector and reported as served or refused.
 
 Before the grid, nothing warms the servers: the first request after all of them report
 healthy is the cold-start row, sent to a plain reference server (no connector, started
-with the pair) and then through the proxy, side by side (docs/handover.md).
+with the pair) and then through the router, side by side (docs/handover.md).
 
 Prints one table row per point with the kvbridge / NixlConnector TTFT ratio (< 1: kvbridge
 is faster) and the loads decode recomputed (kvbridge: ``loads_recomputed``; NixlConnector:
@@ -131,7 +131,7 @@ def run_point(
                     return
                 prompt = queue.pop()
             try:
-                t = ttft(pd.proxy_url, pd.model_name, prompt, timeout_s)
+                t = ttft(pd.router_url, pd.model_name, prompt, timeout_s)
                 with lock:
                     results.append(t)
             except (RequestError, OSError) as exc:
@@ -168,7 +168,7 @@ class ColdStart:
 
     connector: str
     reference_s: float  # a plain vLLM server's first request (TTFT)
-    pd_s: float  # the first request through the proxy (TTFT)
+    pd_s: float  # the first request through the router (TTFT)
     recomputed: float
 
 
@@ -179,7 +179,7 @@ def cold_start(pd: PDServers, length: int, timeout_s: float) -> ColdStart:
     prompts = [make_prompts(1, 2 * length, seed=7_000 + i)[0][:length] for i in range(2)]
     before = scrape(pd.decode_url)
     ref_s = ttft(pd.reference_url, pd.model_name, prompts[0], timeout_s)
-    pd_s = ttft(pd.proxy_url, pd.model_name, prompts[1], timeout_s)
+    pd_s = ttft(pd.router_url, pd.model_name, prompts[1], timeout_s)
     time.sleep(1.0)  # decode's stats reach its API server a moment after the request
     after = scrape(pd.decode_url)
     name = LOAD_METRICS[pd.connector][4]
@@ -187,7 +187,7 @@ def cold_start(pd: PDServers, length: int, timeout_s: float) -> ColdStart:
 
 
 def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
-    """Serve one prompt through the proxy and compare it with a single server."""
+    """Serve one prompt through the router and compare it with a single server."""
     with start_pd(
         connector=connector,
         prefill_block_size=prefill_bs,
@@ -205,7 +205,7 @@ def try_config(connector: str, prefill_bs: int, decode_bs: int, args) -> str:
         before = scrape(pd.decode_url)
         try:
             got = complete(
-                pd.proxy_url, pd.model_name, prompt, max_tokens=8, timeout_s=args.timeout
+                pd.router_url, pd.model_name, prompt, max_tokens=8, timeout_s=args.timeout
             )
         except RequestError as exc:
             return f"request failed (HTTP {exc.status}: {exc.reason[:80]})"
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             cold = cold_start(pd, args.lengths[0], args.timeout)
             colds.append(cold)
             print(
-                f"  cold start: first TTFT {cold.pd_s * 1e3:.0f} ms through the proxy, "
+                f"  cold start: first TTFT {cold.pd_s * 1e3:.0f} ms through the router, "
                 f"{cold.reference_s * 1e3:.0f} ms on a cold single server, "
                 f"recomputed {cold.recomputed:.0f}",
                 flush=True,

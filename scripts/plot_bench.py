@@ -117,7 +117,7 @@ def plot_vllm(doc: Doc, out: Path) -> Path:
         [f"{n} tokens\n{c} client{'s' if c > 1 else ''}" for n, c in points],
     )
     ax.set_yscale("log")
-    ax.set_ylabel("TTFT through the proxy (ms, log)")
+    ax.set_ylabel("TTFT through the router (ms, log)")
     cfg = doc["config"]
     ax.set_title(
         f"vLLM CPU, prefill block {cfg['prefill_block']} -> decode {cfg['decode_block']}, "

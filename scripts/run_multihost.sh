@@ -2,10 +2,11 @@
 # The integration run (scripts/run_integration.sh: same environment variables, same
 # exactness check) with prefill and decode on two "hosts": two network namespaces joined
 # by a veth pair, so the KV bytes cross a real network link (UCX over TCP, not shared
-# memory). The front door (the proxy) and the check run beside decode.
+# memory). The front door (vllm-router, examples/router.py) and the check run beside decode;
+# the router reaches prefill, and health-checks it, at prefill's link address.
 #
 #   ns kvb-<pid>-p                       ns kvb-<pid>-d
-#   prefill  10.231.0.1  <== veth ==>  10.231.0.2  decode, proxy (127.0.0.1), check
+#   prefill  10.231.0.1  <== veth ==>  10.231.0.2  decode, router (127.0.0.1), check
 #
 # Environment, besides run_integration.sh's (MODEL, DEVICE, *_BLOCK_SIZE, *_KV_LAYOUT,
 # CROSS_LAYERS, NUM_BLOCKS, NUM_PROMPTS, MAX_TOKENS, ATOL, TRANSFER_MODE, FAULT_INJECT,
@@ -156,17 +157,18 @@ PIDS+=($!)
 P_URL=$(ready "$LOG_DIR/prefill.ready.json" "${PIDS[0]}")
 D_URL=$(ready "$LOG_DIR/decode.ready.json" "${PIDS[1]}")
 
-# The front door, beside decode. One function, so the router that replaces the example
-# proxy (vllm-router) is one edit here.
+# The front door, beside decode: vllm-router in P/D mode (it binds only once both workers
+# answer /health; its launcher holds the ports it hands the router until then)
 front_door() {  # front_door PREFILL_URL DECODE_URL READY_FILE LOG
-    in_d "$PY" -m kvbridge.examples.proxy --host 127.0.0.1 --port 0 \
-        --prefill "$1" --decode "$2" --ready-file "$3" >"$4" 2>&1
+    in_d "$PY" -m kvbridge.examples.router --host 127.0.0.1 --port 0 \
+        --prefill "$1" --decode "$2" --startup-timeout "$STARTUP_TIMEOUT" \
+        --ready-file "$3" >"$4" 2>&1
 }
-front_door "$P_URL" "$D_URL" "$LOG_DIR/proxy.ready.json" "$LOG_DIR/proxy.log" &
+front_door "$P_URL" "$D_URL" "$LOG_DIR/router.ready.json" "$LOG_DIR/router.log" &
 PIDS+=($!)
-X_URL=$(ready "$LOG_DIR/proxy.ready.json" "${PIDS[2]}")
+X_URL=$(ready "$LOG_DIR/router.ready.json" "${PIDS[2]}")
 
-echo "two hosts (netns $NS_P: prefill $P_IP | netns $NS_D: decode $D_IP, proxy)" \
+echo "two hosts (netns $NS_P: prefill $P_IP | netns $NS_D: decode $D_IP, router)" \
     "link ${RATE:-unlimited}, UCX_TLS=$UCX_TLS"
 echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
     "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
@@ -187,7 +189,7 @@ step in_d "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
 P_TX0=$(link_bytes "$NS_P" "$VETH_P")
-step in_d "$PY" -m kvbridge.examples.check run --proxy "$X_URL" \
+step in_d "$PY" -m kvbridge.examples.check run --router "$X_URL" \
     --decode "$D_URL" --prefill "$P_URL" --model "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \
     "${SHOW[@]}" | tee "$LOG_DIR/check.out"
@@ -199,7 +201,7 @@ KV_BYTES=$(sed -n 's/^SUMMARY .* bytes=\([0-9]*\) .*/\1/p' "$LOG_DIR/check.out")
 if [ "$TRANSFER_MODE" = push ]; then
     KV_BYTES=$(in_d "$PY" -c 'import sys
 from kvbridge.examples.check import http_get, parse_metrics
-print(int(parse_metrics(http_get(sys.argv[1] + "/metrics")[1].decode())["kvbridge_bytes_written"]))' "$P_URL")
+print(int(parse_metrics(http_get(sys.argv[1] + "/metrics")[1].decode())["kvbridge_bytes_written_total"]))' "$P_URL")
 fi
 echo "link: prefill's end sent $P_TX bytes; the connector moved ${KV_BYTES:-?} KV bytes"
 if [ -z "$KV_BYTES" ] || [ "$KV_BYTES" = 0 ] || [ "$P_TX" -lt "$KV_BYTES" ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real vLLM prefill + decode servers behind the kvbridge proxy, compared with a single
+# Real vLLM prefill + decode servers behind vllm-router (the `router` extra), compared with a single
 # vLLM server (greedy token ids and logprobs). Configure with environment variables:
 #   CONNECTOR=kvbridge|nixl  MODEL=tiny-llama|tiny-gemma3
 #   PREFILL_BLOCK_SIZE=32 DECODE_BLOCK_SIZE=32  NUM_PROMPTS=4 MAX_TOKENS=16 PROMPT_TOKENS=100

@@ -63,7 +63,7 @@ def complete(
     timeout_s: float,
     extra: dict | None = None,
 ) -> Completion:
-    """One greedy completion from the server (or proxy) at ``url``."""
+    """One greedy completion from the server (or router) at ``url``."""
     body = {
         "model": model,
         "prompt": prompt,

@@ -11,12 +11,14 @@ vLLM exports a connector's stats through the connector's own Prometheus metrics:
 
 and, for every connector, ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``
 (prompt tokens the engine took from the connector instead of computing them).
+The text is parsed with ``prometheus_client.parser``.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.examples.vllm.procs import http_get
 
@@ -40,31 +42,20 @@ FAILURES: dict[str, tuple[str, ...]] = {
 EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
 KVBRIDGE = "vllm:kvbridge_"  # prefix of kvbridge's samples
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_SOURCE = re.compile(r'source="([^"]*)"')
+SOURCES = "vllm:prompt_tokens_by_source_total"  # also kept per ``source`` label
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name -> value summed over label sets; ``prompt_tokens_by_source_total`` is
-    also kept per source (``name{source="..."}``)."""
+    """Sample name -> value summed over label sets (``prometheus_client.parser``);
+    ``prompt_tokens_by_source_total`` is also kept per source (``name{source="..."}``)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, raw = match.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        out[name] = out.get(name, 0.0) + value
-        if labels and name == "vllm:prompt_tokens_by_source_total":
-            source = _SOURCE.search(labels)
-            if source:
-                key = f'{name}{{source="{source.group(1)}"}}'
-                out[key] = out.get(key, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            source = sample.labels.get("source")
+            if sample.name == SOURCES and source is not None:
+                key = f'{sample.name}{{source="{source}"}}'
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

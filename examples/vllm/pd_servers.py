@@ -1,5 +1,5 @@
 """The servers of a P/D run: a prefill and a decode vLLM server (kvbridge or vLLM's
-NixlConnector), the proxy in front of them, and a single reference server.
+NixlConnector), vllm-router in front of them, and a single reference server.
 
 :func:`start_pd` starts them on free loopback ports and waits until each answers;
 ``kvbridge.examples.vllm.run_pd`` (``scripts/run_vllm_pd.sh``), the vLLM tests and
@@ -18,7 +18,7 @@ from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import (
     CONNECTORS,
     ServerSpec,
-    proxy_service,
+    router_service,
     vllm_service,
     with_engine_nice,
 )
@@ -26,13 +26,13 @@ from kvbridge.examples.vllm.servers import (
 
 @dataclass
 class PDServers:
-    """A running reference server (optional), prefill, decode and proxy."""
+    """A running reference server (optional), prefill, decode and vllm-router."""
 
     model_name: str
     connector: str
     prefill: Service
     decode: Service
-    proxy: Service | None
+    router: Service | None
     reference: Service | None
     log_dir: Path
     start_s: float = 0.0  # wall time until everything was healthy
@@ -40,12 +40,12 @@ class PDServers:
 
     @property
     def services(self) -> list[Service]:
-        return [s for s in (self.proxy, self.prefill, self.decode, self.reference) if s]
+        return [s for s in (self.router, self.prefill, self.decode, self.reference) if s]
 
     @property
-    def proxy_url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
+    def router_url(self) -> str:
+        assert self.router is not None
+        return self.router.url
 
     @property
     def prefill_url(self) -> str:
@@ -90,14 +90,15 @@ def start_pd(
     max_model_len: int = MAX_POSITIONS,
     enforce_eager: bool = False,
     start_timeout_s: float = 600.0,
-    proxy_timeout_s: float = 120.0,
+    router_timeout_s: float = 120.0,
     log_dir: Path | None = None,
     model_root: Path | None = None,
     extra_args: tuple[str, ...] = (),
     progress: bool = True,
     failure_policy: str = "recompute",
 ) -> PDServers:
-    """Start prefill, decode (and a reference server) together, then the proxy.
+    """Start prefill, decode (and a reference server) together, then vllm-router in
+    front of them (the ``router`` extra).
 
     The reference server has no connector and decode's block size. ``failure_policy`` is
     vLLM's ``kv_load_failure_policy`` on prefill and decode (vLLM's default is "fail").
@@ -150,7 +151,7 @@ def start_pd(
         specs.append(ServerSpec("reference", block_size=decode_block_size, **common))
     services = [vllm_service(spec, log_dir, slot=i) for i, spec in enumerate(specs)]
     by_name = {s.name: s for s in services}
-    proxy: Service | None = None
+    router: Service | None = None
     t0 = time.monotonic()
 
     def report(svc: Service) -> None:
@@ -161,20 +162,20 @@ def start_pd(
         if progress:
             print(f"starting {', '.join(by_name)} (logs in {log_dir})", flush=True)
         start_all(services, start_timeout_s, on_ready=report)
-        proxy = proxy_service(
-            [by_name["prefill"].url], [by_name["decode"].url], log_dir, timeout_s=proxy_timeout_s
+        router = router_service(
+            [by_name["prefill"].url], [by_name["decode"].url], log_dir, timeout_s=router_timeout_s
         )
-        start_all([proxy], 30.0, on_ready=report)
+        start_all([router], 60.0, on_ready=report)
     except BaseException:
         # engines still starting up may take a while to honour SIGTERM: short grace
-        stop_all([*services, *([proxy] if proxy else [])], timeout_s=5.0)
+        stop_all([*services, *([router] if router else [])], timeout_s=5.0)
         raise
     pd = PDServers(
         model_name=model,
         connector=connector,
         prefill=by_name["prefill"],
         decode=by_name["decode"],
-        proxy=proxy,
+        router=router,
         reference=by_name.get("reference"),
         log_dir=log_dir,
     )

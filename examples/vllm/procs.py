@@ -1,7 +1,7 @@
 """HTTP services as subprocesses: loopback ports, health wait, whole-group teardown.
 
-Ports: a service that can bind port 0 and say which port it got does so (kvbridge's
-proxy: ``--port 0 --ready-file``, read back here; kvbridge's side channels: ``kv_port``
+Ports: a service that can bind port 0 and say which port it got does so (the vllm-router
+launcher: ``--port 0 --ready-file``, read back here; kvbridge's side channels: ``kv_port``
 0). :func:`free_port` is the one place left that probes for a port another process binds
 later, for what cannot report an ephemeral port: vLLM's HTTP server (``--port``) and vLLM's
 own NixlConnector side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT``, ranks at base + rank).

@@ -1,4 +1,4 @@
-"""Prefill + decode vLLM servers behind the proxy, checked against a single vLLM server.
+"""Prefill + decode vLLM servers behind vllm-router, checked against a single vLLM server.
 
 ::
 
@@ -172,7 +172,7 @@ class PromptOutcome:
 
 
 def run_prompts(pd: PDServers, cfg: RunConfig, prompts: list[list[int]]) -> list[PromptOutcome]:
-    """Reference first, then through the proxy; stops sending once a server died."""
+    """Reference first, then through the router; stops sending once a server died."""
     assert pd.reference is not None
     outcomes = [PromptOutcome(i, len(p)) for i, p in enumerate(prompts)]
     refs: list[Completion | None] = []
@@ -199,14 +199,14 @@ def run_prompts(pd: PDServers, cfg: RunConfig, prompts: list[list[int]]) -> list
             continue
         try:
             got = complete(
-                pd.proxy_url,
+                pd.router_url,
                 pd.model_name,
                 prompt,
                 max_tokens=cfg.max_tokens,
                 timeout_s=cfg.request_timeout_s,
             )
         except RequestError as exc:
-            outcome.error = f"P/D via proxy: {exc}"
+            outcome.error = f"P/D via vllm-router: {exc}"
             continue
         outcome.pd_s = got.seconds
         outcome.comparison = compare(ref, got)
@@ -278,7 +278,7 @@ def run(cfg: RunConfig) -> int:
                 failure_policy=cfg.failure_policy,
                 enforce_eager=cfg.enforce_eager,
                 start_timeout_s=cfg.start_timeout_s,
-                proxy_timeout_s=cfg.request_timeout_s,
+                router_timeout_s=cfg.request_timeout_s,
                 log_dir=cfg.log_dir,
             )
         except ServiceError as exc:

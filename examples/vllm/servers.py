@@ -1,4 +1,4 @@
-"""Launch vLLM OpenAI API servers (and the kvbridge proxy) as managed subprocesses.
+"""Launch vLLM OpenAI API servers (and vllm-router in front) as managed subprocesses.
 
 ::
 
@@ -239,37 +239,32 @@ def vllm_service(spec: ServerSpec, log_dir: Path, slot: int = 0) -> Service:
     return Service(spec.name, vllm_plan(spec, slot), log_dir)
 
 
-def proxy_service(
+def router_service(
     prefill_urls: list[str],
     decode_urls: list[str],
     log_dir: Path,
     *,
-    name: str = "proxy",
+    name: str = "router",
     timeout_s: float = 120.0,
+    policy: str = "round_robin",
 ) -> Service:
-    """``python -m kvbridge.examples.proxy`` in front of the given prefill and decode servers."""
+    """vllm-router in P/D mode (``python -m kvbridge.examples.router``, the ``router``
+    extra) in front of the given prefill and decode servers; ``timeout_s`` bounds both its
+    start (it listens once every worker answers ``/health``) and each request."""
 
     ready_file = Path(log_dir) / f"{name}.ready.json"
 
     def plan() -> Launch:
         ready_file.unlink(missing_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "kvbridge.examples.proxy",
-            "--host",
-            HOST,
-            "--port",
-            "0",  # the bound port comes back in the ready file
-            "--ready-file",
-            str(ready_file),
-            "--prefill",
-            ",".join(prefill_urls),
-            "--decode",
-            ",".join(decode_urls),
-            "--timeout",
-            str(timeout_s),
-        ]
+        argv = [sys.executable, "-m", "kvbridge.examples.router", "--host", HOST]
+        argv += ["--port", "0"]  # the held ephemeral port comes back in the ready file
+        argv += ["--ready-file", str(ready_file), "--policy", policy]
+        argv += ["--startup-timeout", str(timeout_s)]
+        for url in prefill_urls:
+            argv += ["--prefill", url]
+        for url in decode_urls:
+            argv += ["--decode", url]
+        argv += ["--", "--request-timeout-secs", str(max(1, round(timeout_s)))]
         env = {"PYTHONUNBUFFERED": "1"}
         return Launch(argv=argv, env=env, port=0, ready_file=ready_file)
 

@@ -1,5 +1,6 @@
-"""The example HTTP server (role "both", in process) and the proxy's error paths: bad
-input gets a 4xx JSON reason, never a crash, and the server keeps serving."""
+"""The example HTTP server (role "both", in process): bad input gets a 4xx JSON reason,
+never a crash, and the server keeps serving. (The front door is vllm-router:
+tests/integration/test_router.py.)"""
 
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.connector.common.metrics import parse_metrics
-from kvbridge.examples import proxy as proxy_mod
 from kvbridge.examples.check import compare, complete, http_get, make_prompts
 from kvbridge.examples.engine_loop import EngineLoop
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.server import WorkerHTTPServer
 from kvbridge.examples.tokenizer import ByteTokenizer
 from kvbridge.examples.worker_setup import build, make_parser
-from tests.ports import dead_port
 
 MODEL = "tiny-hybrid-state"
 
@@ -154,42 +153,6 @@ def test_concurrent_requests_and_metrics(worker_url):
     assert families["kvbridge_requests_finished"].type == "counter"  # exposed with _total
     assert families["kvbridge_free_blocks"].type == "gauge"
     assert all(f.documentation for f in families.values()), "every metric has HELP text"
-
-
-@pytest.fixture
-def proxy_to(worker_url):
-    servers = []
-
-    def start(prefill: str, decode: str) -> str:
-        router = proxy_mod.Router(
-            [proxy_mod.Upstream.parse(prefill)], [proxy_mod.Upstream.parse(decode)], 10.0
-        )
-        server = proxy_mod.ProxyServer(("127.0.0.1", 0), router)
-        servers.append((server, _serve(server)))
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield start
-    for server, thread in servers:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
-def test_proxy_reports_dead_workers_and_bad_input(proxy_to, worker_url):
-    with dead_port() as port:
-        url = proxy_to(f"http://127.0.0.1:{port}", worker_url)
-        status, body = post(url, {"prompt": "hi"})
-    assert status == 503 and "unreachable" in body["error"]
-    assert post_raw(url, b"{nope")[0] == 400
-    status, body = post(url, {"prompt": "hi", "kv_transfer_params": {}})
-    assert status == 400 and "set by the proxy" in body["error"]
-    assert http_get(url + "/health")[0] == 200
-    # A worker's 4xx passes through: this one runs without a connector.
-    url = proxy_to(worker_url, worker_url)
-    status, body = post(url, {"prompt": "hi"})
-    assert status == 400 and "without a KV connector" in body["error"]
-    status, body = post(url, {"prompt": "hi", "temperature": 1})
-    assert status == 400 and "greedy" in body["error"]
 
 
 def test_compare_flags_token_and_logit_mismatches():

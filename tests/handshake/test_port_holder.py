@@ -1,6 +1,6 @@
 """A bind that fails names the address and the process holding it: the side-channel
-listener (and through it a worker's ``register_kv_caches``), and the example proxy's HTTP
-server. The holder is another OS process, so the pid named is not just our own."""
+listener (and through it a worker's ``register_kv_caches``), and the vllm-router launcher's
+fixed ``--port``. The holder is another OS process, so the pid named is not just our own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.examples import proxy
+from kvbridge.examples import router
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
 from kvbridge.handshake.port_holder import bind_error_text, port_holder
@@ -75,12 +75,14 @@ def test_worker_with_a_taken_kv_port_names_the_holder(held) -> None:
         worker.shutdown()
 
 
-def test_proxy_bind_error_names_the_holder(held, capsys) -> None:
+def test_router_bind_error_names_the_holder(held, capsys) -> None:
+    """Refused before vllm-router starts: the router binds only once every worker answers
+    ``/health``, and these workers never will."""
     port, pid = held
     argv = ["--port", str(port), "--prefill", "http://127.0.0.1:1", "--decode", "http://h:1"]
-    assert proxy.main(argv) == 2
+    assert router.main(argv) == 2
     err = capsys.readouterr().err
-    assert f"cannot bind the proxy to 127.0.0.1:{port}" in err and f"pid {pid} " in err, err
+    assert f"cannot bind vllm-router to 127.0.0.1:{port}" in err and f"pid {pid} " in err, err
 
 
 def test_no_holder_lookup_for_other_errors() -> None:

@@ -67,7 +67,7 @@ CPU_ROW = "hybrid-64-NHD-cross-to-16-HND"
 
 
 def run_pair(row: Row, device: str, logs: Path) -> None:
-    """Launch the pair on ``device``, send the prompts through the proxy (plain and
+    """Launch the pair on ``device``, send the prompts through the router (plain and
     streamed) and compare each answer with the reference on ``device``."""
     extra = {"extra": {"transfer_mode": row.transfer_mode}}
     cluster = Cluster(

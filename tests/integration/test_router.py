@@ -210,3 +210,26 @@ def test_the_launcher_says_why_the_router_did_not_start(tmp_path):
                 startup_timeout_s=3,
                 log=tmp_path / "router.log",
             )
+
+
+def test_a_fixed_port_is_held_until_the_router_binds_it(fleet):
+    """``--port N`` (a deployment's front door): the launcher holds N (bound, SO_REUSEADDR,
+    not listening) until the router listens on it. N comes from a socket held the same way
+    for the whole test, so nothing else can take it meanwhile (no probing)."""
+    from kvbridge.examples.router import reserve_port
+
+    held = reserve_port("127.0.0.1")
+    port = held.getsockname()[1]
+    router = None
+    try:
+        router, got, metrics_port = start_router(
+            [fleet["prefill0"].url], [fleet["decode0"].url], port=port, startup_timeout_s=60
+        )
+        assert got == port and metrics_port != port
+        status, raw = http_get(f"http://127.0.0.1:{port}/health")
+        assert status == 200, raw
+    finally:
+        held.close()
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=30)

@@ -8,7 +8,7 @@ One set of servers serves the whole module (starting vLLM costs a minute or more
                             push mode: prefill WRITEs into decode's blocks
     P128 P32                tiny-llama, block sizes 128 and 32, kv_both, policy fail, push
                             mode: prefill WRITEs whole pages into decode's staging slots
-    proxy                   kvbridge.examples.proxy, prefill L128a -> decode L128b
+    router                  vllm-router (kvbridge.examples.router), prefill L128a -> decode L128b
 
 vLLM's CPU attention keeps K transposed inside each block, so its blocks move whole:
 between equal block sizes straight into decode's blocks; into larger decode blocks side by
@@ -41,7 +41,7 @@ from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
-from kvbridge.examples.vllm.servers import ServerSpec, proxy_service, vllm_service
+from kvbridge.examples.vllm.servers import ServerSpec, router_service, vllm_service
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -74,7 +74,7 @@ class Cluster:
         return scrape(self.url(name))
 
     def run(self, name: str, prompt: list[int], **extra) -> Completion:
-        model = self.models["L" if name == "proxy" else name[0]]
+        model = self.models["L" if name == "router" else name[0]]
         with self.logs_on_error(name):
             return complete(
                 self.url(name),
@@ -166,9 +166,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     servers = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
     try:
         start_all(list(servers.values()), timeout_s=900)
-        proxy = proxy_service([servers["L128a"].url], [servers["L128b"].url], logs)
-        servers["proxy"] = proxy
-        start_all([proxy], timeout_s=60)
+        router = router_service([servers["L128a"].url], [servers["L128b"].url], logs)
+        servers["router"] = router
+        start_all([router], timeout_s=60)
         # no warm-up: the first request of each pair is its first handshake, as for a
         # user (tests/integration/test_vllm_cold_start.py times it; docs/handover.md)
         yield Cluster(servers, {"L": llama.name, "G": gemma.name, "P": llama.name})
@@ -330,10 +330,10 @@ def test_a_late_decode_claims_the_blocks_and_loads(cluster, prefill, decode):
     _assert_same(cluster.run(prefill, prompt), got)
 
 
-def test_through_the_proxy(cluster):
+def test_through_the_router(cluster):
     prompt = make_prompts(1, 400, seed=4242)[0]
     before = cluster.metrics("L128b")
-    got = cluster.run("proxy", prompt)
+    got = cluster.run("router", prompt)
     assert _delta(before, cluster.metrics("L128b"), "loads_loaded") == 1
     _assert_same(cluster.run("L32a", prompt), got)
 
@@ -367,7 +367,7 @@ def _held(cluster: Cluster, name: str) -> float:
 def test_client_disconnect_mid_stream_frees_prefill_blocks(cluster):
     prompt = make_prompts(1, 400, seed=5150)[0]
     before = cluster.metrics("L128a")
-    host, port = cluster.url("proxy").removeprefix("http://").split(":")
+    host, port = cluster.url("router").removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
     body = {
         "model": cluster.models["L"],

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass, field, fields
 
+from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples.check import complete
 from kvbridge.examples.launch import Cluster, Proc, worker_args
 from tests.multihost.netns import Link
 
-SIDE = {"prefill": "p", "decode": "d", "proxy": "d"}
+SIDE = {"prefill": "p", "decode": "d", "router": "d"}
 
 
 def front_door_argv(link: Link, prefill_url: str, decode_url: str) -> list[str]:
-    """The request router beside decode (the example proxy; vllm-router replaces it)."""
+    """vllm-router beside decode, on decode's loopback; it reaches prefill (and
+    health-checks it) at prefill's link address."""
     return link.argv(
         "d",
-        sys.executable, "-m", "kvbridge.examples.proxy", "--host", "127.0.0.1", "--port", "0",
-        "--prefill", prefill_url, "--decode", decode_url, "--timeout", "60",
+        sys.executable, "-m", "kvbridge.examples.router", "--host", "127.0.0.1", "--port", "0",
+        "--prefill", prefill_url, "--decode", decode_url, "--health-check-interval", "1",
     )  # fmt: skip
 
 
@@ -78,7 +82,7 @@ class HostCluster(Cluster):
         args = worker_args(role, kv, block_size, model=self.model, device=self.device)
         return self.link.argv(side, *server, *args, *extra)
 
-    def _proxy_argv(self) -> list[str]:
+    def _router_argv(self) -> list[str]:
         assert self.link is not None
         return front_door_argv(self.link, self.procs["prefill"].url, self.procs["decode"].url)
 
@@ -96,6 +100,26 @@ class HostCluster(Cluster):
         p.start()
         p.wait_healthy()
         assert (p.ready["port"], p.ready["kv_port"]) == (port, kv_port), p.ready
+        self.wait_routed(name)
+
+    def wait_routed(self, name: str, timeout_s: float = 30.0) -> None:
+        """Until the router counts worker ``name`` healthy again (its
+        ``vllm_router_worker_health`` gauge: it marks a worker down after failed health
+        checks and up after two that pass, at the one-second interval it was given)."""
+        assert self.link is not None
+        router = self.procs["router"]
+        url = f"http://127.0.0.1:{router.ready['metrics_port']}/metrics"
+        key = f'vllm_router_worker_health{{worker="{self.procs[name].url}"}}'
+        deadline = time.monotonic() + timeout_s
+        with self.link.inside("d"):
+            while True:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    health = parse_metrics(resp.read().decode()).get(key)
+                if health == 1:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the router did not count {name} healthy in {timeout_s} s")
+                time.sleep(0.2)  # polling the router's gauge; bounded by the deadline
 
     def complete(self, name: str, body: dict, timeout_s: float = 60.0) -> dict:
         assert self.link is not None

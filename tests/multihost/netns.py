@@ -3,7 +3,7 @@
 ::
 
     ns kvbmh-<pid>-<n>-p                    ns kvbmh-<pid>-<n>-d
-    prefill   10.231.<n>.1  <== veth ==>  10.231.<n>.2   decode, proxy
+    prefill   10.231.<n>.1  <== veth ==>  10.231.<n>.2   decode, router
 
 The addresses exist only inside the two namespaces. Both ends of the link carry a ``tbf``
 qdisc: ``rate`` limits it, :meth:`Link.cut` turns it into a partition that drops every

@@ -124,15 +124,15 @@ def all_free(c: HostCluster, timeout_s: float) -> None:
 def kv_bytes(c: HostCluster) -> int:
     """The KV bytes the connector moved so far (pull: decode read; push: prefill wrote)."""
     if c.mode == "push":  # type: ignore[attr-defined]
-        return int(c["prefill"].metrics()["kvbridge_bytes_written"])
-    return int(c["decode"].metrics()["kvbridge_bytes_read"])
+        return int(c["prefill"].metrics()["kvbridge_bytes_written_total"])
+    return int(c["decode"].metrics()["kvbridge_bytes_read_total"])
 
 
 def test_requests_are_exact_and_their_kv_crosses_the_link(hosts, model):
     link = hosts.link
     tx0, kv0 = link.tx_bytes("p"), kv_bytes(hosts)
     for prompt in make_prompts(4):
-        out = hosts.complete("proxy", body(prompt))
+        out = hosts.complete("router", body(prompt))
         assert out["token_ids"] == want(model, prompt)
         assert loaded_all_but_last(out), out["usage"]
     moved = kv_bytes(hosts) - kv0
@@ -158,7 +158,7 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
 
     def send() -> None:
         try:
-            result["out"] = hosts.complete("proxy", body(prompt))
+            result["out"] = hosts.complete("router", body(prompt))
         except Exception as exc:  # handed to the test thread
             result["error"] = exc
 
@@ -181,8 +181,13 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
         failed_at = logged_at(decode.tail(10**7), "failed with")
         assert failed_at - wall_cut < TRANSFER_TIMEOUT_S + 1.0, (failed_at, wall_cut)
         after = decode.metrics()
-        assert after["kvbridge_transfer_failures"] == before["kvbridge_transfer_failures"] + 1
-        assert after["kvbridge_loads_held"] == before["kvbridge_loads_held"] + 1, sent_at_cut
+        assert (
+            after["kvbridge_transfer_failures_total"]
+            == before["kvbridge_transfer_failures_total"] + 1
+        )
+        assert after["kvbridge_loads_held_total"] == before["kvbridge_loads_held_total"] + 1, (
+            sent_at_cut
+        )
         # decode is not wedged: it serves from its own blocks, exactly, while cut
         local = "while cut " + make_prompts(6)[5]
         assert hosts.complete("decode", body(local))["token_ids"] == want(model, local)
@@ -207,7 +212,7 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
     outs = []
     for i, prompt in enumerate(make_prompts(8)[4:]):
         prompt = f"healed {i} {prompt}"
-        outs.append(hosts.complete("proxy", body(prompt)))
+        outs.append(hosts.complete("router", body(prompt)))
         assert outs[-1]["token_ids"] == want(model, prompt)
         if loaded_all_but_last(outs[-1]):
             break
@@ -223,14 +228,14 @@ def test_a_peer_restarted_in_place_is_handshaken_again(hosts, model):
     does not know under that engine id, drops the stale peer and handshakes again before
     writing. Either way every request loads, exactly, in bounded time."""
     name = "prefill" if hosts.mode == "pull" else "decode"
-    warm = hosts.complete("proxy", body("before the restart " + make_prompts(2)[0]))
+    warm = hosts.complete("router", body("before the restart " + make_prompts(2)[0]))
     assert loaded_all_but_last(warm)
     hosts.restart_in_place(name)
     loaded = []
     for i, prompt in enumerate(make_prompts(3)):
         prompt = f"restart {i} {prompt}"
         t0 = time.monotonic()
-        out = hosts.complete("proxy", body(prompt))
+        out = hosts.complete("router", body(prompt))
         assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S + 10
         assert out["token_ids"] == want(model, prompt)
         loaded.append(loaded_all_but_last(out))
@@ -257,6 +262,6 @@ def test_a_frozen_decode_costs_prefill_one_lease(hosts, model):
         assert time.monotonic() - t0 > LEASE_S - 2  # freed by the lease, not before
     finally:
         hosts["decode"].signal(signal.SIGCONT)
-    out = hosts.complete("proxy", body(prompt + " thawed"))
+    out = hosts.complete("router", body(prompt + " thawed"))
     assert out["token_ids"] == want(model, prompt + " thawed")
     all_free(hosts, LEASE_S + 5)

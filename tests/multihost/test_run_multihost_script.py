@@ -1,5 +1,5 @@
 """scripts/run_multihost.sh end to end (two namespaces, a rate-limited link, the example
-servers and proxy, the exactness check), and its refusal without root."""
+servers and vllm-router, the exactness check), and its refusal without root."""
 
 from __future__ import annotations
 

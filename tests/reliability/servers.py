@@ -22,7 +22,7 @@ __all__ = ["MODEL", "SECRET", "Worker", "post", "worker_pair"]
 
 
 def post(url: str, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
-    """POST JSON (or raw bytes) to a worker or the proxy; the status and the JSON answer."""
+    """POST JSON (or raw bytes) to a worker or the router; the status and the JSON answer."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)

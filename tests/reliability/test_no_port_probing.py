@@ -24,6 +24,8 @@ READS_BOUND_PORT = {
     "examples/server.py": "binds the socket uvicorn then serves on",
     "examples/router.py": "holds the port (bound, SO_REUSEADDR, not listening) until "
     "vllm-router, which refuses --port 0, bound it too",
+    "tests/integration/test_router.py": "holds the port it hands the launcher as a fixed "
+    "--port for the whole test",
 }
 KV_PORT = re.compile(r"""["']kv_port["']\s*:\s*(\d+)|\bkv_port=(\d+)""")
 # unit tests whose configs never bind (scheduler and config parsing only)

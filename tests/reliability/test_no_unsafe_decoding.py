@@ -75,7 +75,6 @@ def test_the_walker_finds_what_it_looks_for(tmp_path):
     [
         ("kvbridge.connector.common.notifications", "MAX_NOTIFICATION_BYTES", 64 * 1024),
         ("kvbridge.examples.http_app", "MAX_BODY_BYTES", 1 << 20),
-        ("kvbridge.examples.proxy", "MAX_BODY_BYTES", 1 << 20),
         ("kvbridge.connector.common.params", "MAX_TOKENS", 1 << 24),
     ],
 )

@@ -30,9 +30,9 @@ def test_a_restarted_peer_is_handshaken_again_before_the_first_load(tmp_path, mo
         c.start()
         for i, prompt in enumerate(make_prompts(4)[:2]):
             if i:
-                c.restart(restarted)  # same engine_id; the proxy learns its new URL
+                c.restart(restarted)  # same engine_id; a new router learns its new URL
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            out = c.complete("proxy", body)
+            out = c.complete("router", body)
             ids = ByteTokenizer().encode(prompt)
             want = reference_generate(model, ids, MAX_TOKENS, eos_id=None).token_ids
             assert out["token_ids"] == want
