@@ -95,22 +95,24 @@ def hosts(request, tmp_path_factory):
     mode = request.param
     link = Link(ucx_env=UCX_ENV)
     extra = {"extra": {"transfer_mode": mode}}
-    c = HostCluster(
-        tmp_path_factory.mktemp(f"multihost-{mode}"),
-        link=link,
-        model=MODEL,
-        prefill_block_size=64,
-        prefill_args=["--kv-layout", "NHD", "--cross-layers", "--num-blocks", "256"],
-        decode_args=["--kv-layout", "HND", "--num-blocks", "512"],
-        prefill_kv={"engine_id": "prefill-mh", "lease_s": LEASE_S, "heartbeat_s": 1.0, **extra},
-        decode_kv={"engine_id": "decode-mh", "transfer_timeout_s": TRANSFER_TIMEOUT_S, **extra},
-    )
-    try:
+    c = None
+    try:  # the namespaces go even when the cluster cannot be built or started
+        c = HostCluster(
+            tmp_path_factory.mktemp(f"multihost-{mode}"),
+            link=link,
+            model=MODEL,
+            prefill_block_size=64,
+            prefill_args=["--kv-layout", "NHD", "--cross-layers", "--num-blocks", "256"],
+            decode_args=["--kv-layout", "HND", "--num-blocks", "512"],
+            prefill_kv={"engine_id": "prefill-mh", "lease_s": LEASE_S, "heartbeat_s": 1.0, **extra},
+            decode_kv={"engine_id": "decode-mh", "transfer_timeout_s": TRANSFER_TIMEOUT_S, **extra},
+        )
         c.start()
         c.mode = mode  # type: ignore[attr-defined]
         yield c
     finally:
-        c.close()
+        if c is not None:
+            c.close()
         link.close()
 
 
