@@ -26,50 +26,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-.venv/bin/python}"
-MODEL="${MODEL:-tiny-hybrid}"
-DEVICE="${DEVICE:-cpu}"
-PREFILL_BLOCK_SIZE="${PREFILL_BLOCK_SIZE:-16}"
-DECODE_BLOCK_SIZE="${DECODE_BLOCK_SIZE:-16}"
-PREFILL_KERNEL_BLOCK_SIZE="${PREFILL_KERNEL_BLOCK_SIZE:-$PREFILL_BLOCK_SIZE}"
-DECODE_KERNEL_BLOCK_SIZE="${DECODE_KERNEL_BLOCK_SIZE:-$DECODE_BLOCK_SIZE}"
-PREFILL_KV_LAYOUT="${PREFILL_KV_LAYOUT:-NHD}"
-DECODE_KV_LAYOUT="${DECODE_KV_LAYOUT:-NHD}"
-CROSS_LAYERS="${CROSS_LAYERS:-0}"
-PREFILL_CROSS_LAYERS="${PREFILL_CROSS_LAYERS:-$CROSS_LAYERS}"
-DECODE_CROSS_LAYERS="${DECODE_CROSS_LAYERS:-$CROSS_LAYERS}"
-NUM_BLOCKS="${NUM_BLOCKS:-512}"
-NUM_PROMPTS="${NUM_PROMPTS:-8}"
-MAX_TOKENS="${MAX_TOKENS:-16}"
-ATOL="${ATOL:-1e-4}"
-FAULT_INJECT="${FAULT_INJECT:-}"
-TRANSFER_MODE="${TRANSFER_MODE:-pull}"
-STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
-SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
+source scripts/integration_lib.sh
 ROUTER_POLICY="${ROUTER_POLICY:-round_robin}"
 CHECK_PAIRING="${CHECK_PAIRING:-0}"
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-integration.XXXXXX")}"
 mkdir -p "$LOG_DIR"
 
-PIDS=()
 teardown() {
     local rc=$?
     trap - EXIT INT TERM
-    for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-    for _ in $(seq 50); do
-        local alive=0
-        for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
-    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    if [ "$rc" != 0 ]; then
-        echo "integration run failed (exit $rc); logs in $LOG_DIR" >&2
-        for f in "$LOG_DIR"/*.log; do
-            [ -f "$f" ] && { echo "--- tail of $f" >&2; tail -n 15 "$f" >&2; }
-        done
-    fi
+    stop_processes
+    [ "$rc" = 0 ] || show_failure "$rc" "integration run"
     exit "$rc"
 }
 trap teardown EXIT
@@ -77,23 +44,6 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 set -m  # background jobs get their own process groups: teardown kills whole groups
 
-flag() { [ "$1" = 1 ] || [ "$1" = true ] && echo "--cross-layers" || true; }
-case "$TRANSFER_MODE" in
-    pull | push) ;;
-    *) echo "TRANSFER_MODE=$TRANSFER_MODE: expected pull or push" >&2; exit 2 ;;
-esac
-EXTRA="\"extra\": {\"transfer_mode\": \"$TRANSFER_MODE\"}"
-case "$FAULT_INJECT" in
-    "" | 0) FAULT_ARGS=() ;;
-    1 | corrupt-block) FAULT_ARGS=(--fault-inject corrupt-block) ;;
-    *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
-esac
-
-# Every server binds port 0 (HTTP and side channel: "kv_port": 0) and writes the ports it
-# got to its ready file; nothing here picks a port for a process to bind later.
-ready() {  # ready FILE PID -> the server's URL, once it is bound (fails if it exits)
-    "$PY" -m kvbridge.examples.ready "$1" --pid "$2" --timeout "$STARTUP_TIMEOUT"
-}
 "$PY" -m kvbridge.examples.server --role prefill --model "$MODEL" --port 0 --device "$DEVICE" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
     --kv-layout "$PREFILL_KV_LAYOUT" $(flag "$PREFILL_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
@@ -116,18 +66,7 @@ D_URL=$(ready "$LOG_DIR/decode.ready.json" "${PIDS[1]}")
 PIDS+=($!)
 X_URL=$(ready "$LOG_DIR/router.ready.json" "${PIDS[2]}")
 
-echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
-    "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
-    "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
-    "mode=$TRANSFER_MODE" \
-    "${FAULT_INJECT:+(fault: $FAULT_INJECT)}"
-# Steps run in the background and are waited for: bash runs the INT/TERM traps only
-# between commands, and `wait` returns at once on a signal while a foreground child does not.
-step() {
-    "$@" &
-    PIDS+=($!)
-    wait "$!"
-}
+describe_pair
 step "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "$P_URL/health" --url "$D_URL/health" --url "$X_URL/health" --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
@@ -143,8 +82,6 @@ if [ "$CHECK_PAIRING" = 1 ]; then
         --prompt-tokens 200
 fi
 
-SHOW=()
-[ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
 step "$PY" -m kvbridge.examples.check run --router "$X_URL" \
     --decode "$D_URL" --prefill "$P_URL" --model "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --atol "$ATOL" --device "$DEVICE" \

@@ -22,26 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-.venv/bin/python}"
-MODEL="${MODEL:-tiny-hybrid}"
-DEVICE="${DEVICE:-cpu}"
-PREFILL_BLOCK_SIZE="${PREFILL_BLOCK_SIZE:-16}"
-DECODE_BLOCK_SIZE="${DECODE_BLOCK_SIZE:-16}"
-PREFILL_KERNEL_BLOCK_SIZE="${PREFILL_KERNEL_BLOCK_SIZE:-$PREFILL_BLOCK_SIZE}"
-DECODE_KERNEL_BLOCK_SIZE="${DECODE_KERNEL_BLOCK_SIZE:-$DECODE_BLOCK_SIZE}"
-PREFILL_KV_LAYOUT="${PREFILL_KV_LAYOUT:-NHD}"
-DECODE_KV_LAYOUT="${DECODE_KV_LAYOUT:-NHD}"
-CROSS_LAYERS="${CROSS_LAYERS:-0}"
-PREFILL_CROSS_LAYERS="${PREFILL_CROSS_LAYERS:-$CROSS_LAYERS}"
-DECODE_CROSS_LAYERS="${DECODE_CROSS_LAYERS:-$CROSS_LAYERS}"
-NUM_BLOCKS="${NUM_BLOCKS:-512}"
-NUM_PROMPTS="${NUM_PROMPTS:-8}"
-MAX_TOKENS="${MAX_TOKENS:-16}"
-ATOL="${ATOL:-1e-4}"
-FAULT_INJECT="${FAULT_INJECT:-}"
-TRANSFER_MODE="${TRANSFER_MODE:-pull}"
-STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
-SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
+source scripts/integration_lib.sh
 RATE="${RATE:-}"
 UCX_TLS="${UCX_TLS:-tcp}"
 SUBNET="${SUBNET:-10.231.0}"
@@ -53,15 +34,6 @@ VETH_D="kvb$$d"
 P_IP="$SUBNET.1"
 D_IP="$SUBNET.2"
 
-case "$TRANSFER_MODE" in
-    pull | push) ;;
-    *) echo "TRANSFER_MODE=$TRANSFER_MODE: expected pull or push" >&2; exit 2 ;;
-esac
-case "$FAULT_INJECT" in
-    "" | 0) FAULT_ARGS=() ;;
-    1 | corrupt-block) FAULT_ARGS=(--fault-inject corrupt-block) ;;
-    *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
-esac
 if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
     echo "run_multihost.sh needs iproute2 (ip, tc); run scripts/run_integration.sh instead" >&2
     exit 3
@@ -75,28 +47,13 @@ fi
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-multihost.XXXXXX")}"
 mkdir -p "$LOG_DIR"
 
-PIDS=()
 teardown() {
     local rc=$?
     trap - EXIT INT TERM
-    set +m  # no job-status lines for the processes killed here
-    for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-    for _ in $(seq 50); do
-        local alive=0
-        for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
-    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    stop_processes
     ip netns del "$NS_P" 2>/dev/null || true  # takes the veth pair with it
     ip netns del "$NS_D" 2>/dev/null || true
-    if [ "$rc" != 0 ]; then
-        echo "multi-host run failed (exit $rc); logs in $LOG_DIR" >&2
-        for f in "$LOG_DIR"/*.log; do
-            [ -f "$f" ] && { echo "--- tail of $f" >&2; tail -n 15 "$f" >&2; }
-        done
-    fi
+    [ "$rc" = 0 ] || show_failure "$rc" "multi-host run"
     exit "$rc"
 }
 trap teardown EXIT
@@ -135,11 +92,6 @@ link_bytes() {  # link_bytes NS DEV -> bytes sent by DEV so far
 # --- the servers: prefill on host P, decode and the front door on host D
 export UCX_TLS
 set -m  # background jobs get their own process groups: teardown kills whole groups
-flag() { [ "$1" = 1 ] || [ "$1" = true ] && echo "--cross-layers" || true; }
-EXTRA="\"extra\": {\"transfer_mode\": \"$TRANSFER_MODE\"}"
-ready() {  # ready FILE PID -> the server's URL, once it is bound (fails if it exits)
-    "$PY" -m kvbridge.examples.ready "$1" --pid "$2" --timeout "$STARTUP_TIMEOUT"
-}
 UCX_NET_DEVICES="$VETH_P" in_p "$PY" -m kvbridge.examples.server --role prefill \
     --host "$P_IP" --port 0 --model "$MODEL" --device "$DEVICE" \
     --block-size "$PREFILL_BLOCK_SIZE" --kernel-block-size "$PREFILL_KERNEL_BLOCK_SIZE" \
@@ -170,24 +122,11 @@ X_URL=$(ready "$LOG_DIR/router.ready.json" "${PIDS[2]}")
 
 echo "two hosts (netns $NS_P: prefill $P_IP | netns $NS_D: decode $D_IP, router)" \
     "link ${RATE:-unlimited}, UCX_TLS=$UCX_TLS"
-echo "model $MODEL on $DEVICE: prefill bs=$PREFILL_BLOCK_SIZE kb=$PREFILL_KERNEL_BLOCK_SIZE" \
-    "$PREFILL_KV_LAYOUT cross=$PREFILL_CROSS_LAYERS -> decode bs=$DECODE_BLOCK_SIZE" \
-    "kb=$DECODE_KERNEL_BLOCK_SIZE $DECODE_KV_LAYOUT cross=$DECODE_CROSS_LAYERS" \
-    "mode=$TRANSFER_MODE" \
-    "${FAULT_INJECT:+(fault: $FAULT_INJECT)}"
-# Steps run in the background and are waited for (see run_integration.sh: the traps run
-# only between commands).
-step() {
-    "$@" &
-    PIDS+=($!)
-    wait "$!"
-}
+describe_pair
 step in_d "$PY" -m kvbridge.examples.check wait --timeout "$STARTUP_TIMEOUT" \
     --url "$D_URL/health" --url "$X_URL/health" --url "$P_URL/health" \
     --pid "${PIDS[0]}" --pid "${PIDS[1]}" --pid "${PIDS[2]}"
 
-SHOW=()
-[ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
 P_TX0=$(link_bytes "$NS_P" "$VETH_P")
 step in_d "$PY" -m kvbridge.examples.check run --router "$X_URL" \
     --decode "$D_URL" --prefill "$P_URL" --model "$MODEL" \
