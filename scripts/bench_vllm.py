@@ -172,6 +172,23 @@ class ColdStart:
     recomputed: float
 
 
+def stats_after_load(
+    pd: PDServers, before: dict[str, float], recomputed: str, timeout_s: float = 5.0
+) -> dict[str, float]:
+    """Decode's stats once the load shows in them: vLLM's engine ships its stats to the API
+    server after the request's output, so poll until a transfer or a recompute is counted
+    (a pair that moved nothing never shows one: read what is there at the deadline)."""
+    moved = (LOAD_METRICS[pd.connector][1], recomputed)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape(pd.decode_url)
+        if any(after.get(n, 0.0) > before.get(n, 0.0) for n in moved):
+            return after
+        if time.monotonic() > deadline:
+            return after
+        time.sleep(0.05)  # poll interval, not synchronisation: the loop checks the stats
+
+
 def cold_start(pd: PDServers, length: int, timeout_s: float) -> ColdStart:
     """TTFT of the reference server's first request, then of the pair's (other prompts
     of the same length: no prefix cache helps either)."""
@@ -180,9 +197,8 @@ def cold_start(pd: PDServers, length: int, timeout_s: float) -> ColdStart:
     before = scrape(pd.decode_url)
     ref_s = ttft(pd.reference_url, pd.model_name, prompts[0], timeout_s)
     pd_s = ttft(pd.router_url, pd.model_name, prompts[1], timeout_s)
-    time.sleep(1.0)  # decode's stats reach its API server a moment after the request
-    after = scrape(pd.decode_url)
     name = LOAD_METRICS[pd.connector][4]
+    after = stats_after_load(pd, before, name)
     return ColdStart(pd.connector, ref_s, pd_s, after.get(name, 0.0) - before.get(name, 0.0))
 
 
