@@ -39,15 +39,19 @@ if TYPE_CHECKING:
     from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 
 
+# every kvbridge module logs under this name (``logging.getLogger(__name__)`` in the
+# ``kvbridge.*`` packages)
+KVBRIDGE_LOGGER = "kvbridge"
+
+
 def _log_through_vllm() -> None:
     """kvbridge's loggers write where vLLM's do (vLLM configures only its own logger)."""
     handlers = logging.getLogger("vllm").handlers
-    for name in ("connector", "handshake", "layouts"):
-        log = logging.getLogger(name)
-        if not log.handlers and handlers:
-            log.handlers = list(handlers)
-            log.setLevel(logging.INFO)
-            log.propagate = False
+    log = logging.getLogger(KVBRIDGE_LOGGER)
+    if not log.handlers and handlers:
+        log.handlers = list(handlers)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
