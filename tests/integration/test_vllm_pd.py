@@ -73,6 +73,13 @@ class Cluster:
     def metrics(self, name: str) -> dict[str, float]:
         return scrape(self.url(name))
 
+    def moved(self, name: str, before: dict[str, float], after: dict[str, float]) -> str:
+        """For assertion messages: the kvbridge counters that moved on ``name``, and the
+        server's last warnings (a load kvbridge failed names its reason there)."""
+        tail = self.servers[name].log_tail(3000).splitlines()
+        warnings = [line for line in tail if " WARNING " in line or " ERROR " in line][-8:]
+        return f"{_deltas(before, after)}\n" + "\n".join(warnings or ["(no warnings logged)"])
+
     def run(self, name: str, prompt: list[int], **extra) -> Completion:
         model = self.models["L" if name == "router" else name[0]]
         with self.logs_on_error(name):
@@ -218,7 +225,7 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
     after = cluster.metrics(decode)
     for p, g in zip(prompts, got, strict=True):
         _assert_same(cluster.run(reference, p), g)
-    moved = _deltas(before, after)
+    moved = cluster.moved(decode, before, after)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_recomputed") == 0, moved
     # every prompt token but the last (decode computes it), in whole prefill pages: one
@@ -261,7 +268,7 @@ def test_hybrid_gemma3_keeps_both_groups(cluster, prefill, decode):
     before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
     after = cluster.metrics(decode)
-    moved = _deltas(before, after)
+    moved = cluster.moved(decode, before, after)
     # prefill publishes its worker counters with its engine's steps (CI once scraped it a
     # step early): the reference runs step it, then its bytes written must show
     want = [cluster.run(prefill, p) for p in prompts]
@@ -291,7 +298,7 @@ def test_push_writes_larger_prefill_pages_into_decode_staging_slots(cluster):
     before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
     after, p_after = cluster.metrics(decode), cluster.metrics(prefill)
-    moved = _deltas(before, after)
+    moved = cluster.moved(decode, before, after)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     loaded = [len(p) - 1 for p in prompts]
     pages = sum(-(-n // 128) for n in loaded)
@@ -323,7 +330,7 @@ def test_a_late_decode_claims_the_blocks_and_loads(cluster, prefill, decode):
     before = cluster.metrics(decode)
     got = cluster.run(decode, prompt, kv_transfer_params=params)
     after = cluster.metrics(decode)
-    moved = _deltas(before, after)
+    moved = cluster.moved(decode, before, after)
     assert _delta(before, after, "loads_loaded") == 1, moved
     if prefill.startswith("L"):
         assert _delta(before, after, "claims_sent") >= 1, moved
