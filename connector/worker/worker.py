@@ -37,6 +37,7 @@ from kvbridge.connector.worker.prefill.pushes import Pusher
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
+from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, EngineCopies
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.staging.staging import StagingPools
@@ -86,6 +87,7 @@ class KVBridgeWorker:
         self.config = config
         self._host_staging = host_staging
         self._stage: HostStage | None = None
+        self._engine_copies: Callable[[KVCacheBuffers], EngineCopies | str] | None = None
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         extra = config.extra
@@ -157,6 +159,27 @@ class KVBridgeWorker:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
         self._repacker = repacker
 
+    def set_engine_copies(self, copies: Callable[[KVCacheBuffers], EngineCopies | str]) -> None:
+        """Host staging through the engine's own block copies: ``copies`` builds the
+        engine-shaped mirror of the cache, or says why the engine's op cannot copy it
+        (:func:`~kvbridge.connector.worker.staging.engine_copies.engine_copies_for`). Call
+        it before ``register_kv_caches``; the op follows in :meth:`set_host_copy_op`."""
+        if self._engine is not None:
+            raise KVBridgeError("set_engine_copies() must come before register_kv_caches()")
+        self._engine_copies = copies
+
+    @engine_call
+    def set_host_copy_op(self, op: CopyBlocksOp) -> str | None:
+        """The engine's block-copy operation (vLLM's ``set_host_xfer_buffer_ops``); the
+        host stage's copy path from now on, None when nothing is staged."""
+        return self._stage.use_engine_op(op) if self._stage is not None else None
+
+    @property
+    def host_copy_path(self) -> str | None:
+        """Which copies move blocks to and from the host mirror (``"vllm"`` or
+        ``"kvbridge"``), None when NIXL moves the cache itself."""
+        return self._stage.copy_path if self._stage is not None else None
+
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
@@ -167,6 +190,7 @@ class KVBridgeWorker:
             self.metrics,
             forced=self._host_staging,
             repacks=self._repacker is not None,
+            engine_copies=self._engine_copies,
         )
         moved = self._stage.host_buffers if self._stage is not None else buffers
         with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
