@@ -32,7 +32,8 @@ COPY_FUNCTIONS = ("insert_blocks_to_device", "swap_out_blocks_to_host")
 
 
 def cuda_platform_copies() -> SimpleNamespace:
-    """The CUDA platform's block copies (``CudaPlatformBase``), compiled from vLLM's ``platforms/cuda.py``."""
+    """The CUDA platform's block copies (``CudaPlatformBase``), compiled from vLLM's
+    ``platforms/cuda.py``."""
     source = Path(inspect.getsourcefile(vllm.platforms) or "").with_name("cuda.py")
     tree = ast.parse(source.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CudaPlatformBase")
@@ -42,7 +43,7 @@ def cuda_platform_copies() -> SimpleNamespace:
             node.decorator_list = []  # @classmethod: called below with cls=None
             module = ast.Module(body=[node], type_ignores=[])
             scope: dict[str, Any] = {"torch": torch}
-            exec(compile(module, str(source), "exec"), scope)  # noqa: S102 (vLLM's own code)
+            exec(compile(module, str(source), "exec"), scope)  # vLLM's own code
             found[node.name] = functools.partial(scope[node.name], None)
     missing = set(COPY_FUNCTIONS) - set(found)
     assert not missing, f"vLLM's CudaPlatformBase no longer defines {missing} ({source})"
