@@ -87,10 +87,17 @@ def staged_cache(spec: StagedSpec, seed: int) -> StagedCache:
 
 
 def staged_side(
-    cache: StagedCache, role: str, engine_id: str, mode: str
+    cache: StagedCache,
+    role: str,
+    engine_id: str,
+    mode: str,
+    *,
+    host_staging: bool | None = True,
+    hand_op: bool = True,
 ) -> tuple[VLLMWorkerSide, RecordingCopyOp]:
-    """The adapter's worker side over ``cache``, staged through host memory, given vLLM's
-    copy operation (recorded) as vLLM's model runner gives it: after registration."""
+    """The adapter's worker side over ``cache``, staged through host memory (None: as
+    ``kv_buffer_device`` says), given vLLM's copy operation (recorded) as vLLM's model
+    runner gives it: after registration (``hand_op=False``: the test hands it over)."""
     extra = {"kv_ip": "127.0.0.1", "handshake_timeout_s": 5.0, "extra": {"transfer_mode": mode}}
     vllm_config = VLLMTransferConfig(
         kv_connector="KVBridgeConnector",
@@ -110,9 +117,10 @@ def staged_side(
         rank=0,
         tp_size=1,
         cpu_attention=False,
-        host_staging=True,
+        host_staging=host_staging,
     )
     side.register_kv_caches(cache.kv_caches)
     op = RecordingCopyOp(vllm_copy_kv_blocks())
-    side.set_host_xfer_buffer_ops(op)
+    if hand_op:
+        side.set_host_xfer_buffer_ops(op)
     return side, op
