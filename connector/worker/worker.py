@@ -160,24 +160,20 @@ class KVBridgeWorker:
         self._repacker = repacker
 
     def set_engine_copies(self, copies: Callable[[KVCacheBuffers], EngineCopies | str]) -> None:
-        """Host staging through the engine's own block copies: ``copies`` builds the
-        engine-shaped mirror of the cache, or says why the engine's op cannot copy it
-        (:func:`~kvbridge.connector.worker.staging.engine_copies.engine_copies_for`). Call
-        it before ``register_kv_caches``; the op follows in :meth:`set_host_copy_op`."""
+        """Before ``register_kv_caches``: how to stage through the engine's own copies
+        (``staging.engine_copies``); the engine's op follows in :meth:`set_host_copy_op`."""
         if self._engine is not None:
             raise KVBridgeError("set_engine_copies() must come before register_kv_caches()")
         self._engine_copies = copies
 
     @engine_call
-    def set_host_copy_op(self, op: CopyBlocksOp) -> str | None:
-        """The engine's block-copy operation (vLLM's ``set_host_xfer_buffer_ops``); the
-        host stage's copy path from now on, None when nothing is staged."""
-        return self._stage.use_engine_op(op) if self._stage is not None else None
+    def set_host_copy_op(self, op: CopyBlocksOp) -> None:
+        if self._stage is not None:  # else NIXL moves the cache itself: nothing to copy
+            self._stage.use_engine_op(op)
 
     @property
     def host_copy_path(self) -> str | None:
-        """Which copies move blocks to and from the host mirror (``"vllm"`` or
-        ``"kvbridge"``), None when NIXL moves the cache itself."""
+        """``"vllm"`` or ``"kvbridge"`` (whose copies fill the host mirror), None: no mirror."""
         return self._stage.copy_path if self._stage is not None else None
 
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:

@@ -32,7 +32,8 @@ from tests.connector.vllm.vllm_copy_ops import (
     cuda_platform_copies,
     vllm_copy_kv_blocks,
 )
-from tests.vllm_layouts.vllm_peer import NUM_BLOCKS, SideSpec
+from tests.vllm_layouts.vllm_alloc import KVCacheLayout, Model, allocate
+from tests.vllm_layouts.vllm_peer import NUM_BLOCKS, SideSpec, fill
 
 pytestmark = pytest.mark.vllm
 
@@ -116,6 +117,39 @@ def test_vllm_op_copies_exactly_the_blocks_asked_for(side: SideSpec):
     assert _same(_rows(buffers, back), _rows(stage.host_buffers, back))
     assert _same(cache_others, _rows(buffers, np.setdiff1d(np.arange(NUM_BLOCKS), back)))
     assert len(op.calls) == 2
+
+
+def test_hybrid_groups_that_share_tensors_copy_only_their_own_blocks():
+    """vLLM's hybrid allocator gives layer i of every group (full, sliding window) the same
+    tensor; a group's blocks are copied through its own layers' views only."""
+    a = allocate(
+        Model(num_layers=4, sliding_window=32),
+        block_size=16,
+        layout=KVCacheLayout.LBHNC,
+        backend_name=FA,
+    )
+    fill(a, 1)
+    layout, _ = translate.kv_layout(a.kv_cache_config)
+    config = translate.kv_cache_config(a.kv_cache_config)
+    buffers = adopt_kv_caches(config, a.kv_caches, layout_hint=layout)
+    copies = engine_copies_for(a.kv_caches, buffers)
+    assert isinstance(copies, EngineCopies), copies
+    stage = HostStage(buffers, ConnectorMetrics(), engine_copies=copies)
+    op = RecordingCopyOp(vllm_copy_kv_blocks())
+    stage.use_engine_op(op)
+    picked = {0: np.array([1, 5]), 1: np.array([2, 7])}
+    for gid, ids in picked.items():
+        stage.to_host(gid, ids)
+    assert [(c.layers, list(c.src_block_ids)) for c in op.calls] == [
+        (tuple(g.layer_names), picked[g.group_id].tolist()) for g in config.groups
+    ]
+    for g in config.groups:
+        ids = torch.as_tensor(picked[g.group_id])
+        host = stage.host_buffers.unit_slots(g.group_id)
+        cache = buffers.unit_slots(g.group_id)
+        assert _same([s.units[ids] for s in host], [s.units[ids] for s in cache])
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), [1, 2, 5, 7])
+    assert all(int(t.count_nonzero()) == 0 for t in _rows(stage.host_buffers, untouched))
 
 
 def test_the_mirror_is_vllms_layout_again_in_host_memory():
