@@ -102,6 +102,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        # kv_buffer_device "cpu" with a GPU cache: vLLM's copy_kv_blocks fills the mirror
+        self.worker_side.set_host_xfer_buffer_ops(copy_operation)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.worker_side.bind(connector_metadata)

@@ -8,6 +8,7 @@ per-layer hooks have nothing to do; the forward pass itself is the "save".
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from kvbridge.connector.vllm.metadata import (
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
+from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, engine_copies_for
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 from kvbridge.layouts.external import adopt_kv_caches
 from kvbridge.layouts.groups import KVCacheConfig
@@ -46,13 +48,16 @@ class VLLMWorkerSide:
         rank: int,
         tp_size: int,
         cpu_attention: bool | None = None,
+        host_staging: bool | None = None,
     ) -> None:
         """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
         ephemeral port, reported by :meth:`handshake_metadata`) and its
         caches hold its share of the model's ``total_kv_heads`` KV heads.
         ``cpu_attention``: whether vLLM's CPU attention (engine-packed pages) wrote the
         caches; None asks vLLM's platform (its CPU build runs CPU attention). False reads
-        CPU-memory caches as a GPU backend's views describe them (the GPU tier on CPU)."""
+        CPU-memory caches as a GPU backend's views describe them (the GPU tier on CPU).
+        ``host_staging``: see :class:`KVBridgeWorker` (True stages a cache in host memory
+        through a host mirror: the ``kv_buffer_device: "cpu"`` GPU path, tested on CPU)."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
         self._cpu_attention = cpu_attention
@@ -72,6 +77,7 @@ class VLLMWorkerSide:
             # vLLM's prefix cache lets new requests read a finished request's blocks while
             # decode still holds them: they must stay exactly as vLLM wrote them
             rewrites_in_place=False,
+            host_staging=host_staging,
         )
         self._freed: set[str] = set()  # released by the scheduler: vLLM must free them
         self._output = WorkerOutput()
@@ -91,6 +97,8 @@ class VLLMWorkerSide:
         )
         if packing:
             self.worker.set_repacker(CpuAttnRepacker(self.kv_config, tensors))
+        else:  # staged through host memory: a mirror vLLM's copy operation can fill
+            self.worker.set_engine_copies(functools.partial(engine_copies_for, tensors))
         logger.info(
             "kvbridge adopted %d KV-cache tensors (%s, %s%s, %d blocks, %d B pages, %s)",
             len(buffers.tensors),
@@ -104,6 +112,16 @@ class VLLMWorkerSide:
         self.worker.register_kv_caches(buffers)
         if self._engine_nice:  # after kvbridge's threads started: they keep their priority
             lower_calling_thread_priority(self._engine_nice)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        """vLLM's ``copy_kv_blocks``, handed over right after ``register_kv_caches``: the
+        host stage (if any) copies blocks with it when the layout allows."""
+        self.worker.set_host_copy_op(copy_operation)
+
+    @property
+    def host_copy_path(self) -> str | None:
+        """``"vllm"``, ``"kvbridge"``, or None when the cache is not staged."""
+        return self.worker.host_copy_path
 
     def handshake_metadata(self) -> KVBridgeHandshakeMetadata | None:
         """This rank's bound side-channel port; None before ``register_kv_caches``."""

@@ -37,6 +37,7 @@ from kvbridge.connector.worker.prefill.pushes import Pusher
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
+from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, EngineCopies
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.staging.staging import StagingPools
@@ -86,6 +87,7 @@ class KVBridgeWorker:
         self.config = config
         self._host_staging = host_staging
         self._stage: HostStage | None = None
+        self._engine_copies: Callable[[KVCacheBuffers], EngineCopies | str] | None = None
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         extra = config.extra
@@ -157,6 +159,23 @@ class KVBridgeWorker:
             raise KVBridgeError("set_repacker() must come before register_kv_caches()")
         self._repacker = repacker
 
+    def set_engine_copies(self, copies: Callable[[KVCacheBuffers], EngineCopies | str]) -> None:
+        """Before ``register_kv_caches``: how to stage through the engine's own copies
+        (``staging.engine_copies``); the engine's op follows in :meth:`set_host_copy_op`."""
+        if self._engine is not None:
+            raise KVBridgeError("set_engine_copies() must come before register_kv_caches()")
+        self._engine_copies = copies
+
+    @engine_call
+    def set_host_copy_op(self, op: CopyBlocksOp) -> None:
+        if self._stage is not None:  # else NIXL moves the cache itself: nothing to copy
+            self._stage.use_engine_op(op)
+
+    @property
+    def host_copy_path(self) -> str | None:
+        """``"vllm"`` or ``"kvbridge"`` (whose copies fill the host mirror), None: no mirror."""
+        return self._stage.copy_path if self._stage is not None else None
+
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
@@ -167,6 +186,7 @@ class KVBridgeWorker:
             self.metrics,
             forced=self._host_staging,
             repacks=self._repacker is not None,
+            engine_copies=self._engine_copies,
         )
         moved = self._stage.host_buffers if self._stage is not None else buffers
         with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core

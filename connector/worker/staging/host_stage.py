@@ -19,16 +19,25 @@ NIXL must see the bytes, and the mirror's block may be written again once its lo
 reported.
 
 :func:`stages_through_host` reads ``kv_buffer_device`` against where the cache lives.
+Where the engine offers its own block copies (vLLM's ``set_host_xfer_buffer_ops``) and
+they can copy this cache's blocks, the mirror is the engine's layout again and those
+copies replace kvbridge's (``engine_copies``); the call points stay the same.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kvbridge.connector.common.config import ConfigError, parse_buffer_device
 from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, EngineCopies
 from kvbridge.layouts.allocation import KVCacheBuffers, UnitSlot
+
+logger = logging.getLogger(__name__)
 
 COPY_BUDGET_BYTES = 64 << 20  # bytes of scattered rows gathered per copy across
 MAX_RUN_COPIES = 32  # GPU <-> host: up to this many runs, one copy per run
@@ -67,9 +76,14 @@ def host_stage_for(
     *,
     forced: bool | None = None,
     repacks: bool = False,
+    engine_copies: Callable[[KVCacheBuffers], EngineCopies | str] | None = None,
 ) -> HostStage | None:
     """The worker's host stage, or None when NIXL moves the cache itself. ``forced``
-    overrides the choice (True: stage even a cache in host memory)."""
+    overrides the choice (True: stage even a cache in host memory). ``engine_copies``:
+    the engine's copies for a cache, or why they cannot serve it (see
+    :func:`~kvbridge.connector.worker.staging.engine_copies.engine_copies_for`). Which
+    copies run is logged once: here for kvbridge's, in :meth:`HostStage.use_engine_op`
+    for the engine's."""
     staged = stages_through_host(kv_buffer_device, buffers.device)
     if forced is not None:
         staged = forced
@@ -81,19 +95,41 @@ def host_stage_for(
             f"which engine-packed pages (a repacker) do not support; move the cache's own "
             f"memory (kv_buffer_device 'auto')"
         )
+    chosen = engine_copies(buffers) if engine_copies is not None else "the engine offers no copies"
+    if isinstance(chosen, EngineCopies):
+        return HostStage(buffers, metrics, engine_copies=chosen)
+    logger.info(
+        "kvbridge host staging (kv_buffer_device=%r): blocks copied by kvbridge (%s)",
+        kv_buffer_device,
+        chosen,
+    )
     return HostStage(buffers, metrics)
 
 
 class HostStage:
-    """The pinned host mirror of ``device_buffers``, and the copies between the two."""
+    """The pinned host mirror of ``device_buffers``, and the copies between the two.
 
-    def __init__(self, device_buffers: KVCacheBuffers, metrics: ConnectorMetrics) -> None:
+    With ``engine_copies`` the mirror has the engine's layout, and once the engine hands
+    over its copy operation (:meth:`use_engine_op`) that operation replaces kvbridge's
+    copies; :attr:`copy_path` says which copies run."""
+
+    def __init__(
+        self,
+        device_buffers: KVCacheBuffers,
+        metrics: ConnectorMetrics,
+        *,
+        engine_copies: EngineCopies | None = None,
+    ) -> None:
         self.device_buffers = device_buffers
-        pin = device_buffers.device.type == "cuda"
-        self.host_buffers = KVCacheBuffers(
-            device_buffers.config, device_buffers.format, "cpu", pin_memory=pin
-        )
         self._metrics = metrics
+        self._engine = engine_copies
+        if engine_copies is not None:
+            self.host_buffers = engine_copies.host_buffers
+        else:
+            pin = device_buffers.device.type == "cuda"
+            self.host_buffers = KVCacheBuffers(
+                device_buffers.config, device_buffers.format, "cpu", pin_memory=pin
+            )
         # per group: (cache slot, mirror slot) pairs, built once (same config and format)
         self._slots = {
             g.group_id: list(
@@ -106,8 +142,28 @@ class HostStage:
             for g in device_buffers.config.groups
         }
 
+    @property
+    def copy_path(self) -> str:
+        """``"vllm"`` while the engine's operation copies the blocks, else ``"kvbridge"``."""
+        engine = self._engine
+        return engine.name if engine is not None and engine.op is not None else "kvbridge"
+
+    def use_engine_op(self, op: CopyBlocksOp) -> str:
+        """The engine's block-copy operation (vLLM: ``set_host_xfer_buffer_ops``): used
+        from now on when it can copy this cache's blocks; the copy path, logged once."""
+        if self._engine is not None:
+            self._engine.op = op
+            logger.info(
+                "kvbridge host staging: blocks copied by %s's copy operation (%d layers)",
+                self._engine.name,
+                len(self.device_buffers.config.layer_names),
+            )
+        return self.copy_path
+
     def to_host(self, group_id: int, block_ids: np.ndarray) -> int:
         """Copy blocks of one group from the cache to the mirror; the bytes copied."""
+        if self._engine is not None and self._engine.op is not None:
+            return self._engine.to_host(group_id, block_ids, self._metrics)
         pairs = self._slots[group_id]
         moved = _copy_blocks(self.device_buffers, self.host_buffers, pairs, block_ids)
         self._metrics.staged_to_host_bytes += moved
@@ -115,6 +171,8 @@ class HostStage:
 
     def to_device(self, group_id: int, block_ids: np.ndarray) -> int:
         """Copy blocks of one group from the mirror into the cache; the bytes copied."""
+        if self._engine is not None and self._engine.op is not None:
+            return self._engine.to_device(group_id, block_ids, self._metrics)
         pairs = [(h, d) for d, h in self._slots[group_id]]
         moved = _copy_blocks(self.host_buffers, self.device_buffers, pairs, block_ids)
         self._metrics.staged_to_device_bytes += moved
