@@ -54,6 +54,9 @@ class ConnectorMetrics:
     held_overdue: int = 0
     # a background thread (idle progress) died: the worker reports itself unhealthy
     background_thread_failures: int = 0
+    # the idle-progress thread woke STALL_S or more late: the process's Python could not run
+    progress_stalls: int = 0
+    progress_stall_seconds: float = 0.0
     heartbeats_sent: int = 0
     claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
     # prefill: Push requests whose writes completed (one per load, or one per round of
@@ -119,6 +122,8 @@ HELP = {
     "loads_held": "Failed loads reported only after their in-flight READs ended.",
     "held_overdue": "Failed loads whose READs still ran transfer_timeout_s after failing.",
     "background_thread_failures": "Background threads that died (the worker is unhealthy).",
+    "progress_stalls": "Times the progress thread could not run for a second or more.",
+    "progress_stall_seconds": "Seconds the progress thread was late in those stalls.",
     "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
     "pushes_written": "Push requests prefill wrote to completion.",

@@ -7,6 +7,12 @@ step: vLLM, once a prefill request has finished, waits for new requests, so a de
 arrives. :class:`IdleProgress` runs the worker's progress from a thread whenever the engine
 has not called in for ``interval_s``; the engine's calls and this thread share one lock, so
 the worker is never entered twice at once.
+
+The thread also reports when it could not run: it wakes every ``interval_s``, so a wake-up
+``STALL_S`` or more late means it could not get the GIL or a CPU (the GIL held through a
+long native call, e.g. an Inductor-compiled kernel of the engine's forward, which keeps
+it; or the process starved of CPU). Every transfer step kvbridge takes in this process waited as
+long; the stall is logged and counted so that a slow load can be told from a slow network.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from kvbridge.handshake.affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 
+STALL_S = 1.0  # a wake-up this much later than due is a stall: logged and counted
+
 
 class IdleProgress:
     __slots__ = (
@@ -28,6 +36,7 @@ class IdleProgress:
         "_last_call",
         "_lock",
         "_on_failure",
+        "_on_stall",
         "_progress",
         "_stop",
         "_thread",
@@ -42,11 +51,14 @@ class IdleProgress:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_failure: Callable[[str], None] = lambda reason: None,
+        on_stall: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         """``on_failure(reason)``: the thread died (a bug in a progress round); the worker
-        then reports itself unhealthy, and progress is left to the engine's calls."""
+        then reports itself unhealthy, and progress is left to the engine's calls.
+        ``on_stall(seconds)``: the thread woke ``seconds`` (>= ``STALL_S``) later than due."""
         self._lock = lock
         self._on_failure = on_failure
+        self._on_stall = on_stall
         self.failure: str | None = None  # why the thread stopped, if it died
         self._progress = progress
         self._interval_s = interval_s
@@ -64,8 +76,13 @@ class IdleProgress:
 
     def _run(self) -> None:
         unpin_current_thread()  # never on a core the engine pinned for itself
-        while not self._stop.wait(self._interval_s):
-            if self._clock() - self._last_call < self._interval_s:
+        while True:
+            due = self._clock() + self._interval_s  # a progress round's own time excluded
+            if self._stop.wait(self._interval_s):
+                return
+            now = self._clock()
+            self._check_stall(now - due)
+            if now - self._last_call < self._interval_s:
                 continue
             if not self._lock.acquire(blocking=False):
                 continue  # the engine is in a call right now
@@ -78,6 +95,19 @@ class IdleProgress:
                 return
             finally:
                 self._lock.release()
+
+    def _check_stall(self, late_s: float) -> None:
+        if late_s < STALL_S:
+            return
+        logger.warning(
+            "kvbridge's progress thread could not run for %.1f s (due every %.0f ms): the GIL "
+            "was held through a long native call (such as a compiled kernel of the engine's "
+            "forward) or the process had no CPU; kvbridge's transfer steps in this process "
+            "waited as long",
+            late_s + self._interval_s,
+            1e3 * self._interval_s,
+        )
+        self._on_stall(late_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -125,7 +125,11 @@ class KVBridgeWorker:
         idle_ms = extra.idle_progress_ms
         self._idle = (
             IdleProgress(  # real time, always
-                self._lock, self._progress, idle_ms / 1000, on_failure=self._thread_died
+                self._lock,
+                self._progress,
+                idle_ms / 1000,
+                on_failure=self._thread_died,
+                on_stall=self._progress_stalled,
             )
             if idle_ms
             else None
@@ -138,6 +142,10 @@ class KVBridgeWorker:
 
     def _thread_died(self, reason: str) -> None:
         self.metrics.background_thread_failures += 1
+
+    def _progress_stalled(self, late_s: float) -> None:
+        self.metrics.progress_stalls += 1
+        self.metrics.progress_stall_seconds += late_s
 
     # -- setup ----------------------------------------------------------------------------
 

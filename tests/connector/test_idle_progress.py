@@ -67,3 +67,36 @@ def test_a_healthy_worker_says_so() -> None:
         assert side.worker.unhealthy_reason is None
     finally:
         side.worker.shutdown()
+
+
+def test_a_late_wake_up_is_a_stall_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """The thread wakes every interval; when it could not run (here its clock says its
+    first wake-up came 3 s after it started waiting, as when the GIL was held through a
+    long native call), it says so and reports how late it was, once."""
+    readings = iter([0.0, 0.0, 3.0])  # the constructor, the first wait's start, its end
+
+    def clock() -> float:
+        return next(readings, 3.0)
+
+    stalls: list[float] = []
+    idle = IdleProgress(threading.RLock(), lambda: None, 0.002, clock=clock, on_stall=stalls.append)
+    with caplog.at_level("WARNING", logger="kvbridge.connector.worker.idle_progress"):
+        idle.start()
+        try:
+            _wait(lambda: stalls, "the stall to be reported")
+        finally:
+            idle.close()
+    assert stalls == [pytest.approx(3.0 - 0.002)]  # once: later wake-ups were on time
+    assert "could not run for 3.0 s" in caplog.text
+
+
+def test_a_stall_shows_in_the_workers_metrics() -> None:
+    fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+    side = make_side("kv_producer", "p", 16, fmt, "F", FakeClock(), extra={"idle_progress_ms": 2})
+    try:
+        side.worker._progress_stalled(2.5)
+        text = side.worker.metrics.prometheus()
+        assert "kvbridge_progress_stalls_total 1.0" in text
+        assert "kvbridge_progress_stall_seconds_total 2.5" in text
+    finally:
+        side.worker.shutdown()
