@@ -40,9 +40,11 @@ from vllm.v1.worker.utils import (
     prepare_kernel_block_sizes,
 )
 
-# Backends whose class imports on vLLM's CPU build (the others need CUDA libraries at
-# import time: FlashInfer needs the flashinfer package, CUTLASS MLA a CUDA torch,
-# FlashAttention MLA vllm_flash_attn; see docs/vllm-gpu.md).
+from tests.vllm_layouts import backends
+
+# Backends whose class imports on vLLM's CPU build. Any other name vLLM's registry knows
+# (FlashInfer, CUTLASS MLA, FlashAttention MLA, ...) is loaded by ``backends.load``, with
+# the narrow stand-ins its module needs to import here.
 BACKENDS = {
     "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",
     "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
@@ -57,6 +59,8 @@ MLA_BACKENDS = ("TRITON_MLA", "FLASHMLA")
 
 
 def backend(name: str) -> Any:
+    if name not in BACKENDS:
+        return backends.load(name)
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
