@@ -19,24 +19,18 @@ from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 
 import tests.vllm_layouts.test_vllm_pairs as pairs
 from kvbridge.connector.common.config import ConfigError
 from kvbridge.layouts.arrangement import HeadOrder
 from tests.vllm_layouts.backends import SHIMS, BackendImportError, class_path, import_cause, load
-from tests.vllm_layouts.test_vllm_allocation import adopt, check_every_token
-from tests.vllm_layouts.vllm_alloc import (
-    KVCacheLayout,
-    Model,
-    allocate,
-    backend,
-    get_supported_kv_cache_layouts,
-)
+from tests.vllm_layouts.test_vllm_allocation import BLOCK_SIZES, adopt, check_every_token
+from tests.vllm_layouts.vllm_alloc import KVCacheLayout, Model, allocate, backend
 from tests.vllm_layouts.vllm_peer import SideSpec
 
 pytestmark = pytest.mark.vllm
 
-BLOCK_SIZES = (16, 32, 64, 128)
 # DeepSeek-V3's MLA: vLLM's MLAAttention caches kv_lora_rank + qk_rope_head_dim per token
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64
 MLA_HEAD = KV_LORA_RANK + QK_ROPE_HEAD_DIM
@@ -51,15 +45,24 @@ MLA = (
     "TOKENSPEED_MLA",
     "CPU_MLA",
     "AMX_MLA",
+    # sparse MLA (DeepSeek V3.2): the latent cache; the indexer's own cache is not covered
+    "FLASHMLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM120",
+    "FLASHINFER_MLA_SPARSE_SM90",
+    "FLASH_ATTN_MLA_SPARSE",
+    "ROCM_AITER_MLA_SPARSE",
+    "XPU_MLA_SPARSE",
 )
 NAMES = FLASHINFER + MLA
 
 
-def model(name: str, dtype_str: str = "auto") -> Model:
-    dtype = kv_cache_dtype_str_to_dtype(dtype_str, None)  # vLLM's cache dtype (fp8: 1 byte)
-    if name in MLA:
-        return Model(mla=True, head_size=MLA_HEAD, dtype=dtype)
-    return Model(head_size=128, dtype=dtype)  # FlashInfer's smallest head size: 64
+def model(name: str, kv_cache_dtype: str = "auto") -> Model:
+    """The model's layers as vLLM's would declare them under ``--kv-cache-dtype``."""
+    if name in MLA:  # vLLM's MLAAttention.get_kv_cache_spec builds the latent spec
+        return Model(mla=True, head_size=MLA_HEAD, mla_kv_cache_dtype=kv_cache_dtype)
+    dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, None)  # vLLM's (fp8: one byte)
+    return Model(head_size=128, dtype=dtype)  # FlashInfer's smallest head size is 64
 
 
 def expected_kernel_block(name: str, layout: KVCacheLayout, block_size: int) -> int | None:
@@ -161,6 +164,22 @@ def test_fp8_cache_one_byte_elements(backend_name, layout):
     b = adopt(a)
     assert b.config.groups[0].spec.itemsize == 1
     check_every_token(a, b)
+
+
+def test_sparse_mla_packed_fp8_tokens_are_refused_by_name():
+    """FlashMLA sparse's fp8_ds_mla packs NoPE + RoPE + scales into an opaque 656-byte
+    token (vLLM's spec says so in state_content_bytes): kvbridge refuses it, typed."""
+    a = allocate(
+        model("FLASHMLA_SPARSE", "fp8_ds_mla"),
+        block_size=64,
+        layout=KVCacheLayout.LBHNC,
+        backend_name="FLASHMLA_SPARSE",
+    )
+    assert next(iter(a.kv_caches.values())).shape[-1] == 656
+    with pytest.raises(ConfigError, match="state_content_bytes=656 is not supported") as exc:
+        adopt(a)
+    if "kv-cache-dtype" not in str(exc.value):
+        pytest.xfail("kvbridge's refusal does not name what to change (--kv-cache-dtype)")
 
 
 def test_flashinfer_on_blackwell_declares_head_major_layouts(monkeypatch):
