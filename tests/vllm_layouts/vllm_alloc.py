@@ -122,14 +122,10 @@ class Model:
 def mla_layer_spec(head_size: int, kv_cache_dtype: str, block_size: int) -> KVCacheSpec:
     """What vLLM's ``MLAAttention.get_kv_cache_spec`` returns for a dense MLA layer caching
     ``head_size`` (kv_lora_rank + qk_rope_head_dim) under ``--kv-cache-dtype``: vLLM's
-    method, run on the four attributes it reads (a layer needs a model to construct)."""
-    layer = SimpleNamespace(
-        kv_cache_dtype=kv_cache_dtype,
-        head_size=head_size,
-        sliding_window=None,
-        indexer=None,
-        non_causal_multi_token_decode=False,
-    )
+    method, run on the attributes it reads (a layer needs a whole model to construct)."""
+    # a dense layer: no sliding window, no sparse indexer
+    layer = SimpleNamespace(sliding_window=None, indexer=None, non_causal_multi_token_decode=False)
+    layer.kv_cache_dtype, layer.head_size = kv_cache_dtype, head_size
     config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size), model_config=None)
     return MLAAttention.get_kv_cache_spec(layer, config)
 
