@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import vllm.config  # vLLM's backends import it first (circular imports otherwise)
 import vllm.model_executor.layers.attention  # noqa: F401
 from vllm.config import CacheConfig, VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
@@ -40,9 +42,11 @@ from vllm.v1.worker.utils import (
     prepare_kernel_block_sizes,
 )
 
-# Backends whose class imports on vLLM's CPU build (the others need CUDA libraries at
-# import time: FlashInfer needs the flashinfer package, CUTLASS MLA a CUDA torch,
-# FlashAttention MLA vllm_flash_attn; see docs/vllm-gpu.md).
+from tests.vllm_layouts import backends
+
+# Backends whose class imports on vLLM's CPU build. Any other name vLLM's registry knows
+# (FlashInfer, CUTLASS MLA, FlashAttention MLA, ...) is loaded by ``backends.load``, with
+# the narrow stand-ins its module needs to import here.
 BACKENDS = {
     "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",
     "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
@@ -57,6 +61,8 @@ MLA_BACKENDS = ("TRITON_MLA", "FLASHMLA")
 
 
 def backend(name: str) -> Any:
+    if name not in BACKENDS:
+        return backends.load(name)
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -71,13 +77,18 @@ class Model:
     dtype: torch.dtype = torch.float16
     sliding_window: int | None = None  # every other layer sliding (hybrid) when set
     mla: bool = False
+    # set: the MLA layers' spec comes from vLLM's own MLAAttention.get_kv_cache_spec for
+    # this --kv-cache-dtype (e.g. "fp8_ds_mla": opaque 656-byte tokens); dtype is then unused
+    mla_kv_cache_dtype: str | None = None
     mamba_layers: int = 0  # Mamba2-style state layers after the attention layers
 
     def specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         out: dict[str, KVCacheSpec] = {}
         for i in range(self.num_layers):
             name = f"model.layers.{i}.self_attn.attn"
-            if self.mla:
+            if self.mla and self.mla_kv_cache_dtype is not None:
+                out[name] = mla_layer_spec(self.head_size, self.mla_kv_cache_dtype, block_size)
+            elif self.mla:
                 out[name] = MLAAttentionSpec(
                     block_size=block_size,
                     num_kv_heads=1,
@@ -106,6 +117,17 @@ class Model:
                 dtypes=(self.dtype, torch.float32),
             )
         return out
+
+
+def mla_layer_spec(head_size: int, kv_cache_dtype: str, block_size: int) -> KVCacheSpec:
+    """What vLLM's ``MLAAttention.get_kv_cache_spec`` returns for a dense MLA layer caching
+    ``head_size`` (kv_lora_rank + qk_rope_head_dim) under ``--kv-cache-dtype``: vLLM's
+    method, run on the attributes it reads (a layer needs a whole model to construct)."""
+    # a dense layer: no sliding window, no sparse indexer
+    layer = SimpleNamespace(sliding_window=None, indexer=None, non_causal_multi_token_decode=False)
+    layer.kv_cache_dtype, layer.head_size = kv_cache_dtype, head_size
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size), model_config=None)
+    return MLAAttention.get_kv_cache_spec(layer, config)
 
 
 @dataclass
