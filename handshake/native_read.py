@@ -69,13 +69,20 @@ def native_stream(
             for q in range(chunks)
         ]
     )
-    stride = int(per_chunk[1, 0] - per_chunk[0, 0]) if chunks > 1 else 0
-    if not np.array_equal(per_chunk, per_chunk[:1] + stride * np.arange(chunks)[:, None]):
+    # every chunk must be the same pieces, shifted: each chunk then starts where its first
+    # element lies. Chunks of a sender whose kernel blocks are smaller than its blocks are
+    # not evenly spaced (the next kernel block is further away): the stream lists each
+    # chunk's start then
+    chunk_starts = per_chunk[:, 0]
+    shape = per_chunk - chunk_starts[:, None]
+    if not (shape == shape[:1]).all():
         raise LayoutError(
             f"group {group_id}: the sender's {rewrite.src} blocks cannot be read as "
-            f"{rewrite.dst} chunks without a rewrite (chunks are not evenly spaced)"
+            f"{rewrite.dst} chunks without a rewrite (its chunks are not laid out alike)"
         )
-    first = per_chunk[0]
+    stride = int(chunk_starts[1] - chunk_starts[0]) if chunks > 1 else 0
+    even = bool((chunk_starts == chunk_starts[0] + stride * np.arange(chunks)).all())
+    first = per_chunk[0] if even else shape[0]
     breaks = np.flatnonzero(np.diff(first) != 1) + 1
     starts = np.concatenate([breaks, np.arange(0, first.size, n)])
     run = int(np.gcd.reduce(np.concatenate([[n], starts])))
@@ -101,4 +108,5 @@ def native_stream(
         length=length,
         local_chunk_bytes=stream.local_chunk_bytes,
         remote_chunk_bytes=stride * elem if chunks > 1 else stream.remote_chunk_bytes,
+        remote_chunk_starts=() if even else tuple(int(x) * elem for x in chunk_starts),
     )

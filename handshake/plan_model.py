@@ -55,6 +55,11 @@ class PieceStream:
     length: int
     local_chunk_bytes: int  # distance between chunks inside a local unit
     remote_chunk_bytes: int
+    # where each remote chunk starts inside the remote unit, when its chunks are not evenly
+    # spaced (a sender read natively whose kernel sub-blocks are smaller than its block:
+    # HND tokens 0..31 and 32..63 of a 64-token sub-block lie 32 rows apart, the next
+    # sub-block a whole sub-block further); () means chunk q starts at q * remote_chunk_bytes
+    remote_chunk_starts: tuple[int, ...] = ()
 
     @property
     def num_pieces(self) -> int:
@@ -103,6 +108,10 @@ class GroupPlan:
         return _offsets(self.local_chunks_per_block, stream.local_chunk_bytes, stream.local_offsets)
 
     def remote_offsets(self, stream: PieceStream) -> np.ndarray:
+        if stream.remote_chunk_starts:
+            starts = np.asarray(stream.remote_chunk_starts, dtype=np.int64)[:, None]
+            pieces = np.asarray(stream.remote_offsets, dtype=np.int64)[None, :]
+            return (starts + pieces).reshape(-1)
         return _offsets(
             self.remote_chunks_per_block, stream.remote_chunk_bytes, stream.remote_offsets
         )

@@ -296,7 +296,12 @@ class PeerDirectory:
         """This worker's descriptor list for a plan's stream, prepared once and shared."""
         # the attributes the offsets derive from (no array built per call: a hot path)
         if self._writer:
-            side = (stream.remote_region, stream.remote_offsets, group.remote_chunks_per_block)
+            side = (
+                stream.remote_region,
+                stream.remote_offsets,
+                group.remote_chunks_per_block,
+                stream.remote_chunk_starts,
+            )
             chunk_bytes = stream.remote_chunk_bytes
         else:
             side = (stream.local_region, stream.local_offsets, group.local_chunks_per_block)
