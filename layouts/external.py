@@ -13,9 +13,8 @@ with every axis inside a block dense. The block axis may be sparser than one pag
 the layers are views into one canonical cross-layer buffer, which is accepted when every
 layer shares one storage, one block stride of ``num_layers * page`` bytes, and sits at
 ``i * page`` in the group-major layer order kvbridge uses (see ``allocation.py``).
-Two head-outer orders are accepted too: vLLM's BHLNC (a cross-layer view whose head axis
-holds every layer's run between two heads, ``_adopt_head_outer``) and LHBNC (each layer
-``[H, kernel_blocks, kb, C]``: heads above the blocks, see ``heads_outer.py``).
+Head-outer orders too: vLLM's BHLNC (a cross-layer view, every layer's run between two
+heads) and LHBNC (each layer ``[H, kernel_blocks, kb, C]``, see ``heads_outer.py``).
 
 Anything else is a :class:`ExternalLayoutError` naming the layer, its shape and strides,
 and the shapes that would have been accepted; never a silent wrong read.
@@ -50,9 +49,12 @@ class LayerFormat:
     # 0: the heads of a block are dense. Else the distance between two heads of a block:
     # the layer is a view into a head-outer cross-layer buffer (vLLM's BHLNC)
     head_stride_bytes: int = 0
-    # heads above the blocks (vLLM's LHBNC): each head's blocks are one run of the layer,
-    # ``head_stride_bytes`` apart; ``block_stride_bytes`` is one head's run of a block
+    # heads above blocks (LHBNC): block_stride_bytes is then one head's run of a block
     heads_outer: bool = False
+
+    def __str__(self) -> str:
+        outer = " heads-outer (LHBNC)" if self.heads_outer else ""
+        return f"{self.packing.value} {self.layout.value} kb={self.kernel_block_size}{outer}"
 
 
 def _physical(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -248,10 +250,10 @@ def adopt_kv_caches(
             )
     first = formats[config.layer_names[0]]
     for name, f in formats.items():
-        if _key(f) != _key(first):
+        if str(f) != str(first):
             raise ExternalLayoutError(
-                f"layer {name!r} is {_key(f)} but layer {config.layer_names[0]!r} is "
-                f"{_key(first)}; kvbridge needs one format"
+                f"layer {name!r} is {f} but layer {config.layer_names[0]!r} is {first}; "
+                f"kvbridge needs one format"
             )
     groups = tuple(
         replace(g, spec=replace(g.spec, kv_interleaved=formats[g.layer_names[0]].kv_interleaved))
@@ -293,11 +295,6 @@ def adopt_kv_caches(
     return KVCacheBuffers.adopt(
         config, fmt, list(unique.values()), layer_bytes, device=tensors[name].device
     )
-
-
-def _key(f: LayerFormat) -> str:
-    outer = " heads-outer (LHBNC)" if f.heads_outer else ""
-    return f"{f.packing.value} {f.layout.value} kb={f.kernel_block_size}{outer}"
 
 
 def _byte_rows(t: torch.Tensor, rows: int, row_bytes: int, stride: int) -> torch.Tensor:
