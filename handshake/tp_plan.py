@@ -198,23 +198,24 @@ def tp_attention_plan(
     if set(lp) != set(rp):
         raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
     layers = lg.num_layers
-    if grain is Granularity.HEAD:  # pieces of one head each: [u, D] per (layer, part)
+    if grain is Granularity.HEAD:  # each piece is one head, already one of the shared ones
+        l_heads, r_heads, (l_first, r_first, count) = 1, 1, (0, 0, 1)
         l_piece = lspec.page_size_bytes // (lspec.num_kv_parts * lh.count * r_local)
         r_piece = rspec.page_size_bytes // (rspec.num_kv_parts * rh.count * r_remote)
-        per_head, lcount, rcount, shift = l_piece, 1, 1, False
     else:
+        l_heads, r_heads = lh.count, rh.count
+        l_first, r_first, count = hs.local_head, hs.remote_head, hs.num_heads
         l_piece = lspec.page_size_bytes * layers // r_local // len(lp)
         r_piece = rspec.page_size_bytes * layers // r_remote // len(rp)
-        per_head, lcount, rcount, shift = l_piece // lh.count, lh.count, rh.count, True
-    if per_head * lcount != l_piece or r_piece != per_head * rcount:
+    per_head = l_piece // l_heads
+    if per_head * l_heads != l_piece or r_piece != per_head * r_heads:
         raise LayoutError(
             f"group {lg.group_id}: pieces of {l_piece} B (local, {lh.count} heads) and "
             f"{r_piece} B (remote, {rh.count} heads) do not hold whole heads of equal size"
         )
-    if shift:
-        lp = _shifted(lp, hs.local_head * per_head)
-        rp = _shifted(rp, hs.remote_head * per_head)
-    streams = group_streams(lp, rp, (hs.num_heads if shift else 1) * per_head)
+    streams = group_streams(
+        _shifted(lp, l_first * per_head), _shifted(rp, r_first * per_head), count * per_head
+    )
     # A sender whose engine may read these blocks meanwhile: its head slice read where it
     # lies (HND: one run per head slice of a (layer, K|V) block part).
     streams, sender, native_read = unless_rewritten(
