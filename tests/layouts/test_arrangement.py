@@ -379,7 +379,7 @@ def test_head_order_names_and_str():
     assert HeadOrder.parse("Chunk") is HeadOrder.IN_CHUNK
     assert HeadOrder.parse(HeadOrder.IN_LAYER) is HeadOrder.IN_LAYER
     assert HeadOrder.parse("OUTER") is HeadOrder.OUTER
-    with pytest.raises(LayoutError, match="unknown head order 'sideways'.*'outer'"):
+    with pytest.raises(LayoutError, match=r"unknown head order 'sideways'.*'outer'"):
         HeadOrder.parse("sideways")
     arr = BlockArrangement(layout=KVLayout.HND, num_chunks=2, sub_blocks_per_chunk=3)
     assert str(arr) == "2x3xHND"
