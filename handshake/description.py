@@ -63,6 +63,7 @@ class RegionInfo:
     group_id: int
     layer_index: int  # index inside the group; -1: every layer of the group (cross-layer)
     kv_part: int  # -1: every part
+    head: int = -1  # -1: every head; else the one head a heads-outer (LHBNC) region holds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +174,7 @@ def describe(
                     group_id=g.group_id,
                     layer_index=-1 if s.layer_index < 0 else s.layer_index - first,
                     kv_part=s.kv_part,
+                    head=s.head,
                 )
             )
     return WorkerDescription(
@@ -214,7 +216,12 @@ def describe(
 
 
 def _region_to_wire(
-    r: KVRegion, *, group_id: int = -1, layer_index: int = -1, kv_part: int = -1
+    r: KVRegion,
+    *,
+    group_id: int = -1,
+    layer_index: int = -1,
+    kv_part: int = -1,
+    head: int = -1,
 ) -> WireRegion:
     return WireRegion(
         name=r.name,
@@ -227,6 +234,7 @@ def _region_to_wire(
         group_id=group_id,
         layer_index=layer_index,
         kv_part=kv_part,
+        head=head,
     )
 
 
@@ -271,6 +279,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
                 group_id=r.group_id,
                 layer_index=r.layer_index,
                 kv_part=r.kv_part,
+                head=r.head,
             )
             for r in desc.regions
         )

@@ -26,7 +26,9 @@ Protocol history:
         WireSpec.state_sharding (default empty: not described): how each state tensor is
         split over TP ranks, so that state groups move between different TP sizes;
         WorkerDescription.kv_heads (default "inner"): where the KV heads sit in a block
-        (CacheFormat.heads; "chunk" is vLLM's head-outer cross-layer BHLNC).
+        (CacheFormat.heads; "chunk" is vLLM's head-outer cross-layer BHLNC, "outer" its
+        LHBNC, which an older peer refuses by name when it parses the description);
+        WireRegion.head (default -1): the head a region holds ("outer" caches).
 """
 
 from __future__ import annotations
@@ -96,9 +98,10 @@ class WireGroup(msgspec.Struct, frozen=True):
 class WireRegion(msgspec.Struct, frozen=True):
     """A registered memory region and where it belongs.
 
-    ``group_id`` / ``layer_index`` / ``kv_part`` are -1 where they do not apply: a
-    canonical cross-layer buffer holds every layer (``layer_index=-1``), a packed block
-    holds K and V together (``kv_part=-1``).
+    ``group_id`` / ``layer_index`` / ``kv_part`` / ``head`` are -1 where they do not
+    apply: a canonical cross-layer buffer holds every layer (``layer_index=-1``), a packed
+    block holds K and V together (``kv_part=-1``), a block holds every head (``head=-1``;
+    a heads-outer cache, vLLM's LHBNC, has one region per layer and head).
     """
 
     name: str
@@ -111,6 +114,7 @@ class WireRegion(msgspec.Struct, frozen=True):
     group_id: int = -1
     layer_index: int = -1
     kv_part: int = -1
+    head: int = -1
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

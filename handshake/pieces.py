@@ -1,27 +1,36 @@
 """Cutting a wire chunk into pieces contiguous on both sides (shared by the plans).
 
-A side's regions hold a group's blocks per layer, per (layer, K/V part) or cross-layer;
-the coarser of the two sides' granularities decides the pieces: one per chunk, per layer
-or per (layer, part).
+A side's regions hold a group's blocks per layer, per (layer, K/V part), per (layer,
+head) (a heads-outer cache, vLLM's LHBNC) or cross-layer; the finer of the two sides'
+granularities decides the pieces: one per chunk, per layer, per (layer, part) or per
+(layer, part, head). Against a heads-outer side the wire chunk (:func:`head_wire`) keeps
+each (layer, part, head) of a chunk in one run ``[t, D]``::
+
+    heads inner (default)       chunk = [layer][part][head][t, D]
+    heads first (a BHLNC side)  chunk = [head][layer][part][t, D]
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.plan_model import Granularity, PieceStream, Rewrite
-from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry, same_bytes
+from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder, UnitGeometry, same_bytes
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.groups import KVCacheGroup
-from kvbridge.layouts.layout import KVPacking
+from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import AttentionSpec
 
-PieceMap = dict[tuple[int, int], tuple[int, int, int]]
+# (layer, part) or, at HEAD granularity, (layer, part, head) -> (region, offset, chunk)
+PieceMap = dict[tuple[int, ...], tuple[int, int, int]]
 
 
 def granularity(side: PeerLayout, spec: AttentionSpec) -> Granularity:
+    if side.format.outer_heads:
+        return Granularity.HEAD
     if side.format.cross_layer:
         return Granularity.GROUP
     if side.format.packing is KVPacking.KV_SPLIT and spec.num_kv_parts == 2:
@@ -40,12 +49,20 @@ def geometries(side: PeerLayout, group_id: int, spec: AttentionSpec) -> list[Uni
             num_layers=num_layers,
             num_kv_parts=parts,
             block_size=spec.block_size,
-            num_heads=spec.num_kv_heads,
+            num_heads=1 if grain is Granularity.HEAD else spec.num_kv_heads,
             head_size=spec.part_head_size,
             itemsize=spec.itemsize,
         )
     )
     return out
+
+
+def head_wire(local: PeerLayout, remote: PeerLayout) -> BlockArrangement:
+    """The wire chunk against a heads-outer side: each (layer, part, head) one run; heads
+    first where a side keeps them so (BHLNC, which then moves its blocks as they are)."""
+    head_outer = HeadOrder.IN_CHUNK in (local.format.heads, remote.format.heads)
+    heads = HeadOrder.IN_CHUNK if head_outer else HeadOrder.INNER
+    return BlockArrangement(layout=KVLayout.HND, parts_outer=True, heads=heads)
 
 
 def pieces(
@@ -54,10 +71,14 @@ def pieces(
     spec: AttentionSpec,
     grain: Granularity,
     chunks_per_block: int,
-) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """(layer in group, part or -1) -> (region index, offset inside a chunk, chunk bytes)."""
+    *,
+    heads_first: bool = False,
+) -> PieceMap:
+    """(layer in group, part or -1) -> (region index, offset inside a chunk, chunk bytes);
+    at HEAD granularity keyed (layer, part, rank-local head), laid out as
+    :func:`head_wire` says (``heads_first``: its head-outer order)."""
     side_grain = granularity(side, spec)
-    out: dict[tuple[int, int], tuple[int, int, int]] = {}
+    out: PieceMap = {}
     page = spec.page_size_bytes
     for idx, info in enumerate(side.regions):
         if info.group_id != group.group_id:
@@ -65,7 +86,9 @@ def pieces(
         layers = range(group.num_layers) if info.layer_index < 0 else [info.layer_index]
         num_layers = len(layers)
         parts_here = 1 if side_grain is Granularity.PART else spec.num_kv_parts
-        expect = num_layers * (page if parts_here == spec.num_kv_parts else page // 2)
+        heads_here = 1 if side_grain is Granularity.HEAD else spec.num_kv_heads
+        expect = num_layers * page * parts_here * heads_here
+        expect //= spec.num_kv_parts * spec.num_kv_heads
         if info.region.block_bytes != expect:
             raise LayoutError(
                 f"region {info.region.name!r} holds {info.region.block_bytes} bytes per block, "
@@ -73,6 +96,19 @@ def pieces(
             )
         chunk = info.region.block_bytes // chunks_per_block
         layer_bytes = chunk // num_layers
+        if grain is Granularity.HEAD:
+            parts = [info.kv_part] if side_grain is Granularity.PART else range(parts_here)
+            heads = [info.head] if side_grain is Granularity.HEAD else range(heads_here)
+            run = chunk // (num_layers * len(parts) * len(heads))
+            for (i, layer), (j, p), (k, h) in itertools.product(
+                enumerate(layers), enumerate(parts), enumerate(heads)
+            ):
+                if heads_first:
+                    at = (k * num_layers + i) * len(parts) + j
+                else:
+                    at = (i * len(parts) + j) * len(heads) + k
+                out[(layer, p, h)] = (idx, at * run, chunk)
+            continue
         for i, layer in enumerate(layers):
             if grain is Granularity.PART:
                 if side_grain is Granularity.PART:

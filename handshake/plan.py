@@ -13,7 +13,9 @@ group the plan fixes:
   sub-blocks larger than ``u``, K/V order), rewrite it;
 * the *pieces* a chunk is cut into so that every piece is contiguous on both sides: one
   per chunk when both sides are cross-layer, one per layer against a per-layer peer, one
-  per (layer, K/V) against a kv-split peer; state groups move ``state_bytes`` per layer.
+  per (layer, K/V) against a kv-split peer, one per (layer, K/V, head) against a
+  heads-outer peer (vLLM's LHBNC, whose every (layer, head) is a region of its own);
+  state groups move ``state_bytes`` per layer.
 
 A sender that may not rewrite its blocks (``rewrites_in_place`` false: an engine whose
 prefix cache lets running requests read a block while a reader holds it) is read in its
@@ -43,6 +45,7 @@ from kvbridge.handshake.packed_plan import check_block_packing, packed_plan
 from kvbridge.handshake.pieces import (
     granularity,
     group_streams,
+    head_wire,
     pieces,
     rewrites,
     wire_chunk,
@@ -190,8 +193,13 @@ def _attention_plan(
         parts_outer=grain is Granularity.PART,
         heads=local.format.heads if head_outer else HeadOrder.INNER,
     )
+    if grain is Granularity.HEAD:  # a heads-outer side: each (layer, part, head) one run
+        wire = head_wire(local, remote)
     sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
-    streams = _attention_streams(local, remote, lg, lspec, rspec, grain, r_local, r_remote)
+    heads_first = grain is Granularity.HEAD and wire.heads is HeadOrder.IN_CHUNK
+    streams = _attention_streams(
+        local, remote, lg, lspec, rspec, grain, r_local, r_remote, heads_first=heads_first
+    )
     streams, sender, native_read = unless_rewritten(
         streams, remote, rg.group_id, rspec, sender, r_remote, min_native_piece_bytes
     )
@@ -217,9 +225,11 @@ def _attention_streams(
     grain: Granularity,
     r_local: int,
     r_remote: int,
+    *,
+    heads_first: bool = False,
 ) -> tuple[PieceStream, ...]:
-    lp = pieces(local, group, lspec, grain, r_local)
-    rp = pieces(remote, group, rspec, grain, r_remote)
+    lp = pieces(local, group, lspec, grain, r_local, heads_first=heads_first)
+    rp = pieces(remote, group, rspec, grain, r_remote, heads_first=heads_first)
     if set(lp) != set(rp):
         raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
     chunk_bytes = lspec.page_size_bytes * group.num_layers // r_local

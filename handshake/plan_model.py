@@ -21,6 +21,7 @@ from kvbridge.layouts.specs import KVCacheKind
 class Granularity(enum.IntEnum):
     """How much of a block one region row holds; lower is finer."""
 
+    HEAD = -1  # one layer, one part, one head (a heads-outer cache: vLLM's LHBNC)
     PART = 0  # one layer, one of K/V
     LAYER = 1  # one layer, K and V
     GROUP = 2  # every layer of the group (cross-layer)

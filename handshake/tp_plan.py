@@ -10,6 +10,8 @@ heads are outermost, and the shared heads are one contiguous byte range::
                                                                   (chunk, source rank)
     per-layer on a side      layer = [head][K|V][t, D]         -> 1 per (layer, chunk)
     kv-split on a side       part  = [head][t, D]              -> 1 per (layer, part, chunk)
+    heads-outer on a side    (``pieces.head_wire``)            -> 1 per (layer, part, head,
+                             (vLLM's LHBNC)                         chunk): the shared heads
 
 The receiver rewrites its blocks back to its native arrangement once every source rank's
 heads have arrived. Block-size, layout, kernel-block and granularity differences combine
@@ -36,6 +38,7 @@ from kvbridge.handshake.pieces import (
     PieceMap,
     granularity,
     group_streams,
+    head_wire,
     pieces,
     rewrites,
     wire_chunk,
@@ -172,34 +175,46 @@ def tp_attention_plan(
         # Read where the sender keeps its heads: inside each (layer, K|V) part, so that an
         # HND sender's head slice is one run per part and no rewrite is needed. A
         # head-outer sender (vLLM's BHLNC) keeps a head slice of a whole block in one run.
-        grain = Granularity.PART
-    wire = BlockArrangement(
-        layout=KVLayout.HND,
-        parts_outer=grain is Granularity.PART,
-        heads={
-            Granularity.GROUP: HeadOrder.IN_CHUNK,
-            Granularity.LAYER: HeadOrder.IN_LAYER,
-            Granularity.PART: HeadOrder.INNER,  # HND with K and V apart: [part][head][t, D]
-        }[grain],
-    )
+        grain = min(grain, Granularity.PART)
+    if grain is Granularity.HEAD:
+        wire = head_wire(local, remote)
+    else:
+        wire = BlockArrangement(
+            layout=KVLayout.HND,
+            parts_outer=grain is Granularity.PART,
+            heads={
+                Granularity.GROUP: HeadOrder.IN_CHUNK,
+                Granularity.LAYER: HeadOrder.IN_LAYER,
+                Granularity.PART: HeadOrder.INNER,  # HND with K and V apart: [part][head][t, D]
+            }[grain],
+        )
     sender, receiver = rewrites(local, remote, lg, rg, wire, r_local, r_remote)
-    lp = pieces(local, lg, lspec, grain, r_local)
-    rp = pieces(remote, rg, rspec, grain, r_remote)
+    heads_first = grain is Granularity.HEAD and wire.heads is HeadOrder.IN_CHUNK
+    lp = pieces(local, lg, lspec, grain, r_local, heads_first=heads_first)
+    rp = pieces(remote, rg, rspec, grain, r_remote, heads_first=heads_first)
+    if grain is Granularity.HEAD:  # the shared heads' pieces, renumbered from 0
+        lp = _heads(lp, hs.local_head, hs.num_heads)
+        rp = _heads(rp, hs.remote_head, hs.num_heads)
     if set(lp) != set(rp):
         raise LayoutError(f"pieces do not correspond: local {sorted(lp)} vs remote {sorted(rp)}")
     layers = lg.num_layers
-    l_piece = lspec.page_size_bytes * layers // r_local // len(lp)
-    r_piece = rspec.page_size_bytes * layers // r_remote // len(rp)
-    per_head = l_piece // lh.count
-    if per_head * lh.count != l_piece or r_piece != per_head * rh.count:
+    if grain is Granularity.HEAD:  # each piece is one head, already one of the shared ones
+        l_heads, r_heads, (l_first, r_first, count) = 1, 1, (0, 0, 1)
+        l_piece = lspec.page_size_bytes // (lspec.num_kv_parts * lh.count * r_local)
+        r_piece = rspec.page_size_bytes // (rspec.num_kv_parts * rh.count * r_remote)
+    else:
+        l_heads, r_heads = lh.count, rh.count
+        l_first, r_first, count = hs.local_head, hs.remote_head, hs.num_heads
+        l_piece = lspec.page_size_bytes * layers // r_local // len(lp)
+        r_piece = rspec.page_size_bytes * layers // r_remote // len(rp)
+    per_head = l_piece // l_heads
+    if per_head * l_heads != l_piece or r_piece != per_head * r_heads:
         raise LayoutError(
             f"group {lg.group_id}: pieces of {l_piece} B (local, {lh.count} heads) and "
             f"{r_piece} B (remote, {rh.count} heads) do not hold whole heads of equal size"
         )
     streams = group_streams(
-        _shifted(lp, hs.local_head * per_head),
-        _shifted(rp, hs.remote_head * per_head),
-        hs.num_heads * per_head,
+        _shifted(lp, l_first * per_head), _shifted(rp, r_first * per_head), count * per_head
     )
     # A sender whose engine may read these blocks meanwhile: its head slice read where it
     # lies (HND: one run per head slice of a (layer, K|V) block part).
@@ -218,6 +233,15 @@ def tp_attention_plan(
         head_slice=(hs.local_head, hs.remote_head, hs.num_heads),
         native_read=native_read,
     )
+
+
+def _heads(side: PieceMap, first: int, count: int) -> PieceMap:
+    """The pieces of heads ``first .. first + count - 1``, keyed by head - ``first``."""
+    return {
+        (*key[:2], key[2] - first): where
+        for key, where in side.items()
+        if first <= key[2] < first + count
+    }
 
 
 def _shifted(side: PieceMap, by: int) -> PieceMap:

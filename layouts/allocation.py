@@ -11,7 +11,15 @@ Inside an attention page: ``r = block_size / kernel_block_size`` kernel sub-bloc
 then padding.
 
 Per-layer allocation keeps one tensor per layer, packed KV_SPLIT ``(2, kernel_blocks,
-...)`` or BLOCKS_FIRST ``(kernel_blocks, 2, ...)``. Either way the buffers describe
+...)`` or BLOCKS_FIRST ``(kernel_blocks, 2, ...)``. Heads-outer per-layer allocation
+(``HeadOrder.OUTER``, vLLM's LHBNC) keeps, per layer, each head's blocks apart::
+
+    layer tensor: [ head 0: block 0 | block 1 | ... ][ head 1: block 0 | ... ] ...
+                            |<- run ->|               run = block_size * C bytes
+
+so a block of one layer is ``H`` runs ``num_blocks * run`` bytes apart: every (layer,
+head) is a region of its own, whose unit is one run (``L * H`` regions and descriptors
+per block; K|V interleaved in ``C``). Either way the buffers describe
 themselves as :class:`UnitSlot` s (rows of bytes per block, plus the region NIXL sees), so
 transforms and descriptor code never branch on the allocation kind.
 """
@@ -50,11 +58,18 @@ class CacheFormat:
     # Where the KV heads sit in a block. ``IN_CHUNK`` (cross-layer only): each head of a
     # block holds every layer of the group in one run, ``[H][L][t, D]`` (vLLM's BHLNC), so
     # a slice of heads (a tensor-parallel rank's share) is one byte range of the block.
+    # ``OUTER`` (per layer only): each layer keeps each head's blocks apart (vLLM's LHBNC).
     heads: HeadOrder = HeadOrder.INNER
 
     def __post_init__(self) -> None:
         if self.heads is HeadOrder.IN_CHUNK and not self.cross_layer:
             raise LayoutError("heads=IN_CHUNK (head-outer blocks) needs a cross-layer cache")
+        if self.heads is HeadOrder.OUTER and (
+            self.cross_layer or self.packing is not KVPacking.BLOCKS_FIRST
+        ):
+            raise LayoutError(
+                "heads=OUTER (per-layer head runs) needs a blocks-first per-layer cache"
+            )
         if self.heads is HeadOrder.IN_LAYER:
             raise LayoutError("heads=IN_LAYER is a wire order, not a cache format")
 
@@ -67,7 +82,13 @@ class CacheFormat:
         native = BlockArrangement.native(
             self.layout, block_size, self.kernel_block_size_for(block_size)
         )
-        return replace(native, heads=self.heads)
+        # OUTER: a unit holds one head, whose tokens are in order whatever the layout
+        return replace(native, heads=HeadOrder.INNER if self.outer_heads else self.heads)
+
+    @property
+    def outer_heads(self) -> bool:
+        """Each (layer, head) of a block is a region of its own (see the module docstring)."""
+        return self.heads is HeadOrder.OUTER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +96,8 @@ class UnitSlot:
     """Rows of bytes a region holds per block for one group (see ``arrangement.py``).
 
     ``geometry`` is None for state groups, whose pages carry no token structure.
-    ``layer_index`` / ``kv_part`` say which layer or part the slot covers (-1: several).
+    ``layer_index`` / ``kv_part`` / ``head`` say which layer, part or head (``OUTER``
+    caches) the slot covers (-1: several).
     """
 
     region: KVRegion
@@ -84,6 +106,7 @@ class UnitSlot:
     geometry: UnitGeometry | None
     layer_index: int = -1
     kv_part: int = -1
+    head: int = -1
 
 
 class KVCacheBuffers:
@@ -125,6 +148,9 @@ class KVCacheBuffers:
                 )
                 self.tensors.append(t)
                 self._layer_bytes[name] = t
+                if fmt.outer_heads:  # (heads, blocks, run): each head's blocks side by side
+                    heads = config.group_of(name).spec.num_kv_heads  # type: ignore[union-attr]
+                    self._layer_bytes[name] = t.view(heads, n, page // heads)
 
     @classmethod
     def adopt(
@@ -138,7 +164,8 @@ class KVCacheBuffers:
     ) -> KVCacheBuffers:
         """Buffers over memory someone else allocated (see ``kvbridge.layouts.external``, which
         checks shapes and strides): ``tensors`` are what NIXL registers, ``layer_bytes``
-        each layer's ``(num_blocks, page_bytes)`` uint8 rows."""
+        each layer's ``(num_blocks, page_bytes)`` uint8 rows (``OUTER``: ``(heads,
+        num_blocks, run)``)."""
         self = cls.__new__(cls)
         self.config, self.format, self.device = config, fmt, torch.device(device)
         for g in config.groups:
@@ -231,6 +258,12 @@ class KVCacheBuffers:
         for i, name in enumerate(group.layer_names):
             rows = self._layer_bytes[name]
             spec = group.spec
+            if self.format.outer_heads:
+                slots += [
+                    self._slot(f"{name}.h{h}", u, group, 1, parts=None, layer=first + i, head=h)
+                    for h, u in enumerate(rows)
+                ]
+                continue
             split = self.format.packing is KVPacking.KV_SPLIT and isinstance(spec, AttentionSpec)
             if split and spec.num_kv_parts == 2:
                 half = page // 2
@@ -280,6 +313,7 @@ class KVCacheBuffers:
         parts: int | None,
         layer: int = -1,
         part: int = -1,
+        head: int = -1,
     ) -> UnitSlot:
         spec = group.spec
         geometry = None
@@ -288,7 +322,7 @@ class KVCacheBuffers:
                 num_layers=num_layers,
                 num_kv_parts=parts or spec.num_kv_parts,
                 block_size=spec.block_size,
-                num_heads=spec.num_kv_heads,
+                num_heads=1 if head >= 0 else spec.num_kv_heads,
                 head_size=spec.part_head_size,
                 itemsize=spec.itemsize,
             )
@@ -309,6 +343,7 @@ class KVCacheBuffers:
             geometry=geometry,
             layer_index=layer,
             kv_part=part,
+            head=head,
         )
 
 
@@ -334,6 +369,11 @@ def read_group_token_major(
         tm = token_major(slot.units.index_select(0, ids), slot.geometry, arr)
         # (N, L, P, T, H, D) -> (L, P, N*T, H, D)
         per_slot.append(tm.permute(1, 2, 0, 3, 4, 5).flatten(2, 3))
+    if buffers.format.outer_heads:  # slots per (layer, head): heads side by side per layer
+        h = spec.num_kv_heads
+        return torch.cat(
+            [torch.cat(per_slot[i : i + h], dim=3) for i in range(0, len(per_slot), h)]
+        )
     if buffers.format.cross_layer or buffers.format.packing is KVPacking.BLOCKS_FIRST:
         return torch.cat(per_slot, dim=0)
     # kv-split per layer: slots alternate K, V per layer

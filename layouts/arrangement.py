@@ -96,6 +96,9 @@ class HeadOrder(Enum):
     INNER = "inner"  # inside each part, as ``layout`` (NHD/HND) says
     IN_LAYER = "layer"  # outermost inside each layer of a chunk
     IN_CHUNK = "chunk"  # outermost inside each chunk, above the layers
+    # A cache format, not an order inside a unit: each layer keeps every head's blocks
+    # apart, heads above blocks (vLLM's LHBNC), so a unit is one (layer, head) of a block
+    OUTER = "outer"
 
     @classmethod
     def parse(cls, value: str | HeadOrder) -> HeadOrder:
@@ -105,7 +108,7 @@ class HeadOrder(Enum):
             return cls(str(value).lower())
         except ValueError:
             raise LayoutError(
-                f"unknown head order {value!r}; expected 'inner', 'layer' or 'chunk'"
+                f"unknown head order {value!r}; expected one of {[h.value for h in cls]}"
             ) from None
 
 

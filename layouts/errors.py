@@ -22,3 +22,7 @@ class NonUniformPageError(LayoutError):
 
 class BlockIdError(LayoutError, IndexError):
     """A block id lies outside the pool or region it indexes."""
+
+
+class ExternalLayoutError(LayoutError):
+    """An engine's KV-cache tensor has a shape or strides kvbridge cannot describe."""

@@ -13,6 +13,8 @@ with every axis inside a block dense. The block axis may be sparser than one pag
 the layers are views into one canonical cross-layer buffer, which is accepted when every
 layer shares one storage, one block stride of ``num_layers * page`` bytes, and sits at
 ``i * page`` in the group-major layer order kvbridge uses (see ``allocation.py``).
+Head-outer orders too: vLLM's BHLNC (a cross-layer view, every layer's run between two
+heads) and LHBNC (each layer ``[H, kernel_blocks, kb, C]``, see ``heads_outer.py``).
 
 Anything else is a :class:`ExternalLayoutError` naming the layer, its shape and strides,
 and the shapes that would have been accepted; never a silent wrong read.
@@ -27,14 +29,11 @@ import torch
 
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.arrangement import HeadOrder
-from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.errors import ExternalLayoutError
 from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.heads_outer import adopt_heads_outer, heads_outer_kernel_block
 from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import AttentionSpec, KVCacheKind
-
-
-class ExternalLayoutError(LayoutError):
-    """An engine's KV-cache tensor has a shape or strides kvbridge cannot describe."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +49,12 @@ class LayerFormat:
     # 0: the heads of a block are dense. Else the distance between two heads of a block:
     # the layer is a view into a head-outer cross-layer buffer (vLLM's BHLNC)
     head_stride_bytes: int = 0
+    # heads above blocks (LHBNC): block_stride_bytes is then one head's run of a block
+    heads_outer: bool = False
+
+    def __str__(self) -> str:
+        outer = " heads-outer (LHBNC)" if self.heads_outer else ""
+        return f"{self.packing.value} {self.layout.value} kb={self.kernel_block_size}{outer}"
 
 
 def _physical(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -107,6 +112,19 @@ def describe_layer(
         raise ExternalLayoutError(f"{where}: negative strides are not supported")
     sizes, strides = _physical(tensor)
     matches = [c for c in _candidates(spec, num_blocks) if c[4] == sizes]
+    kb_outer = heads_outer_kernel_block(sizes, strides, spec, num_blocks)
+    if kb_outer is not None and not matches:  # block stride: one head's run of a block
+        run = spec.block_size * sizes[3] * spec.itemsize
+        return LayerFormat(
+            layout=KVLayout.HND,
+            packing=KVPacking.BLOCKS_FIRST,
+            kv_interleaved=True,
+            kernel_block_size=kb_outer,
+            block_stride_bytes=run,
+            base_addr=tensor.data_ptr(),
+            head_stride_bytes=num_blocks * run,
+            heads_outer=True,
+        )
     if layout_hint is not None and len({c[0] for c in matches}) > 1:
         matches = [c for c in matches if c[0] is layout_hint]
     if not matches:
@@ -121,7 +139,8 @@ def describe_layer(
             f"{where} (memory order {sizes}) matches no layout kvbridge knows for "
             f"{num_blocks} blocks of {spec.block_size} tokens x {spec.num_kv_heads} heads x "
             f"{spec.head_size}; expected one of {accepted} (size-1 axes dropped; kernel "
-            f"blocks that divide the block size also accepted)"
+            f"blocks that divide the block size also accepted), or heads outermost "
+            f"[{spec.num_kv_heads}, kernel blocks, kb, {2 * spec.head_size}] (LHBNC)"
         )
     distinct = {(c[0], c[1], c[2], c[3]) for c in matches}
     if len(distinct) > 1:
@@ -231,16 +250,10 @@ def adopt_kv_caches(
             )
     first = formats[config.layer_names[0]]
     for name, f in formats.items():
-        same = (f.layout, f.packing, f.kernel_block_size) == (
-            first.layout,
-            first.packing,
-            first.kernel_block_size,
-        )
-        if not same:
+        if str(f) != str(first):
             raise ExternalLayoutError(
-                f"layer {name!r} is {f.packing.value} {f.layout.value} kb={f.kernel_block_size}"
-                f" but layer {config.layer_names[0]!r} is {first.packing.value} "
-                f"{first.layout.value} kb={first.kernel_block_size}; kvbridge needs one format"
+                f"layer {name!r} is {f} but layer {config.layer_names[0]!r} is {first}; "
+                f"kvbridge needs one format"
             )
     groups = tuple(
         replace(g, spec=replace(g.spec, kv_interleaved=formats[g.layer_names[0]].kv_interleaved))
@@ -248,6 +261,10 @@ def adopt_kv_caches(
     )
     config = replace(config, groups=groups)
     page = config.page_size_bytes
+    if first.heads_outer:
+        return adopt_heads_outer(
+            config, tensors, kernel_block_size=first.kernel_block_size, block_packing=block_packing
+        )
     if any(f.head_stride_bytes for f in formats.values()):
         fmt = CacheFormat(
             layout=first.layout,
@@ -297,31 +314,16 @@ def _adopt_cross_layer(
 ) -> KVCacheBuffers:
     page = config.page_size_bytes
     names = config.layer_names
-    row = page * len(names)
-    first = tensors[names[0]]
-    storage = first.untyped_storage().data_ptr()
-    base = formats[names[0]].base_addr
-    for i, name in enumerate(names):
-        f, t = formats[name], tensors[name]
-        problems = []
-        if t.untyped_storage().data_ptr() != storage:
-            problems.append("lives in another storage than the first layer")
-        if f.block_stride_bytes != row:
-            problems.append(f"block stride {f.block_stride_bytes} B, expected {row} B")
-        if f.base_addr - base != i * page:
-            problems.append(
-                f"starts {f.base_addr - base} B after the first layer, expected "
-                f"{i * page} B (layer {i} of {list(names)})"
-            )
-        if problems:
-            raise ExternalLayoutError(
-                f"layer {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} is a "
-                f"strided (cross-layer) view but {'; '.join(problems)}; a cross-layer buffer "
-                f"must hold every layer's page of a block side by side, group-major"
-            )
-    buf = _byte_rows(first, config.num_blocks, row, row)
+    buf = _check_layers(
+        config,
+        tensors,
+        formats,
+        layer_step=page,
+        what="strided (cross-layer)",
+        must="hold every layer's page of a block side by side, group-major",
+    )
     layer_bytes = {name: buf[:, i * page : (i + 1) * page] for i, name in enumerate(names)}
-    return KVCacheBuffers.adopt(config, fmt, [buf], layer_bytes, device=first.device)
+    return KVCacheBuffers.adopt(config, fmt, [buf], layer_bytes, device=buf.device)
 
 
 def _adopt_head_outer(
@@ -337,18 +339,43 @@ def _adopt_head_outer(
 
     kvbridge's head-outer cross-layer format (``HeadOrder.IN_CHUNK``) with one group.
     """
-    names = config.layer_names
     if len(config.groups) != 1:
         raise ExternalLayoutError(
             f"a head-outer (BHLNC) cache with {len(config.groups)} KV-cache groups: kvbridge "
             f"moves head-outer blocks of one group only; set VLLM_KV_CACHE_LAYOUT=BLHNC or "
             f"LBHNC for hybrid models"
         )
-    page = config.page_size_bytes
     spec = config.groups[0].spec
     assert isinstance(spec, AttentionSpec)
-    run = page // spec.num_kv_heads
-    row = page * len(names)
+    run = config.page_size_bytes // spec.num_kv_heads
+    buf = _check_layers(
+        config,
+        tensors,
+        formats,
+        layer_step=run,
+        head_stride=run * len(config.layer_names),
+        what="head-outer (BHLNC)",
+        must="hold, per block and head, every layer's run side by side",
+    )
+    return KVCacheBuffers.adopt(config, fmt, [buf], {}, device=buf.device)
+
+
+def _check_layers(
+    config: KVCacheConfig,
+    tensors: Mapping[str, torch.Tensor],
+    formats: Mapping[str, LayerFormat],
+    *,
+    layer_step: int,
+    what: str,
+    must: str,
+    head_stride: int = 0,
+) -> torch.Tensor:
+    """The ``(num_blocks, page * num_layers)`` rows of a cross-layer buffer whose layer
+    ``i`` is a view at ``i * layer_step`` after layer 0 in the first layer's storage,
+    blocks a whole row apart (and heads ``head_stride`` apart, when non-zero); any layer
+    that is not raises :class:`ExternalLayoutError` naming it and ``what`` it must be."""
+    names = config.layer_names
+    row = config.page_size_bytes * len(names)
     first = tensors[names[0]]
     storage = first.untyped_storage().data_ptr()
     base = formats[names[0]].base_addr
@@ -359,18 +386,16 @@ def _adopt_head_outer(
             problems.append("lives in another storage than the first layer")
         if f.block_stride_bytes != row:
             problems.append(f"block stride {f.block_stride_bytes} B, expected {row} B")
-        if f.head_stride_bytes != run * len(names):
-            problems.append(f"head stride {f.head_stride_bytes} B, expected {run * len(names)} B")
-        if f.base_addr - base != i * run:
+        if head_stride and f.head_stride_bytes != head_stride:
+            problems.append(f"head stride {f.head_stride_bytes} B, expected {head_stride} B")
+        if f.base_addr - base != i * layer_step:
             problems.append(
-                f"starts {f.base_addr - base} B after the first layer, expected {i * run} B "
-                f"(layer {i} of {list(names)})"
+                f"starts {f.base_addr - base} B after the first layer, expected "
+                f"{i * layer_step} B (layer {i} of {list(names)})"
             )
         if problems:
             raise ExternalLayoutError(
                 f"layer {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} is a "
-                f"head-outer (BHLNC) view but {'; '.join(problems)}; a head-outer buffer must "
-                f"hold, per block and head, every layer's run side by side"
+                f"{what} view but {'; '.join(problems)}; a {what} buffer must {must}"
             )
-    buf = _byte_rows(first, config.num_blocks, row, row)
-    return KVCacheBuffers.adopt(config, fmt, [buf], {}, device=first.device)
+    return _byte_rows(first, config.num_blocks, row, row)

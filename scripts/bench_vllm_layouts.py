@@ -10,6 +10,8 @@ them), so decode reads them where they are. Rows, both sides in one layout:
     LBNHC  vLLM's default preference when no connector asks (NHD per layer)
     LBHNC  what NixlConnector asks for (HND per layer)
     BHLNC  what kvbridge asks for (head-outer cross-layer)
+    LHBNC  ROCm backends' preference (per layer, each head's blocks apart: one
+           descriptor per (layer, head) run of consecutive blocks)
 
 for each TP pair (prefill:decode). Timed: from binding the load on every decode rank
 until decode rank 0 reports it loaded (the ranks load at once, in this process).
@@ -19,7 +21,7 @@ prefill process; ``x raw`` = raw time / load time. Every load is checked: decode
 heads equal the prefill heads kvbridge.handshake.tp.sources assigns it.
 
 Run:  .venv/bin/python scripts/bench_vllm_layouts.py [--pairs 1:1,1:2,2:1] [--iterations 5]
-          [--layers 16] [--tokens 1024] [--layouts LBNHC,LBHNC,BHLNC]
+          [--layers 16] [--tokens 1024] [--layouts LBNHC,LBHNC,BHLNC,LHBNC]
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def _check(decode, replicas, s: Setup, dtp: int, ptp: int, remote, local) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", default="1:1,1:2,2:1", help="prefill:decode TP sizes")
-    ap.add_argument("--layouts", default="LBNHC,LBHNC,BHLNC")
+    ap.add_argument("--layouts", default="LBNHC,LBHNC,BHLNC,LHBNC")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=1024)

@@ -29,16 +29,9 @@ _VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
     "BLNHC": (KVLayout.NHD, True),
     # head-outer cross-layer: per block, each head holds every layer (HeadOrder.IN_CHUNK)
     "BHLNC": (KVLayout.HND, True),
-}
-
-# Layouts kvbridge cannot move, with what to change. LHBNC (per layer, heads outermost,
-# then blocks) keeps each (layer, head, block) apart: 2 * L * H descriptors per block.
-_REFUSED_LAYOUTS: dict[str, str] = {
-    "LHBNC": (
-        "per layer it keeps each head's blocks apart ([L, H, B, N, C]), which kvbridge "
-        "does not move; every backend that offers LHBNC (ROCm) also offers LBHNC: set "
-        "VLLM_KV_CACHE_LAYOUT=LBHNC (kvbridge asks vLLM for it unless that variable is set)"
-    ),
+    # per layer, heads above blocks: each (layer, head) is a region of its own whose unit
+    # is one head's run of a block, L * H descriptors per block (HeadOrder.OUTER)
+    "LHBNC": (KVLayout.HND, False),
 }
 
 # Keys vLLM itself adds to kv_transfer_params on the way out (its scheduler reports the
@@ -150,10 +143,6 @@ def kv_layout(vllm_kv_cache_config: Any) -> tuple[KVLayout | None, bool | None]:
     if name is None:
         return None, None
     name = getattr(name, "name", name)
-    if name in _REFUSED_LAYOUTS:
-        raise ConfigError(
-            f"vLLM KV-cache layout {name!r} is not supported: {_REFUSED_LAYOUTS[name]}"
-        )
     if name not in _VLLM_LAYOUTS:
         raise ConfigError(
             f"vLLM KV-cache layout {name!r} is not supported; kvbridge reads "

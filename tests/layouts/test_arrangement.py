@@ -374,12 +374,13 @@ def test_token_major_of_a_head_major_unit(heads, parts_outer, chunks):
 
 
 def test_head_order_names_and_str():
-    assert [h.value for h in HeadOrder] == ["inner", "layer", "chunk"]
+    assert [h.value for h in HeadOrder] == ["inner", "layer", "chunk", "outer"]
     assert BlockArrangement(layout=KVLayout.NHD).heads is HeadOrder.INNER
     assert HeadOrder.parse("Chunk") is HeadOrder.IN_CHUNK
     assert HeadOrder.parse(HeadOrder.IN_LAYER) is HeadOrder.IN_LAYER
-    with pytest.raises(LayoutError, match="unknown head order 'outer'"):
-        HeadOrder.parse("outer")
+    assert HeadOrder.parse("OUTER") is HeadOrder.OUTER
+    with pytest.raises(LayoutError, match=r"unknown head order 'sideways'.*'outer'"):
+        HeadOrder.parse("sideways")
     arr = BlockArrangement(layout=KVLayout.HND, num_chunks=2, sub_blocks_per_chunk=3)
     assert str(arr) == "2x3xHND"
     assert str(replace(arr, parts_outer=True, heads=HeadOrder.IN_LAYER)) == "2x3xHNDPN-Hlayer"

@@ -4,8 +4,9 @@ For each backend that imports on the CPU build, each layout it supports, block s
 128 (kernel blocks smaller than manager blocks where the backend declares them), MLA,
 hybrid and fp8 caches: kvbridge adopts the tensors vLLM would pass to
 ``register_kv_caches`` and reads every token's K|V per head back exactly where vLLM's
-per-layer views keep it; or it refuses at startup with a typed error that names what to
-change. The tensors come from ``vllm_alloc`` (vLLM's allocation, no hand-typed shapes).
+per-layer views keep it (LHBNC included: one region per (layer, head)); or it refuses at
+startup with a typed error that names what to change. The tensors come from
+``vllm_alloc`` (vLLM's allocation, no hand-typed shapes).
 """
 
 from __future__ import annotations
@@ -77,13 +78,7 @@ def supported(backend_name: str) -> list[KVCacheLayout]:
     return get_supported_kv_cache_layouts([backend(backend_name)])
 
 
-CASES = [
-    (b, layout, bs)
-    for b in BACKENDS
-    for layout in supported(b)
-    for bs in BLOCK_SIZES
-    if layout is not KVCacheLayout.LHBNC
-]
+CASES = [(b, layout, bs) for b in BACKENDS for layout in supported(b) for bs in BLOCK_SIZES]
 
 
 @pytest.mark.parametrize(("backend_name", "layout", "block_size"), CASES, ids=str)
@@ -105,6 +100,9 @@ def test_backend_layout_block_size_reads_every_token(backend_name, layout, block
     assert fmt.kernel_block_size_for(block_size) == kb
     head_outer = layout is KVCacheLayout.BHLNC and backend_name not in MLA_BACKENDS
     assert (fmt.heads is HeadOrder.IN_CHUNK) is head_outer
+    # LHBNC of one latent head (MLA) is LBHNC byte for byte: described as that
+    heads_outer = layout is KVCacheLayout.LHBNC and backend_name not in MLA_BACKENDS
+    assert (fmt.heads is HeadOrder.OUTER) is heads_outer
     check_every_token(a, buffers)
 
 
@@ -122,9 +120,12 @@ def test_kernel_blocks_smaller_than_manager_blocks_are_exercised():
     check_every_token(mla, adopt(mla))
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC], ids=str)
+@pytest.mark.parametrize(
+    "layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.LHBNC], ids=str
+)
 def test_hybrid_full_and_sliding_groups(layout):
-    """Two groups (full, sliding window): vLLM aliases their layer tensors; each group reads."""
+    """Two groups (full, sliding window): vLLM aliases their layer tensors; each group reads
+    (LHBNC: each group's (layer, head) regions over the shared tensors)."""
     a = allocate(
         Model(num_layers=4, sliding_window=64),
         block_size=32,
@@ -162,12 +163,28 @@ def test_fp8_cache_one_byte_elements():
     check_every_token(a, b)
 
 
-def test_lhbnc_is_refused_at_startup_with_what_to_change():
-    """ROCm prefers LHBNC; kvbridge names the layout and the variable that avoids it."""
+def test_lhbnc_is_adopted_as_one_region_per_layer_and_head():
+    """ROCm prefers LHBNC: each layer keeps each head's blocks apart. kvbridge describes
+    every (layer, head) as a region whose unit per block is that head's run of
+    ``block_size * C`` bytes, ``num_blocks * run`` apart, and reads every token back."""
     assert supported("ROCM_ATTN")[0] is KVCacheLayout.LHBNC
     a = allocate(Model(), block_size=16, layout=KVCacheLayout.LHBNC, backend_name="ROCM_ATTN")
-    with pytest.raises(ConfigError, match=r"LHBNC.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
-        adopt(a)
+    b = adopt(a)
+    assert b.format.heads is HeadOrder.OUTER and not b.format.cross_layer
+    spec = b.config.groups[0].spec
+    n, heads = b.config.num_blocks, spec.num_kv_heads
+    run = 16 * 2 * spec.head_size * spec.itemsize
+    regions = b.regions()
+    assert len(regions) == 3 * heads  # L * H regions, K|V interleaved in each run
+    for i, name in enumerate(b.config.layer_names):
+        base = a.kv_caches[name].data_ptr()
+        for h in range(heads):
+            r = regions[i * heads + h]
+            assert (r.name, r.block_bytes, r.block_stride_bytes) == (f"{name}.h{h}", run, run)
+            assert (r.base_addr, r.num_blocks) == (base + h * n * run, n)
+    with pytest.raises(LayoutError, match="head-outer"):
+        b.layer_bytes(b.config.layer_names[0])
+    check_every_token(a, b)
 
 
 def test_mamba_state_group_is_refused_by_name():

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 TOKENS = 120  # not a multiple of any block size: the last block is partial
 
-FA, TRITON, AITER = "FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA"
+FA, TRITON, AITER, ROCM = "FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_ATTN"
 
 # (prefill, decode, mode): layouts, backends, block sizes (kernel blocks), TP sizes, MLA,
 # fp8 differ between the two sides. Token-major (NHD) <-> head-major (HND, BHLNC) pairs
@@ -70,8 +70,18 @@ PAIRS = [
         SideSpec(FA, "LBHNC", 16, dtype="float8_e4m3fn"),
         "push",
     ),
+    # LHBNC (ROCm's pick): each (layer, head) of a block is a run of its own on that side
+    (SideSpec(ROCM, "LHBNC", 64), SideSpec(FA, "LBHNC", 16), "pull"),
+    (SideSpec(FA, "BHLNC", 32), SideSpec(ROCM, "LHBNC", 16), "push"),
+    (SideSpec(FA, "LHBNC", 16), SideSpec(TRITON, "LHBNC", 64), "pull"),
+    (SideSpec(AITER, "LHBNC", 32, tp_size=2), SideSpec(FA, "LHBNC", 16), "push"),
+    (
+        SideSpec(FA, "LBNHC", 32, head_size=H128),
+        SideSpec(ROCM, "LHBNC", 16, head_size=H128, tp_size=2),
+        "pull",
+    ),
 ]
-_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
+_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
 WIDE_PAIRS = [
     (SideSpec(FA, pl, pb, head_size=H128), SideSpec(FA, dl, db, head_size=H128), mode)
     for pl, dl in itertools.product(_LAYOUTS, repeat=2)
@@ -197,12 +207,26 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
         host.drain()
     assert not failed, (failed, [s.worker.get_finished() for s in d_sides])
     heads = 1 if pspec.mla else TOTAL_HEADS
-    if mode == "pull" and pspec.layout == dspec.layout == "BHLNC":
+    if (
+        mode == "pull"
+        and pspec.layout == dspec.layout == "BHLNC"
+        and pspec.block_size <= dspec.block_size
+    ):
         # head-outer on both sides: one descriptor per (prefill block, source rank), no
-        # rewrite on either side, at any TP ratio
+        # rewrite on the prefill side, at any TP ratio (a larger prefill block is read as
+        # chunks of decode's size: one piece per (head, layer, chunk))
         for r, side in enumerate(d_sides):
             sources = tp.sources(r, dspec.tp_size, pspec.tp_size, heads)
             assert side.worker.metrics.descriptors_posted == len(remote) * len(sources)
+    if mode == "pull" and "LHBNC" in (pspec.layout, dspec.layout) and not pspec.mla:
+        # a heads-outer side: one descriptor per (layer, head, wire chunk) at most (runs of
+        # consecutive blocks may join); per (layer, head, token) from a token-major
+        # prefill, which may not rewrite its blocks (vLLM's prefix cache reads them)
+        chunk = min(pspec.block_size, dspec.block_size)
+        rows = chunk if pspec.layout in ("LBNHC", "BLNHC") else 1
+        for side in d_sides:
+            most = dspec.num_layers * (TOTAL_HEADS // dspec.tp_size) * -(-TOKENS // chunk)
+            assert 0 < side.worker.metrics.descriptors_posted <= most * rows
     for r, a in enumerate(d_allocs):
         got = tokens(a, local)[:, :TOKENS]
         slices = tp.sources(r, dspec.tp_size, pspec.tp_size, heads) if not pspec.mla else None

@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec as VSliding,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge.connector.common.config import ConfigError, ExtraConfig, FailurePolicy, KVRole
 from kvbridge.connector.common.params import ParamsError
@@ -125,11 +126,16 @@ def test_unsupported_group_kind_and_layout_are_named():
     )
     with pytest.raises(ConfigError, match="MambaSpec is not supported yet"):
         translate.kv_cache_config(vcfg)
-    vcfg.kv_cache_layout = "LHBNC"
-    with pytest.raises(ConfigError, match=r"'LHBNC' is not supported.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
+    # every layout vLLM defines maps (LHBNC: one region per (layer, head); BHLNC:
+    # head-outer cross-layer); a layout a later vLLM adds is named, not guessed
+    for layout in KVCacheLayout:
+        vcfg.kv_cache_layout = layout.name
+        token_major = layout in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+        want = (KVLayout.NHD if token_major else KVLayout.HND, layout.is_block_outermost)
+        assert translate.kv_layout(vcfg) == want, layout
+    vcfg.kv_cache_layout = "LHNBC"
+    with pytest.raises(ConfigError, match=r"'LHNBC' is not supported; kvbridge reads \[.*'LHBNC'"):
         translate.kv_layout(vcfg)
-    vcfg.kv_cache_layout = "BHLNC"  # head-outer cross-layer: supported
-    assert translate.kv_layout(vcfg) == (KVLayout.HND, True)
 
 
 def test_params_drop_vllm_proxy_placeholders_and_name_bad_fields():
