@@ -44,6 +44,15 @@ _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
 # user sets in "extra" wins.
 VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
 
+# what to change when a spec field kvbridge cannot move is set
+_FIXES = {
+    "state_content_bytes": (
+        " (each token is one packed record of that many bytes, e.g. FlashMLA sparse's "
+        "fp8_ds_mla: latent, rope and scales together); start vLLM with --kv-cache-dtype "
+        "auto, or an fp8 dtype with per-tensor scales (fp8, fp8_e4m3)"
+    ),
+}
+
 # vLLM KVQuantMode names whose pages hold only the KV elements (no scales inside)
 _PLAIN_QUANT_MODES = frozenset({"NONE", "FP8_PER_TENSOR"})
 
@@ -102,7 +111,9 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
         raise ConfigError(f"{where}: head_size_v={head_size_v} != head_size={vspec.head_size}")
     for name in ("page_size_padded", "num_head_slots", "state_content_bytes"):
         if getattr(vspec, name, None) is not None:
-            raise ConfigError(f"{where}: {name}={getattr(vspec, name)} is not supported")
+            raise ConfigError(
+                f"{where}: {name}={getattr(vspec, name)} is not supported{_FIXES.get(name, '')}"
+            )
     quant = getattr(vspec, "kv_quant_mode", None)
     # fp8 with per-tensor scales: the page holds plain one-byte elements (the scales are
     # the layer's, equal on both sides); per-token/head scales live in the page: refused
