@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,7 +60,9 @@ class PieceStream:
     # spaced (a sender read natively whose kernel sub-blocks are smaller than its block:
     # HND tokens 0..31 and 32..63 of a 64-token sub-block lie 32 rows apart, the next
     # sub-block a whole sub-block further); () means chunk q starts at q * remote_chunk_bytes
-    remote_chunk_starts: tuple[int, ...] = ()
+    # (left out of the repr, which the plan digest hashes: plans without it keep the
+    # digest builds before it computed, so a push between them still agrees)
+    remote_chunk_starts: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def num_pieces(self) -> int:
@@ -208,7 +210,9 @@ class TransferPlan:
     @functools.cached_property
     def digest(self) -> str:
         """A short fingerprint of the whole plan: a push writer must plan as its reader."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        starts = [s.remote_chunk_starts for g in self.groups for s in g.streams]
+        text = repr(self) + (repr(starts) if any(starts) else "")
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
         lines = [

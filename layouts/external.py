@@ -113,7 +113,12 @@ def describe_layer(
     sizes, strides = _physical(tensor)
     matches = [c for c in _candidates(spec, num_blocks) if c[4] == sizes]
     kb_outer = heads_outer_kernel_block(sizes, strides, spec, num_blocks)
-    if kb_outer is not None and not matches:  # block stride: one head's run of a block
+    if kb_outer is not None and matches:  # as many heads as kernel blocks: never guess
+        raise ExternalLayoutError(
+            f"{where}: fits both heads outside blocks (LHBNC) and blocks outside heads, "
+            f"since the pool has as many kernel blocks as heads; allocate more blocks"
+        )
+    if kb_outer is not None:  # block stride: one head's run of a block
         run = spec.block_size * sizes[3] * spec.itemsize
         return LayerFormat(
             layout=KVLayout.HND,

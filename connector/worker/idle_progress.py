@@ -27,6 +27,7 @@ from kvbridge.handshake.affinity import unpin_current_thread
 logger = logging.getLogger(__name__)
 
 STALL_S = 1.0  # a wake-up this much later than due is a stall: logged and counted
+STALL_LOG_EVERY_S = 10.0  # at most one warning this often (every stall is counted)
 
 
 class IdleProgress:
@@ -38,6 +39,8 @@ class IdleProgress:
         "_on_failure",
         "_on_stall",
         "_progress",
+        "_stall_logged_at",
+        "_stalls_unlogged",
         "_stop",
         "_thread",
         "failure",
@@ -59,6 +62,8 @@ class IdleProgress:
         self._lock = lock
         self._on_failure = on_failure
         self._on_stall = on_stall
+        self._stall_logged_at = -STALL_LOG_EVERY_S
+        self._stalls_unlogged = 0
         self.failure: str | None = None  # why the thread stopped, if it died
         self._progress = progress
         self._interval_s = interval_s
@@ -81,7 +86,7 @@ class IdleProgress:
             if self._stop.wait(self._interval_s):
                 return
             now = self._clock()
-            self._check_stall(now - due)
+            self._check_stall(now - due, now)
             if now - self._last_call < self._interval_s:
                 continue
             if not self._lock.acquire(blocking=False):
@@ -96,18 +101,23 @@ class IdleProgress:
             finally:
                 self._lock.release()
 
-    def _check_stall(self, late_s: float) -> None:
+    def _check_stall(self, late_s: float, now: float) -> None:
         if late_s < STALL_S:
+            return
+        self._on_stall(late_s)
+        if now - self._stall_logged_at < STALL_LOG_EVERY_S:
+            self._stalls_unlogged += 1
             return
         logger.warning(
             "kvbridge's progress thread could not run for %.1f s (due every %.0f ms): the GIL "
             "was held through a long native call (such as a compiled kernel of the engine's "
             "forward) or the process had no CPU; kvbridge's transfer steps in this process "
-            "waited as long",
+            "waited as long (%d more stalls since the last such line)",
             late_s + self._interval_s,
             1e3 * self._interval_s,
+            self._stalls_unlogged,
         )
-        self._on_stall(late_s)
+        self._stall_logged_at, self._stalls_unlogged = now, 0
 
     def close(self) -> None:
         self._stop.set()

@@ -73,20 +73,23 @@ def test_a_late_wake_up_is_a_stall_logged_and_counted(caplog: pytest.LogCaptureF
     """The thread wakes every interval; when it could not run (here its clock says its
     first wake-up came 3 s after it started waiting, as when the GIL was held through a
     long native call), it says so and reports how late it was, once."""
-    readings = iter([0.0, 0.0, 3.0])  # the constructor, the first wait's start, its end
+    # the constructor, then per wake-up: the wait's start, its end. Two stalls 3 s apart:
+    # both counted, one line logged (at most one every STALL_LOG_EVERY_S)
+    readings = iter([0.0, 0.0, 3.0, 3.0, 6.0])
 
     def clock() -> float:
-        return next(readings, 3.0)
+        return next(readings, 6.0)
 
     stalls: list[float] = []
     idle = IdleProgress(threading.RLock(), lambda: None, 0.002, clock=clock, on_stall=stalls.append)
     with caplog.at_level("WARNING", logger="kvbridge.connector.worker.idle_progress"):
         idle.start()
         try:
-            _wait(lambda: stalls, "the stall to be reported")
+            _wait(lambda: len(stalls) == 2, "both stalls to be reported")
         finally:
             idle.close()
-    assert stalls == [pytest.approx(3.0 - 0.002)]  # once: later wake-ups were on time
+    assert stalls == [pytest.approx(3.0 - 0.002)] * 2  # later wake-ups were on time
+    assert caplog.text.count("could not run for") == 1
     assert "could not run for 3.0 s" in caplog.text
 
 

@@ -15,7 +15,7 @@ import torch
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from kvbridge.layouts.arrangement import HeadOrder
 from kvbridge.layouts.errors import LayoutError
-from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
+from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches, describe_layer
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import FullAttentionSpec
@@ -99,3 +99,14 @@ def test_outer_heads_need_a_blocks_first_per_layer_cache():
         CacheFormat(heads=HeadOrder.OUTER, packing=KVPacking.KV_SPLIT)
     # a unit holds one head: its native arrangement is the plain one
     assert OUTER.native_arrangement(BS).heads is HeadOrder.INNER
+
+
+def test_as_many_kernel_blocks_as_heads_is_refused_not_guessed():
+    """[H, B, N, C] and [B, H, N, C] have the same memory order when H == B: kvbridge
+    cannot tell heads outside blocks from blocks outside heads, and says so."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8, dtype=torch.float16)
+    lhbnc = torch.zeros(4, 4, 16, 16, dtype=torch.float16).permute(1, 0, 2, 3)
+    with pytest.raises(ExternalLayoutError, match="as many kernel blocks as heads"):
+        describe_layer("l0", lhbnc, spec, 4)
+    more_blocks = torch.zeros(4, 8, 16, 16, dtype=torch.float16).permute(1, 0, 2, 3)
+    assert describe_layer("l0", more_blocks, spec, 8).heads_outer
