@@ -72,7 +72,8 @@ def test_a_healthy_worker_says_so() -> None:
 def test_a_late_wake_up_is_a_stall_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     """The thread wakes every interval; when it could not run (here its clock says its
     first wake-up came 3 s after it started waiting, as when the GIL was held through a
-    long native call), it says so and reports how late it was, once."""
+    long native call), it reports how late it was, each time, and logs it at most once in
+    STALL_LOG_EVERY_S."""
     # the constructor, then per wake-up: the wait's start, its end. Two stalls 3 s apart:
     # both counted, one line logged (at most one every STALL_LOG_EVERY_S)
     readings = iter([0.0, 0.0, 3.0, 3.0, 6.0])
