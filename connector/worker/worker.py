@@ -202,7 +202,7 @@ class KVBridgeWorker:
         self._engine = engine
         engine.register(moved.tensors)
         staging = StagingPools(engine, self._staging_bytes, device=buffers.device)
-        if self._stages_pushes(buffers):
+        if self._stages_pages(buffers, TransferMode.PUSH):
             # prefill writes whole pages into these slots: registered before the
             # description, so the NIXL metadata prefill gets in the handshake covers them
             staging.open()
@@ -228,7 +228,7 @@ class KVBridgeWorker:
             rewrites_on_save=self.rewrite_on_save,
             staging=staging.region,
         )
-        if self._stages_reads(buffers):
+        if self._stages_pages(buffers, TransferMode.PULL):
             # pull: larger prefill pages land in these slots. Allocated and registered
             # now, on the engine's thread at startup, not inside the first such load
             # (docs/handover.md); after the description, which advertises slots only
@@ -293,21 +293,12 @@ class KVBridgeWorker:
         if self._idle is not None:
             self._idle.start()
 
-    def _stages_reads(self, buffers: KVCacheBuffers) -> bool:
-        """A decode in pull mode whose engine repacks packed pages: it reads prefill's
-        larger (or non-dividing) pages into its staging slots."""
+    def _stages_pages(self, buffers: KVCacheBuffers, mode: TransferMode) -> bool:
+        """A decode in ``mode`` whose engine repacks packed pages: prefill's larger (or
+        non-dividing) pages land in its staging slots (read there in pull mode, written
+        there by prefill in push mode)."""
         return (
-            self.transfer_mode is TransferMode.PULL
-            and self.config.is_consumer
-            and self._repacker is not None
-            and bool(buffers.format.block_packing)
-        )
-
-    def _stages_pushes(self, buffers: KVCacheBuffers) -> bool:
-        """A decode in push mode whose engine repacks packed pages: a prefill with larger
-        (or non-dividing) pages writes them into its staging slots."""
-        return (
-            self.transfer_mode is TransferMode.PUSH
+            self.transfer_mode is mode
             and self.config.is_consumer
             and self._repacker is not None
             and bool(buffers.format.block_packing)
