@@ -297,7 +297,18 @@ def test_push_writes_larger_prefill_pages_into_decode_staging_slots(cluster):
     prompts = make_prompts(2, 400, seed=12128)
     before, p_before = cluster.metrics(decode), cluster.metrics(prefill)
     got = [cluster.pd(prefill, decode, p) for p in prompts]
-    after, p_after = cluster.metrics(decode), cluster.metrics(prefill)
+    after = cluster.metrics(decode)
+    # prefill publishes its worker counters with its engine's steps (CI scraped them a step
+    # early here, as in the hybrid test): one plain request steps it, then its bytes
+    # written must show
+    cluster.run(prefill, prompts[0])
+    read = _delta(before, after, "bytes_read")
+    _wait_for(
+        f"{prefill}'s bytes_written to reach decode's bytes_read ({read:.0f})",
+        lambda: _delta(p_before, cluster.metrics(prefill), "bytes_written") >= read,
+        timeout_s=30,
+    )
+    p_after = cluster.metrics(prefill)
     moved = cluster.moved(decode, before, after)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     loaded = [len(p) - 1 for p in prompts]
