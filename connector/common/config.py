@@ -112,6 +112,15 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     applies it so far.
     Read by: both."""
 
+    engine_sched_yield: bool = False
+    """``true``: leave vLLM's busy-wait between engine steps on ``os.sched_yield``. By
+    default kvbridge switches it, in each vLLM process it is loaded in (engine core and
+    workers), to ``time.sleep(0)``: Linux's EEVDF scheduler (6.6 and later) all but stops
+    a thread that spins on ``sched_yield`` while a busy thread shares its core, and such a
+    thread holds Python's GIL between its yields, so kvbridge's threads in that process
+    stalled with it (first loads of 5-30 s on two cores; ``docs/handover.md``).
+    Read by: both (vLLM adapter only)."""
+
     def __post_init__(self) -> None:
         if self.staging_mib <= 0:
             raise ConfigError(

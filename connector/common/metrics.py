@@ -59,6 +59,7 @@ class ConnectorMetrics:
     progress_stall_seconds: float = 0.0
     heartbeats_sent: int = 0
     claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
+    claims_resent: int = 0  # decode: ... of them sent again, the first one unanswered
     # prefill: Push requests whose writes completed (one per load, or one per round of
     # decode's staging slots), and those answered with ok=False
     pushes_written: int = 0
@@ -126,6 +127,7 @@ HELP = {
     "progress_stall_seconds": "Seconds the progress thread was late in those stalls.",
     "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
+    "claims_resent": "Claims decode sent again because the first went unanswered.",
     "pushes_written": "Push requests prefill wrote to completion.",
     "push_failures": "Push requests prefill answered with a failure.",
     "bytes_written": "Bytes prefill wrote into decode's blocks (push mode).",

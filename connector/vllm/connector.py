@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.connector.vllm import translate
+from kvbridge.connector.vllm import spin_wait, translate
 from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         config = translate.transfer_config(vllm_config.kv_transfer_config)
+        spin_wait.apply(sched_yield=config.extra.engine_sched_yield)
         kv_config = translate.kv_cache_config(kv_cache_config)
         self._scheduler: VLLMSchedulerSide | None = None
         self._worker: VLLMWorkerSide | None = None

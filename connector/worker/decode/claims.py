@@ -12,6 +12,15 @@ answer, so we never assume more than prefill promised::
     READs seen done at t:  t <= held_until  -> done
                            claim unanswered -> wait for it (the load's deadline bounds it)
                            otherwise        -> the blocks may have been given back: failed
+    claim unanswered for RESEND_S: send it again (same hold), every RESEND_S
+
+A claim is idempotent on prefill (it extends the hold and answers again), so an
+unanswered one goes out again: a first notification on a fresh NIXL connection, or one
+that waited behind a stalled peer process, must not cost the load (CI saw a first load
+whose READs had ended wait 30 s for the answer, which came just after the load failed).
+The hold still counts from the *first* unanswered claim, so an answer to any of them
+never makes us assume more than prefill promised. Answers beyond the first are expected
+and dropped quietly (:meth:`Claims.extra_answer`), never counted as bad notifications.
 
 A hold, once answered, ends no sooner on prefill's side: not at its lease end, not on an
 engine abort, only when every reader said Done (``kvbridge.connector.worker.prefill
@@ -27,6 +36,9 @@ from kvbridge.connector.common.notifications import Prepare, Prepared
 from kvbridge.connector.worker.decode.load_records import Load, Source
 from kvbridge.connector.worker.peers import Peer
 
+RESEND_S = 2.0  # a claim unanswered this long goes out again
+LATE_ANSWERS_KEPT = 4096  # remote requests whose extra answers may still come
+
 
 class Claims:
     """Sends claims and keeps, per source, the hold prefill promised."""
@@ -40,6 +52,9 @@ class Claims:
         self._send = send
         self._metrics = metrics
         self._clock = clock
+        # remote request -> (answers still to come, first claim sent): loads that ended
+        # with claims unanswered or answered more than once
+        self._late: dict[str, tuple[int, float]] = {}
 
     def send(self, load: Load, src: Source, peer: Peer) -> bool:
         """Claim the blocks for the rest of the load's deadline (with the rewrites its
@@ -52,9 +67,18 @@ class Claims:
         )
         if not self._send(peer, msg):
             return False
-        src.claim_sent = now
+        if src.claim_sent:
+            self._metrics.claims_resent += 1
+        src.claim_sent = src.claim_sent or now  # the first unanswered one counts
+        src.claim_last = now
+        src.claims_unanswered += 1
         self._metrics.claims_sent += 1
         return True
+
+    @staticmethod
+    def resend_due(src: Source, now: float) -> bool:
+        """A claim is in flight and no claim went out for ``RESEND_S``."""
+        return bool(src.claim_sent) and now - src.claim_last >= RESEND_S
 
     def due(self, src: Source, now: float) -> bool:
         """READs still run past half the hold we know of and no claim is in flight."""
@@ -72,7 +96,36 @@ class Claims:
             )
         src.held_until = max(src.held_until, src.claim_sent + msg.held_s)
         src.held_s, src.claim_sent = msg.held_s, 0.0
+        src.extra_answers += max(src.claims_unanswered - 1, 0)  # resent ones answer too
+        src.claims_unanswered = 0
         return ""
+
+    def forget(self, remote_request_id: str, sources: list[Source]) -> None:
+        """A load ended: remember how many answers to its claims may still come."""
+        due = sum(s.extra_answers + s.claims_unanswered for s in sources)
+        if not due:
+            return
+        sent = min((s.claim_sent for s in sources if s.claim_sent), default=self._clock())
+        self._late[remote_request_id] = (due, sent)
+        while len(self._late) > LATE_ANSWERS_KEPT:
+            del self._late[next(iter(self._late))]
+
+    def extra_answer(self, remote_request_id: str, src: Source | None) -> float | None:
+        """An answer no claim in flight waits for: one of several to a resent claim
+        (``src``: its source, whose load is still in flight), or one to a load that
+        ended (seconds since its first unanswered claim, 0.0 when it had been
+        answered). None: nobody expected it (a bad notification)."""
+        if src is not None:
+            if src.extra_answers <= 0:
+                return None
+            src.extra_answers -= 1
+            return 0.0
+        due, sent = self._late.pop(remote_request_id, (0, 0.0))
+        if due <= 0:
+            return None
+        if due > 1:
+            self._late[remote_request_id] = (due - 1, sent)
+        return self._clock() - sent
 
     @staticmethod
     def verdict(src: Source) -> bool | None:

@@ -68,7 +68,10 @@ class Source:
     round_agent: str = ""  # ... and the agent asked
     # pull: the claim (Prepare) in flight and what the answered ones proved, on our clock
     rewrites: list[GroupRewrite] = field(default_factory=list)  # every claim repeats them
-    claim_sent: float = 0.0  # when the claim in flight was sent (0: none in flight)
+    claim_sent: float = 0.0  # when the first unanswered claim was sent (0: none in flight)
+    claim_last: float = 0.0  # when the last claim (first or resent) was sent
+    claims_unanswered: int = 0  # claims sent since the last answer (resends included)
+    extra_answers: int = 0  # answers still to come for claims already answered once
     held_until: float = 0.0  # prefill holds the blocks at least until then
     held_s: float = 0.0  # the last answered claim's hold (a refresh goes out at half)
     reads_done: float = 0.0  # when the READs were seen complete (0: not yet)
@@ -134,3 +137,18 @@ def failure(spec: LoadSpec, reason: str) -> LoadFailure:
         invalid_block_ids=tuple(tuple(ids) for ids in spec.local_block_ids),
         num_valid_tokens=spec.start_token,
     )
+
+
+def describe_source(src: Source, now: float) -> str:
+    """What a source waits for, for a timed-out load's reason: its state, and in pull mode
+    whether its READs ended and how long its claim is unanswered."""
+    parts = [src.state.value]
+    if src.reads_done:
+        parts.append("READs ended")
+    elif src.handles or src.batch is not None or src.staged:
+        parts.append("READs running")
+    if src.claim_sent:
+        parts.append(
+            f"claim unanswered for {now - src.claim_sent:.1f} s ({src.claims_unanswered} sent)"
+        )
+    return "; ".join(parts)

@@ -52,6 +52,7 @@ from kvbridge.connector.worker.decode.load_records import (
     LoadState,
     PushEndpoint,
     Source,
+    describe_source,
     failure,
     outside,
 )
@@ -210,7 +211,7 @@ class Receiver:
         we know of the hold under READs already posted."""
         found = self._awaiting(msg.request_id, LoadState.PREPARING, agent)
         if found is None:
-            self._metrics.bad_notifications += 1
+            self._extra_answer(msg, agent)
             return
         load, src = found
         if not msg.ok:
@@ -224,6 +225,34 @@ class Receiver:
             self._post(load, src)
         elif src.reads_done:
             self._settle_claim(load, src)
+
+    def _extra_answer(self, msg: Prepared, agent: str) -> None:
+        """A ``Prepared`` no claim in flight waits for: one more answer to a resent claim
+        (dropped), a late one to a load that ended (logged), or a bad notification."""
+        rid = self._by_remote.get(msg.request_id)
+        load = self._loads.get(rid) if rid else None
+        src = (
+            next(
+                (s for s in load.sources if not agent or self._agent_of(s.key) == agent),
+                None,
+            )
+            if load is not None
+            else None
+        )
+        if load is not None and src is None:
+            self._metrics.bad_notifications += 1
+            return
+        late = self._claims.extra_answer(msg.request_id, src)
+        if late is None:
+            self._metrics.bad_notifications += 1
+        elif late > 0:
+            logger.warning(
+                "prefill %s answered the claim on %s %.1f s after it was first sent, after "
+                "the load had ended",
+                agent or "?",
+                msg.request_id,
+                late,
+            )
 
     def on_pushed(self, msg: Pushed, agent: str = "") -> None:
         """Prefill wrote a round of a load into our blocks and slots (or says why not)."""
@@ -269,13 +298,19 @@ class Receiver:
                         self._poll_reads(load, src)
                     if load.spec.request_id in self._loads and not src.reads_done:
                         self._refresh_claim(load, src, now)
+                if (
+                    load.spec.request_id in self._loads
+                    and now <= load.deadline
+                    and self._claims.resend_due(src, now)
+                ):
+                    self._claim_again(load, src, now)
             if load.spec.request_id not in self._loads:
                 continue
             if all(s.state is LoadState.DONE for s in load.sources):
                 load.timeline.arrived = load.timeline.arrived or self._clock()
                 self._complete(load)
             elif now > load.deadline:
-                states = ", ".join(f"{s.key}: {s.state.value}" for s in load.sources)
+                states = ", ".join(f"{s.key}: {describe_source(s, now)}" for s in load.sources)
                 self._finish_failed(
                     load,
                     f"load timed out: not complete within {self._timeout_s:.1f} s ({states})",
@@ -358,6 +393,23 @@ class Receiver:
         if peer is None:
             self._finish_failed(load, f"peer {src.key} went away during the read")
             return
+        self._claim(load, src, peer)
+
+    def _claim_again(self, load: Load, src: Source, now: float) -> None:
+        """The claim in flight is unanswered for ``claims.RESEND_S``: send it again."""
+        peer = self._ready_peer(src)
+        if peer is None:
+            self._finish_failed(load, f"peer {src.key} went away with a claim unanswered")
+            return
+        if src.claims_unanswered == 1:
+            logger.warning(
+                "load %s: claim (Prepare) to prefill %s unanswered for %.1f s (%s); sending "
+                "it again",
+                load.spec.request_id,
+                src.key,
+                now - src.claim_sent,
+                "its READs ended" if src.reads_done else "READs not posted or running",
+            )
         self._claim(load, src, peer)
 
     def _settle_claim(self, load: Load, src: Source) -> None:
@@ -497,6 +549,7 @@ class Receiver:
         self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
 
     def _forget(self, load: Load) -> None:
+        self._claims.forget(load.spec.params.remote_request_id, load.sources)
         self._loads.pop(load.spec.request_id, None)
         self._by_remote.pop(load.spec.params.remote_request_id, None)
 
