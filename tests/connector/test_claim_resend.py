@@ -208,3 +208,17 @@ def _load() -> object:
         deadline = 130.0
 
     return _Load()
+
+
+def test_an_extra_answer_after_a_load_that_landed_is_quiet() -> None:
+    now = [100.0]
+    claims = Claims(send=lambda peer, msg: True, metrics=_Metrics(), clock=lambda: now[0])  # type: ignore[arg-type]
+    src = Source(key=("p", 0))
+    claims.send(_load(), src, None)  # type: ignore[arg-type]
+    now[0] = 102.0
+    claims.send(_load(), src, None)  # type: ignore[arg-type]
+    assert Claims.answered(src, Prepared(request_id="r", ok=True, held_s=30.0)) == ""
+    claims.forget("r", [src])  # the load landed; the resent claim's answer is still due
+    now[0] = 103.0
+    assert claims.extra_answer("r", None) == 0.0  # expected: not late, not bad
+    assert claims.extra_answer("r", None) is None

@@ -19,10 +19,16 @@ The servers run with ``--enforce-eager`` (about 3x faster to start on CPU; the f
 forward of each engine is then its slowest). ``KVBRIDGE_VLLM_COMPILE=1`` starts them as
 the README's commands do (vLLM's default torch.compile, warmed up before it reports
 healthy): the figures in docs/handover.md's second round come from that.
+``KVBRIDGE_VLLM_BIND=auto`` leaves the CPU binding to vLLM (``auto``: every server on
+every core, what a user's command gets) instead of one core per server; and
+``KVBRIDGE_VLLM_EXTRA`` (a JSON object) is merged into kvbridge's ``extra`` settings on
+both kvbridge servers (e.g. ``{"engine_sched_yield": true}`` for the before/after rows of
+docs/handover.md's third round).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -49,6 +55,9 @@ MODES = {"pull": ("tiny-llama", 64, 32), "push": ("tiny-gemma3", 96, 64)}
 HANDOVER_MARGIN_S = 5.0
 # the user's command (vLLM's torch.compile) instead of --enforce-eager
 COMPILE = os.environ.get("KVBRIDGE_VLLM_COMPILE") == "1"
+# vLLM's own CPU binding ("auto") instead of one core per server
+BIND = os.environ.get("KVBRIDGE_VLLM_BIND") or None
+EXTRA = json.loads(os.environ.get("KVBRIDGE_VLLM_EXTRA") or "{}")
 
 
 @dataclass
@@ -96,11 +105,17 @@ def _spec(name: str, model_dir, block: int, mode: str | None, role: str | None) 
         connector="kvbridge" if role else None,
         role=role,
         # defaults only: what a user's command line would carry
-        kv_extra={"extra": {"transfer_mode": mode}} if role and mode == "push" else None,
+        kv_extra=_extra(mode) if role else None,
         failure_policy="recompute" if role else None,
         max_model_len=2048,
         enforce_eager=not COMPILE,  # no torch.compile at startup: ~3x faster on CPU
+        cpus=BIND,
     )
+
+
+def _extra(mode: str | None) -> dict | None:
+    extra = {**({"transfer_mode": mode} if mode == "push" else {}), **EXTRA}
+    return {"extra": extra} if extra else None
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))

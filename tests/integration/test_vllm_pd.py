@@ -73,12 +73,18 @@ class Cluster:
     def metrics(self, name: str) -> dict[str, float]:
         return scrape(self.url(name))
 
-    def moved(self, name: str, before: dict[str, float], after: dict[str, float]) -> str:
+    def moved(
+        self, name: str, before: dict[str, float], after: dict[str, float], *peers: str
+    ) -> str:
         """For assertion messages: the kvbridge counters that moved on ``name``, and the
-        server's last warnings (a load kvbridge failed names its reason there)."""
-        tail = self.servers[name].log_tail(3000).splitlines()
-        warnings = [line for line in tail if " WARNING " in line or " ERROR " in line][-8:]
-        return f"{_deltas(before, after)}\n" + "\n".join(warnings or ["(no warnings logged)"])
+        last warnings of ``name`` and of ``peers`` (a load kvbridge failed names its
+        reason on decode; what held the answer shows on prefill)."""
+        lines = [_deltas(before, after)]
+        for server in (name, *peers):
+            tail = self.servers[server].log_tail(3000).splitlines()
+            warnings = [line for line in tail if " WARNING " in line or " ERROR " in line][-8:]
+            lines += [f"--- {server}:", *(warnings or ["(no warnings logged)"])]
+        return "\n".join(lines)
 
     def run(self, name: str, prompt: list[int], **extra) -> Completion:
         model = self.models["L" if name == "router" else name[0]]
@@ -225,7 +231,7 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
     after = cluster.metrics(decode)
     for p, g in zip(prompts, got, strict=True):
         _assert_same(cluster.run(reference, p), g)
-    moved = cluster.moved(decode, before, after)
+    moved = cluster.moved(decode, before, after, prefill)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_recomputed") == 0, moved
     # every prompt token but the last (decode computes it), in whole prefill pages: one

@@ -105,7 +105,8 @@ class Claims:
         due = sum(s.extra_answers + s.claims_unanswered for s in sources)
         if not due:
             return
-        sent = min((s.claim_sent for s in sources if s.claim_sent), default=self._clock())
+        # 0.0: every claim was answered once (what comes now answers a resent one)
+        sent = min((s.claim_sent for s in sources if s.claim_sent), default=0.0)
         self._late[remote_request_id] = (due, sent)
         while len(self._late) > LATE_ANSWERS_KEPT:
             del self._late[next(iter(self._late))]
@@ -113,8 +114,8 @@ class Claims:
     def extra_answer(self, remote_request_id: str, src: Source | None) -> float | None:
         """An answer no claim in flight waits for: one of several to a resent claim
         (``src``: its source, whose load is still in flight), or one to a load that
-        ended (seconds since its first unanswered claim, 0.0 when it had been
-        answered). None: nobody expected it (a bad notification)."""
+        ended (seconds since the first claim it left unanswered; 0.0 when every claim
+        had been answered once). None: nobody expected it (a bad notification)."""
         if src is not None:
             if src.extra_answers <= 0:
                 return None
@@ -125,7 +126,7 @@ class Claims:
             return None
         if due > 1:
             self._late[remote_request_id] = (due - 1, sent)
-        return self._clock() - sent
+        return self._clock() - sent if sent else 0.0
 
     @staticmethod
     def verdict(src: Source) -> bool | None:

@@ -143,6 +143,8 @@ def describe_source(src: Source, now: float) -> str:
     """What a source waits for, for a timed-out load's reason: its state, and in pull mode
     whether its READs ended and how long its claim is unanswered."""
     parts = [src.state.value]
+    if src.state is LoadState.WAITING_PEER:
+        parts.append("no handshake answer yet")
     if src.reads_done:
         parts.append("READs ended")
     elif src.handles or src.batch is not None or src.staged:
