@@ -157,15 +157,20 @@ def test_late_answers_to_a_load_that_timed_out_are_logged_not_counted_bad(clock,
     assert "answered the claim on p1" in caplog.text and "after the load had ended" in caplog.text
 
 
-def test_the_hold_counts_from_the_first_unanswered_claim() -> None:
+def _claimed_twice() -> tuple[Claims, Source, list[float]]:
+    """Claims on a clock at 102.0 whose source sent a claim at 100.0 and again at 102.0."""
     now = [100.0]
     claims = Claims(send=lambda peer, msg: True, metrics=_Metrics(), clock=lambda: now[0])  # type: ignore[arg-type]
     src = Source(key=("p", 0))
-    load = _load()
-    assert claims.send(load, src, None)  # type: ignore[arg-type]
+    assert claims.send(_load(), src, None)  # type: ignore[arg-type]
     now[0] = 102.0
     assert claims.resend_due(src, now[0])
-    assert claims.send(load, src, None)  # type: ignore[arg-type]
+    assert claims.send(_load(), src, None)  # type: ignore[arg-type]
+    return claims, src, now
+
+
+def test_the_hold_counts_from_the_first_unanswered_claim() -> None:
+    claims, src, _ = _claimed_twice()
     assert (src.claim_sent, src.claim_last, src.claims_unanswered) == (100.0, 102.0, 2)
     assert not claims.resend_due(src, 103.9)
     # the answer (to whichever claim) is counted from the first send: never more than
@@ -177,18 +182,22 @@ def test_the_hold_counts_from_the_first_unanswered_claim() -> None:
 
 
 def test_answers_to_a_load_that_ended_are_expected_once_each() -> None:
-    now = [100.0]
-    claims = Claims(send=lambda peer, msg: True, metrics=_Metrics(), clock=lambda: now[0])  # type: ignore[arg-type]
-    src = Source(key=("p", 0))
-    claims.send(_load(), src, None)  # type: ignore[arg-type]
-    now[0] = 102.0
-    claims.send(_load(), src, None)  # type: ignore[arg-type]
+    claims, src, now = _claimed_twice()
     claims.forget("r", [src])  # the load failed with two claims unanswered
     now[0] = 131.0
     assert claims.extra_answer("r", None) == 31.0  # seconds since the first claim
     assert claims.extra_answer("r", None) == 31.0
     assert claims.extra_answer("r", None) is None
     assert claims.extra_answer("other", None) is None
+
+
+def test_an_extra_answer_after_a_load_that_landed_is_quiet() -> None:
+    claims, src, now = _claimed_twice()
+    assert Claims.answered(src, Prepared(request_id="r", ok=True, held_s=30.0)) == ""
+    claims.forget("r", [src])  # the load landed; the resent claim's answer is still due
+    now[0] = 103.0
+    assert claims.extra_answer("r", None) == 0.0  # expected: not late, not bad
+    assert claims.extra_answer("r", None) is None
 
 
 class _Metrics:
@@ -208,17 +217,3 @@ def _load() -> object:
         deadline = 130.0
 
     return _Load()
-
-
-def test_an_extra_answer_after_a_load_that_landed_is_quiet() -> None:
-    now = [100.0]
-    claims = Claims(send=lambda peer, msg: True, metrics=_Metrics(), clock=lambda: now[0])  # type: ignore[arg-type]
-    src = Source(key=("p", 0))
-    claims.send(_load(), src, None)  # type: ignore[arg-type]
-    now[0] = 102.0
-    claims.send(_load(), src, None)  # type: ignore[arg-type]
-    assert Claims.answered(src, Prepared(request_id="r", ok=True, held_s=30.0)) == ""
-    claims.forget("r", [src])  # the load landed; the resent claim's answer is still due
-    now[0] = 103.0
-    assert claims.extra_answer("r", None) == 0.0  # expected: not late, not bad
-    assert claims.extra_answer("r", None) is None
