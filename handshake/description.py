@@ -212,6 +212,7 @@ def describe(
         rewrites_on_save=rewrites_on_save,
         staging=_region_to_wire(staging) if staging is not None else None,
         kv_heads=fmt.heads.value,
+        numbered_claims=True,
     )
 
 

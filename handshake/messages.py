@@ -164,6 +164,8 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # (kvbridge.connector.worker.staging.staging)
     staging: WireRegion | None = None
     kv_heads: str = "inner"  # CacheFormat.heads (kvbridge.layouts.arrangement.HeadOrder)
+    # this worker echoes Prepare.claim in its Prepared (connector.common.notifications)
+    numbered_claims: bool = False
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

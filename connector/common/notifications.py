@@ -46,6 +46,11 @@ Protocol history:
         Push.round and Push.staged, Pushed.round (defaults 0 / []): pushes through
         decode's staging slots. An older prefill never sees them: it refuses to push
         pages decode stages at the handshake (its plan refuses the pair).
+        Prepare.claim and Prepared.claim (default 0): numbered claims, so that a claim
+        can be sent again and each answer still counts from its own claim's send time.
+        A prefill that echoes them says so in its description
+        (``WorkerDescription.numbered_claims``); decode sends a claim again only to such
+        a prefill.
 """
 
 from __future__ import annotations
@@ -105,6 +110,9 @@ class Prepare(msgspec.Struct, frozen=True, tag=True):
     rewrites: list[GroupRewrite]
     version: int = NOTIF_PROTOCOL_VERSION
     hold_s: float = 0.0  # keep the blocks at least this long from now (capped by prefill)
+    # the claim's number on decode, echoed in the answer: which claim a Prepared answers
+    # (a claim may be sent again); 0: unnumbered (a decode older than numbered claims)
+    claim: int = 0
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
@@ -114,6 +122,7 @@ class Prepared(msgspec.Struct, frozen=True, tag=True):
     # ok: the blocks stay this request's for at least this long from this answer, on the
     # holder's clock (an abort or lease end waits for it; only the readers' Done is sooner)
     held_s: float = 0.0
+    claim: int = 0  # Prepare.claim of the claim this answers (0: unnumbered)
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):

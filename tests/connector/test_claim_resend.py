@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
-from kvbridge.connector.common.notifications import Prepared
+from kvbridge.connector.common.notifications import Prepared, decode_notification
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.claims import RESEND_S, Claims
@@ -51,11 +52,13 @@ class DropsNotifications:
         self.dropped = 0
         self.hold = False
         self.held: list[tuple[str, bytes]] = []
+        self.sent: list[object] = []  # every notification asked for, decoded
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
+        self.sent.append(decode_notification(msg))
         if self.drop > 0:
             self.drop -= 1
             self.dropped += 1
@@ -123,6 +126,8 @@ def test_an_unanswered_claim_goes_out_again_and_the_load_lands(clock, pair, capl
         run_until([decode, prefill], lambda: loaded(decode, d.request_id), "the load")
     assert (m.claims_sent, m.claims_resent) == (2, 1)
     assert "unanswered for 2.0 s (its READs ended); sending it again" in caplog.text
+    answers = [m for m in drops.sent if isinstance(m, Prepared)]
+    assert [(a.claim, a.ok) for a in answers] == [(1, True), (2, True)]  # echoed numbers
     assert not failed(decode, d.request_id)
     assert torch.equal(_blocks(decode, d), _blocks(prefill, p)[:, : len(d.block_ids[0])])
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free on Done")
@@ -154,50 +159,66 @@ def test_late_answers_to_a_load_that_timed_out_are_logged_not_counted_bad(clock,
             "the 16 late answers",
         )
     assert m.bad_notifications == 0
-    assert "answered the claim on p1" in caplog.text and "after the load had ended" in caplog.text
+    assert "answered a claim on p1" in caplog.text and "after the load had ended" in caplog.text
 
 
 def _claimed_twice() -> tuple[Claims, Source, list[float]]:
-    """Claims on a clock at 102.0 whose source sent a claim at 100.0 and again at 102.0."""
+    """Claims on a clock at 102.0 whose source sent claim 1 at 100.0 and claim 2 at 102.0."""
     now = [100.0]
     claims = Claims(send=lambda peer, msg: True, metrics=_Metrics(), clock=lambda: now[0])  # type: ignore[arg-type]
     src = Source(key=("p", 0))
     assert claims.send(_load(), src, None)  # type: ignore[arg-type]
     now[0] = 102.0
-    assert claims.resend_due(src, now[0])
+    assert not claims.resend_due(src, now[0], numbered=False)  # an older prefill: never
+    assert claims.resend_due(src, now[0], numbered=True)
     assert claims.send(_load(), src, None)  # type: ignore[arg-type]
     return claims, src, now
 
 
-def test_the_hold_counts_from_the_first_unanswered_claim() -> None:
+def _ok(claim: int) -> Prepared:
+    return Prepared(request_id="r", ok=True, held_s=30.0, claim=claim)
+
+
+def test_an_answer_counts_from_its_own_claims_send() -> None:
     claims, src, _ = _claimed_twice()
-    assert (src.claim_sent, src.claim_last, src.claims_unanswered) == (100.0, 102.0, 2)
-    assert not claims.resend_due(src, 103.9)
-    # the answer (to whichever claim) is counted from the first send: never more than
-    # prefill promised
-    assert Claims.answered(src, Prepared(request_id="r", ok=True, held_s=30.0)) == ""
-    assert (src.held_until, src.claim_sent, src.extra_answers) == (130.0, 0.0, 1)
-    assert claims.extra_answer("r", src) == 0.0  # the second answer: expected, dropped
-    assert claims.extra_answer("r", src) is None  # a third: nobody sent for it
+    assert (src.claims, src.claim_sent, src.claim_last) == ({1: 100.0, 2: 102.0}, 100.0, 102.0)
+    assert not claims.resend_due(src, 103.9, numbered=True)
+    assert Claims.answers(src, _ok(2)) and not Claims.answers(src, _ok(3))
+    assert claims.answered(src, _ok(2)) == ""  # claim 2's answer: 30 s from 102.0
+    assert (src.held_until, src.claim_sent, src.claims) == (132.0, 0.0, {})
+    assert not Claims.answers(src, _ok(1))  # settled: claim 1's answer is no claim's now
+    assert claims.late_answer(_ok(1)) == 0.0  # expected, dropped quietly
+    assert claims.late_answer(_ok(1)) is None  # a second time: nobody sent for it
+    assert claims.late_answer(_ok(0)) is None  # unnumbered, nothing in flight: bad
 
 
-def test_answers_to_a_load_that_ended_are_expected_once_each() -> None:
+def test_an_old_answer_is_never_taken_for_a_newer_claims() -> None:
+    """Claim 1 sent again as claim 2; 2's answer comes; a refresh (claim 3) goes out; then
+    1's answer arrives late: it answers claim 1 only, and cannot stretch claim 3's hold."""
     claims, src, now = _claimed_twice()
-    claims.forget("r", [src])  # the load failed with two claims unanswered
+    claims.answered(src, _ok(2))
+    now[0] = 120.0
+    claims.send(_load(), src, None)  # type: ignore[arg-type]  # the refresh: claim 3
+    assert not Claims.answers(src, _ok(1))
+    assert claims.late_answer(_ok(1)) == 0.0
+    assert src.held_until == 132.0 and src.claims == {3: 120.0}
+    assert claims.answered(src, _ok(3)) == "" and src.held_until == 150.0
+
+
+def test_answers_to_a_load_that_ended_unanswered_are_logged_as_late() -> None:
+    claims, src, now = _claimed_twice()
+    claims.settle(src, ended=True)  # the load failed with both claims unanswered
     now[0] = 131.0
-    assert claims.extra_answer("r", None) == 31.0  # seconds since the first claim
-    assert claims.extra_answer("r", None) == 31.0
-    assert claims.extra_answer("r", None) is None
-    assert claims.extra_answer("other", None) is None
+    assert claims.late_answer(_ok(1)) == 31.0  # seconds since claim 1 was sent
+    assert claims.late_answer(_ok(2)) == 29.0
+    assert claims.late_answer(_ok(2)) is None
+    assert claims.late_answer(_ok(7)) is None
 
 
-def test_an_extra_answer_after_a_load_that_landed_is_quiet() -> None:
-    claims, src, now = _claimed_twice()
-    assert Claims.answered(src, Prepared(request_id="r", ok=True, held_s=30.0)) == ""
-    claims.forget("r", [src])  # the load landed; the resent claim's answer is still due
-    now[0] = 103.0
-    assert claims.extra_answer("r", None) == 0.0  # expected: not late, not bad
-    assert claims.extra_answer("r", None) is None
+def test_an_unnumbered_answer_counts_from_the_first_claim_in_flight() -> None:
+    claims, src, _ = _claimed_twice()
+    assert Claims.answers(src, _ok(0))
+    assert claims.answered(src, _ok(0)) == "" and src.held_until == 130.0
 
 
 class _Metrics:
@@ -217,3 +238,23 @@ def _load() -> object:
         deadline = 130.0
 
     return _Load()
+
+
+def test_a_prefill_that_does_not_number_its_answers_is_never_claimed_twice(clock, pair):
+    """An older prefill answers without the claim's number: an answer could not say which
+    of two claims it answers, so decode waits for the one claim it sent."""
+    prefill, decode, slow = pair
+    slow.hold = True
+    p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
+    d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
+    decode_admit(decode, d)
+    run_until([decode, prefill], lambda: len(slow.held) == 1, "prefill's first answer")
+    [peer] = [peer for peer in decode.worker._peers._peers.values()]
+    peer.description = msgspec.structs.replace(peer.description, numbered_claims=False)
+    for _ in range(5):
+        clock.now += RESEND_S
+        decode.step()
+    assert decode.worker.metrics.claims_resent == 0
+    slow.release()
+    run_until([decode, prefill], lambda: loaded(decode, d.request_id), "the load")
+    assert torch.equal(_blocks(decode, d), _blocks(prefill, p)[:, : len(d.block_ids[0])])

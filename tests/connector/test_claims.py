@@ -8,7 +8,10 @@ from kvbridge.connector.worker.decode.load_records import Source
 
 
 def _answered(src: Source, held_s: float) -> str:
-    return Claims.answered(src, Prepared(request_id="r", ok=True, held_s=held_s))
+    """An unnumbered answer (as an older prefill sends): counts from the first claim in
+    flight, ``src.claim_sent``."""
+    claims = Claims(send=lambda peer, msg: True, metrics=None, clock=lambda: 0.0)  # type: ignore[arg-type]
+    return claims.answered(src, Prepared(request_id="r", ok=True, held_s=held_s))
 
 
 def test_the_hold_counts_from_the_claims_send_not_its_answer() -> None:

@@ -12,15 +12,20 @@ answer, so we never assume more than prefill promised::
     READs seen done at t:  t <= held_until  -> done
                            claim unanswered -> wait for it (the load's deadline bounds it)
                            otherwise        -> the blocks may have been given back: failed
-    claim unanswered for RESEND_S: send it again (same hold), every RESEND_S
+    claim unanswered for RESEND_S: send it again (a new number), every RESEND_S
 
-A claim is idempotent on prefill (it extends the hold and answers again), so an
-unanswered one goes out again: a first notification on a fresh NIXL connection, or one
-that waited behind a stalled peer process, must not cost the load (CI saw a first load
-whose READs had ended wait 30 s for the answer, which came just after the load failed).
-The hold still counts from the *first* unanswered claim, so an answer to any of them
-never makes us assume more than prefill promised. Answers beyond the first are expected
-and dropped quietly (:meth:`Claims.extra_answer`), never counted as bad notifications.
+Claims are numbered (``Prepare.claim``, unique in this worker) and prefill echoes the
+number in its answer, so an answer counts from the send time of *its own* claim: an old
+answer that arrives late (to a claim sent again, or to a load that ended) is never taken
+for the answer to a newer claim. The first answer to any of a source's claims in flight
+settles them all; answers to the others come later and are dropped quietly (a late answer
+to a load that ended is logged), never counted as bad notifications.
+
+Why claims are sent again: a claim is idempotent on prefill (it extends the hold and
+answers again), and a first notification on a fresh connection, or one held up by a
+stalled peer, must not cost the load. Only to a prefill that echoes claim numbers
+(``WorkerDescription.numbered_claims``): an unnumbered answer cannot say which claim it
+answers.
 
 A hold, once answered, ends no sooner on prefill's side: not at its lease end, not on an
 engine abort, only when every reader said Done (``kvbridge.connector.worker.prefill
@@ -29,6 +34,7 @@ engine abort, only when every reader said Done (``kvbridge.connector.worker.pref
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
@@ -37,7 +43,7 @@ from kvbridge.connector.worker.decode.load_records import Load, Source
 from kvbridge.connector.worker.peers import Peer
 
 RESEND_S = 2.0  # a claim unanswered this long goes out again
-LATE_ANSWERS_KEPT = 4096  # remote requests whose extra answers may still come
+SETTLED_KEPT = 4096  # claims settled unanswered whose answers may still come
 
 
 class Claims:
@@ -52,33 +58,31 @@ class Claims:
         self._send = send
         self._metrics = metrics
         self._clock = clock
-        # remote request -> (answers still to come, first claim sent): loads that ended
-        # with claims unanswered or answered more than once
-        self._late: dict[str, tuple[int, float]] = {}
+        self._numbers = itertools.count(1)
+        # claim number -> (sent at, its load ended before any answer): claims settled
+        # without their own answer, whose answers may still come
+        self._settled: dict[int, tuple[float, bool]] = {}
 
     def send(self, load: Load, src: Source, peer: Peer) -> bool:
         """Claim the blocks for the rest of the load's deadline (with the rewrites its
         plan wants); False when prefill is unreachable."""
         now = self._clock()
+        number = next(self._numbers)
         msg = Prepare(
             request_id=load.spec.params.remote_request_id,
             rewrites=src.rewrites,
             hold_s=max(load.deadline - now, 0.0),
+            claim=number,
         )
         if not self._send(peer, msg):
             return False
-        if src.claim_sent:
+        if src.claims:
             self._metrics.claims_resent += 1
-        src.claim_sent = src.claim_sent or now  # the first unanswered one counts
+        src.claims[number] = now
+        src.claim_sent = src.claim_sent or now  # the first claim in flight
         src.claim_last = now
-        src.claims_unanswered += 1
         self._metrics.claims_sent += 1
         return True
-
-    @staticmethod
-    def resend_due(src: Source, now: float) -> bool:
-        """A claim is in flight and no claim went out for ``RESEND_S``."""
-        return bool(src.claim_sent) and now - src.claim_last >= RESEND_S
 
     def due(self, src: Source, now: float) -> bool:
         """READs still run past half the hold we know of and no claim is in flight."""
@@ -87,46 +91,51 @@ class Claims:
         return now >= src.held_until - src.held_s / 2
 
     @staticmethod
-    def answered(src: Source, msg: Prepared) -> str:
+    def resend_due(src: Source, now: float, numbered: bool) -> bool:
+        """A claim is in flight to a prefill that echoes claim numbers (``numbered``) and
+        none went out for ``RESEND_S``."""
+        return numbered and bool(src.claim_sent) and now - src.claim_last >= RESEND_S
+
+    @staticmethod
+    def answers(src: Source, msg: Prepared) -> bool:
+        """``msg`` answers a claim of ``src`` in flight (unnumbered: any of them)."""
+        return bool(src.claim_sent) and (msg.claim == 0 or msg.claim in src.claims)
+
+    def answered(self, src: Source, msg: Prepared) -> str:
         """Fold prefill's ok answer in; '' or why the hold cannot be trusted."""
         if msg.held_s <= 0:
             return (
                 f"prefill {src.key} did not say how long it holds the blocks (Prepared.held_s "
                 f"is 0: a kvbridge older than this decode? upgrade prefill first)"
             )
-        src.held_until = max(src.held_until, src.claim_sent + msg.held_s)
-        src.held_s, src.claim_sent = msg.held_s, 0.0
-        src.extra_answers += max(src.claims_unanswered - 1, 0)  # resent ones answer too
-        src.claims_unanswered = 0
+        # an unnumbered answer (an older prefill, which is never sent a claim twice)
+        # counts from the first claim in flight
+        sent = src.claims.get(msg.claim, src.claim_sent)
+        src.held_until = max(src.held_until, sent + msg.held_s)
+        src.held_s = msg.held_s
+        self.settle(src, ended=False, answered=msg.claim)
         return ""
 
-    def forget(self, remote_request_id: str, sources: list[Source]) -> None:
-        """A load ended: remember how many answers to its claims may still come."""
-        due = sum(s.extra_answers + s.claims_unanswered for s in sources)
-        if not due:
-            return
-        # 0.0: every claim was answered once (what comes now answers a resent one)
-        sent = min((s.claim_sent for s in sources if s.claim_sent), default=0.0)
-        self._late[remote_request_id] = (due, sent)
-        while len(self._late) > LATE_ANSWERS_KEPT:
-            del self._late[next(iter(self._late))]
+    def settle(self, src: Source, *, ended: bool, answered: int = 0) -> None:
+        """No claim of ``src`` is in flight any more: answered (``answered``: the one
+        whose answer came), or its load ``ended``; answers to the others may still come."""
+        for number, sent in src.claims.items():
+            if number != answered:
+                self._settled[number] = (sent, ended)
+        while len(self._settled) > SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]
+        src.claims.clear()
+        src.claim_sent = 0.0
 
-    def extra_answer(self, remote_request_id: str, src: Source | None) -> float | None:
-        """An answer no claim in flight waits for: one of several to a resent claim
-        (``src``: its source, whose load is still in flight), or one to a load that
-        ended (seconds since the first claim it left unanswered; 0.0 when every claim
-        had been answered once). None: nobody expected it (a bad notification)."""
-        if src is not None:
-            if src.extra_answers <= 0:
-                return None
-            src.extra_answers -= 1
-            return 0.0
-        due, sent = self._late.pop(remote_request_id, (0, 0.0))
-        if due <= 0:
+    def late_answer(self, msg: Prepared) -> float | None:
+        """An answer to a claim settled before: seconds since it was sent when its load
+        ended without any answer (else 0.0: another claim's answer came first). None:
+        no such claim (a bad notification)."""
+        settled = self._settled.pop(msg.claim, None) if msg.claim else None
+        if settled is None:
             return None
-        if due > 1:
-            self._late[remote_request_id] = (due - 1, sent)
-        return self._clock() - sent if sent else 0.0
+        sent, ended = settled
+        return self._clock() - sent if ended else 0.0
 
     @staticmethod
     def verdict(src: Source) -> bool | None:

@@ -68,10 +68,9 @@ class Source:
     round_agent: str = ""  # ... and the agent asked
     # pull: the claim (Prepare) in flight and what the answered ones proved, on our clock
     rewrites: list[GroupRewrite] = field(default_factory=list)  # every claim repeats them
-    claim_sent: float = 0.0  # when the first unanswered claim was sent (0: none in flight)
-    claim_last: float = 0.0  # when the last claim (first or resent) was sent
-    claims_unanswered: int = 0  # claims sent since the last answer (resends included)
-    extra_answers: int = 0  # answers still to come for claims already answered once
+    claim_sent: float = 0.0  # when the first claim in flight was sent (0: none in flight)
+    claim_last: float = 0.0  # when the last claim (first or sent again) was sent
+    claims: dict[int, float] = field(default_factory=dict)  # in flight: number -> sent at
     held_until: float = 0.0  # prefill holds the blocks at least until then
     held_s: float = 0.0  # the last answered claim's hold (a refresh goes out at half)
     reads_done: float = 0.0  # when the READs were seen complete (0: not yet)
@@ -150,7 +149,5 @@ def describe_source(src: Source, now: float) -> str:
     elif src.handles or src.batch is not None or src.staged:
         parts.append("READs running")
     if src.claim_sent:
-        parts.append(
-            f"claim unanswered for {now - src.claim_sent:.1f} s ({src.claims_unanswered} sent)"
-        )
+        parts.append(f"claim unanswered for {now - src.claim_sent:.1f} s ({len(src.claims)} sent)")
     return "; ".join(parts)

@@ -209,12 +209,13 @@ class Receiver:
     def on_prepared(self, msg: Prepared, agent: str = "") -> None:
         """Prefill answered a claim: post the READs (a rewrite was due), or extend what
         we know of the hold under READs already posted."""
-        found = self._awaiting(msg.request_id, LoadState.PREPARING, agent)
+        found = self._claimant(msg, agent)
         if found is None:
-            self._extra_answer(msg, agent)
+            self._late_answer(msg, agent)
             return
         load, src = found
         if not msg.ok:
+            self._claims.settle(src, ended=False, answered=msg.claim)
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
             return
         untrusted = self._claims.answered(src, msg)
@@ -226,29 +227,28 @@ class Receiver:
         elif src.reads_done:
             self._settle_claim(load, src)
 
-    def _extra_answer(self, msg: Prepared, agent: str) -> None:
-        """A ``Prepared`` no claim in flight waits for: one more answer to a resent claim
-        (dropped), a late one to a load that ended (logged), or a bad notification."""
+    def _claimant(self, msg: Prepared, agent: str) -> tuple[Load, Source] | None:
+        """The load and source with a claim in flight that ``msg`` (from ``agent``)
+        answers; None: no claim in flight is this one."""
         rid = self._by_remote.get(msg.request_id)
         load = self._loads.get(rid) if rid else None
-        src = (
-            next(
-                (s for s in load.sources if not agent or self._agent_of(s.key) == agent),
-                None,
-            )
-            if load is not None
-            else None
-        )
-        if load is not None and src is None:
-            self._metrics.bad_notifications += 1
-            return
-        late = self._claims.extra_answer(msg.request_id, src)
+        for src in load.sources if load is not None else ():
+            if src.state not in (LoadState.PREPARING, LoadState.READING):
+                continue
+            if Claims.answers(src, msg) and (not agent or self._agent_of(src.key) == agent):
+                return load, src
+        return None
+
+    def _late_answer(self, msg: Prepared, agent: str) -> None:
+        """A ``Prepared`` for a claim settled before (another answer came first, or the
+        load ended: logged), or a bad notification."""
+        late = self._claims.late_answer(msg)
         if late is None:
             self._metrics.bad_notifications += 1
         elif late > 0:
             logger.warning(
-                "prefill %s answered the claim on %s %.1f s after it was first sent, after "
-                "the load had ended",
+                "prefill %s answered a claim on %s %.1f s after it was sent, after the load "
+                "had ended without an answer",
                 agent or "?",
                 msg.request_id,
                 late,
@@ -301,7 +301,8 @@ class Receiver:
                 if (
                     load.spec.request_id in self._loads
                     and now <= load.deadline
-                    and self._claims.resend_due(src, now)
+                    and src.state in (LoadState.PREPARING, LoadState.READING)
+                    and self._claims.resend_due(src, now, self._numbered(src))
                 ):
                     self._claim_again(load, src, now)
             if load.spec.request_id not in self._loads:
@@ -401,7 +402,7 @@ class Receiver:
         if peer is None:
             self._finish_failed(load, f"peer {src.key} went away with a claim unanswered")
             return
-        if src.claims_unanswered == 1:
+        if len(src.claims) == 1:
             logger.warning(
                 "load %s: claim (Prepare) to prefill %s unanswered for %.1f s (%s); sending "
                 "it again",
@@ -412,10 +413,16 @@ class Receiver:
             )
         self._claim(load, src, peer)
 
+    def _numbered(self, src: Source) -> bool:
+        """The source's prefill echoes claim numbers (a claim may be sent again)."""
+        peer = self._ready_peer(src)
+        return bool(peer and peer.description and peer.description.numbered_claims)
+
     def _settle_claim(self, load: Load, src: Source) -> None:
         """The READs ended: done within the hold; wait while a claim is unanswered."""
         verdict = self._claims.verdict(src)
         if verdict:
+            self._claims.settle(src, ended=False)  # a refresh in flight: not needed now
             src.state = LoadState.DONE
         elif verdict is False:
             self._finish_failed(
@@ -549,7 +556,8 @@ class Receiver:
         self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
 
     def _forget(self, load: Load) -> None:
-        self._claims.forget(load.spec.params.remote_request_id, load.sources)
+        for src in load.sources:
+            self._claims.settle(src, ended=True)
         self._loads.pop(load.spec.request_id, None)
         self._by_remote.pop(load.spec.params.remote_request_id, None)
 

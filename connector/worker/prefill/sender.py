@@ -158,10 +158,10 @@ class Sender:
             self.expire()  # its lease ran out before this step's expire(): so it ended
             pending = self._pending.get(msg.request_id)
         if pending is not None and pending.ending:
-            return _unknown(msg.request_id)  # its hold is ending: no new claim
+            return _unknown(msg.request_id, msg.claim)  # its hold is ending: no new claim
         if pending is None:
             if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
-                return _unknown(msg.request_id)
+                return _unknown(msg.request_id, msg.claim)
             _, waiting = self._early_prepares.setdefault(
                 msg.request_id, (self._clock() + self.early_wait_s, [])
             )
@@ -173,6 +173,7 @@ class Sender:
                 ok=False,
                 reason="this prefill does not rewrite blocks in place (its engine may read "
                 "them meanwhile); read them in their native arrangement",
+                claim=msg.claim,
             )
         wanted = {
             rw.group_id: (rw.src.to_arrangement(), rw.dst.to_arrangement()) for rw in msg.rewrites
@@ -194,7 +195,7 @@ class Sender:
             self._lending.restore(pending, set(pending.rewritten) - kept)  # only what this did
             if pending.rewritten != before:  # the device holds other bytes again
                 self._stage_out(pending)
-            return Prepared(request_id=msg.request_id, ok=False, reason=str(exc))
+            return Prepared(request_id=msg.request_id, ok=False, reason=str(exc), claim=msg.claim)
         if wanted:
             self._learned = wanted
         self._lending.claim_native(pending, set(range(len(pending.spec.block_ids))) - set(wanted))
@@ -204,7 +205,9 @@ class Sender:
         hold = max(pending.spec.lease_s, min(max(msg.hold_s, 0.0), MAX_HOLD_S))
         pending.deadline = max(pending.deadline, now + hold)
         pending.claimed_until = pending.deadline
-        return Prepared(request_id=msg.request_id, ok=True, held_s=pending.deadline - now)
+        return Prepared(
+            request_id=msg.request_id, ok=True, held_s=pending.deadline - now, claim=msg.claim
+        )
 
     def _stage_out(self, pending: _Pending) -> None:
         """Host staging: the mirror gets the request's blocks as the device holds them."""
@@ -292,7 +295,7 @@ class Sender:
         if pending is None:
             self._ended.setdefault(request_id, self._clock())  # also when it never got here
         _, waiting = self._early_prepares.pop(request_id, (0.0, []))
-        self._replies += [(agent, _unknown(request_id)) for agent, _ in waiting]
+        self._replies += [(agent, _unknown(request_id, p.claim)) for agent, p in waiting]
         self._early.pop(request_id, None)
         if pending is not None:
             self._end(pending, "aborted", report=report)
@@ -334,7 +337,7 @@ class Sender:
         for rid, (expiry, waiting) in list(self._early_prepares.items()):
             if now > expiry:
                 del self._early_prepares[rid]
-                self._replies += [(agent, _unknown(rid)) for agent, _ in waiting]
+                self._replies += [(agent, _unknown(rid, p.claim)) for agent, p in waiting]
         for rid, ended in list(self._ended.items()):
             if now - ended > EARLY_DONE_TTL_S:
                 del self._ended[rid]
@@ -364,10 +367,11 @@ class Sender:
             self._end(pending, "aborted")
 
 
-def _unknown(request_id: str) -> Prepared:
+def _unknown(request_id: str, claim: int) -> Prepared:
     return Prepared(
         request_id=request_id,
         ok=False,
         reason=f"unknown request {request_id!r} on this prefill (never kept, already done, "
         f"or its lease expired)",
+        claim=claim,
     )
