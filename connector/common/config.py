@@ -52,6 +52,9 @@ _RETIRED = {
 }
 
 
+STEP_WAITS = ("auto", "sleep0", "sched_yield")  # ExtraConfig.engine_step_wait
+
+
 class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The ``extra`` object: the worker side's settings.
 
@@ -112,13 +115,15 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     applies it so far.
     Read by: both."""
 
-    engine_sched_yield: bool = False
-    """``true``: leave vLLM's busy-wait between engine steps on ``os.sched_yield``. By
-    default kvbridge switches it, in each vLLM process it is loaded in (engine core and
-    workers), to ``time.sleep(0)``: Linux's EEVDF scheduler (6.6 and later) all but stops
-    a thread that spins on ``sched_yield`` while a busy thread shares its core, and such a
-    thread holds Python's GIL between its yields, so kvbridge's threads in that process
-    stalled with it (first loads of 5-30 s on two cores; ``docs/handover.md``).
+    engine_step_wait: str = "auto"
+    """How vLLM's engine core and workers spin while they wait for each other between
+    steps, in each vLLM process kvbridge is loaded in: ``"sleep0"`` (``time.sleep(0)``),
+    ``"sched_yield"`` (vLLM's own, ``os.sched_yield``), or ``"auto"``: ``sleep0`` on vLLM's
+    CPU platform, vLLM's own elsewhere. Linux's EEVDF scheduler (6.6 and later) all but
+    stops a thread that spins on ``sched_yield`` while a busy thread shares its core, and
+    on the CPU platform the engines' compute threads share cores with them: first loads
+    took 5-30 s and warm requests up to 1.7 s on two cores (``docs/handover.md``, third
+    round). Set ``"sleep0"`` on a GPU host whose cores are oversubscribed.
     Read by: both (vLLM adapter only)."""
 
     def __post_init__(self) -> None:
@@ -134,6 +139,11 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.idle_progress_ms < 0:
             raise ConfigError(
                 f"extra.idle_progress_ms={self.idle_progress_ms:g} must be >= 0 (milliseconds)"
+            )
+        if self.engine_step_wait not in STEP_WAITS:
+            raise ConfigError(
+                f"extra.engine_step_wait={self.engine_step_wait!r} must be one of "
+                f"{', '.join(map(repr, STEP_WAITS))}"
             )
         if not 0 <= self.engine_thread_nice <= 19:
             raise ConfigError(

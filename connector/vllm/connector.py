@@ -59,7 +59,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         config = translate.transfer_config(vllm_config.kv_transfer_config)
-        spin_wait.apply(sched_yield=config.extra.engine_sched_yield)
+        from vllm.platforms import current_platform
+
+        spin_wait.apply(config.extra.engine_step_wait, cpu_platform=current_platform.is_cpu())
         kv_config = translate.kv_cache_config(kv_cache_config)
         self._scheduler: VLLMSchedulerSide | None = None
         self._worker: VLLMWorkerSide | None = None

@@ -10,15 +10,20 @@ loop got 0.01 s of CPU in 3 s, a ``time.sleep(0)`` loop its fair half. When serv
 share cores (vLLM's CPU build pins each engine's worker to its cores; more servers than
 cores), a waiting engine then takes seconds to notice each step, and so does every
 connector call of that step: decode's loads, prefill's answers to its claims. With vLLM's
-wait switched to ``time.sleep(0)`` (which releases the GIL, returns at once and costs the
-thread nothing in the scheduler's eyes) the first load of a fresh pair took 0.04-0.2 s
-instead of 0.1-11.6 s, and a warm P/D request 0.12-0.15 s instead of 1.1-1.7 s
-(``docs/handover.md``, "Third round").
+wait switched to ``time.sleep(0)`` (a ``clock_nanosleep`` that releases the GIL and
+returns at once, leaving the thread its fair share of the core) the first load of a fresh
+pair took 0.08-0.25 s instead of up to 21 s, and a warm P/D request 0.08-0.15 s instead
+of up to 1.7 s (``docs/handover.md``, "Third round").
 
 kvbridge switches it in each vLLM process it is loaded in (the engine core for the
-scheduler side, each worker for the worker side) unless ``extra.engine_sched_yield`` is
-true. vLLM reads ``USE_SCHED_YIELD`` at every wait, so switching it at the connector's
-construction covers every wait that follows.
+scheduler side, each worker for the worker side) on vLLM's CPU platform, where engines'
+compute threads share cores with their waits (``extra.engine_step_wait``: ``"auto"``;
+``"sleep0"`` or ``"sched_yield"`` force either). A GPU host usually has a core to spare
+for each waiting thread, and there the tightest wait is vLLM's choice. vLLM reads
+``USE_SCHED_YIELD`` at every wait, so switching it at the connector's construction (the
+worker's connector is built before the engine's warm-up, the scheduler's before the
+engine core's busy loop) covers every wait that follows. vLLM's C spin loop
+(``VLLM_USE_SPINLOOP_EXT``) does not read the flag and is left as it is.
 """
 
 from __future__ import annotations
@@ -33,10 +38,15 @@ _MODULE = "vllm.distributed.utils"
 _FLAG = "USE_SCHED_YIELD"
 
 
-def apply(*, sched_yield: bool, module: ModuleType | None = None) -> bool:
-    """Make vLLM's step wait spin on ``time.sleep(0)`` instead of ``os.sched_yield``
-    (``sched_yield`` true: leave it). Returns whether vLLM now waits with ``sched_yield``.
-    ``module``: vLLM's ``vllm.distributed.utils`` (default: imported)."""
+def apply(mode: str, *, cpu_platform: bool, module: ModuleType | None = None) -> bool:
+    """Set how vLLM waits between steps in this process: ``mode`` is
+    ``extra.engine_step_wait`` (``"auto"``: ``sleep0`` when ``cpu_platform``). Returns
+    whether vLLM waits with ``sched_yield`` now. ``module``: vLLM's
+    ``vllm.distributed.utils`` (default: imported)."""
+    if mode == "auto":
+        mode = "sleep0" if cpu_platform else "sched_yield"
+    if mode == "sched_yield" or not sys.platform.startswith("linux"):
+        return True if module is None else bool(getattr(module, _FLAG, True))
     if module is None:
         import importlib
 
@@ -50,14 +60,12 @@ def apply(*, sched_yield: bool, module: ModuleType | None = None) -> bool:
             _FLAG,
         )
         return True
-    if sched_yield or not sys.platform.startswith("linux"):
-        return bool(getattr(module, _FLAG))
     if getattr(module, _FLAG):
         setattr(module, _FLAG, False)
         logger.info(
             "kvbridge: vLLM's busy-wait between engine steps in this process spins on "
             "time.sleep(0) instead of os.sched_yield (Linux's EEVDF scheduler all but stops a "
             "sched_yield spinner that shares its core with a busy thread); "
-            "extra.engine_sched_yield=true keeps vLLM's"
+            'extra.engine_step_wait="sched_yield" keeps vLLM\'s'
         )
     return False

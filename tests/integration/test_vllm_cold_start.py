@@ -22,7 +22,7 @@ healthy): the figures in docs/handover.md's second round come from that.
 ``KVBRIDGE_VLLM_BIND=auto`` leaves the CPU binding to vLLM (``auto``: every server on
 every core, what a user's command gets) instead of one core per server; and
 ``KVBRIDGE_VLLM_EXTRA`` (a JSON object) is merged into kvbridge's ``extra`` settings on
-both kvbridge servers (e.g. ``{"engine_sched_yield": true}`` for the before/after rows of
+both kvbridge servers (e.g. ``{"engine_step_wait": "sched_yield"}`` for the before/after rows of
 docs/handover.md's third round).
 """
 

@@ -1,9 +1,9 @@
 """vLLM's wait between engine steps spins on ``time.sleep(0)`` once kvbridge is loaded.
 
 ``kvbridge.connector.vllm.spin_wait`` flips vLLM 0.32's ``USE_SCHED_YIELD`` (read at
-every wait) unless ``extra.engine_sched_yield`` keeps it. Checked against the installed
-vLLM's own ``sched_yield`` function, so that a vLLM that renames or drops the flag fails
-here by name, not as slow loads.
+every wait) on vLLM's CPU platform, as ``extra.engine_step_wait`` says. Checked against
+the installed vLLM's own ``sched_yield`` function, so that a vLLM that renames or drops
+the flag fails here by name, not as slow loads.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.vllm import spin_wait
 
 pytestmark = pytest.mark.skipif(
@@ -43,32 +43,45 @@ def _yields_of(utils: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list
     return calls
 
 
-def test_vllms_step_wait_sleeps_instead_of_yielding(vllm_utils, monkeypatch) -> None:
+def test_on_vllms_cpu_platform_the_step_wait_sleeps_instead_of_yielding(
+    vllm_utils, monkeypatch
+) -> None:
     assert _yields_of(vllm_utils, monkeypatch) == ["sched_yield"]  # vLLM's own choice
-    assert spin_wait.apply(sched_yield=False) is False
+    assert spin_wait.apply("auto", cpu_platform=True) is False
     assert _yields_of(vllm_utils, monkeypatch) == ["sleep(0)"]
 
 
-def test_engine_sched_yield_keeps_vllms_wait(vllm_utils, monkeypatch) -> None:
+def test_on_other_platforms_auto_keeps_vllms_wait(vllm_utils, monkeypatch) -> None:
+    assert spin_wait.apply("auto", cpu_platform=False) is True
+    assert _yields_of(vllm_utils, monkeypatch) == ["sched_yield"]
+    assert spin_wait.apply("sleep0", cpu_platform=False) is False  # forced
+    assert _yields_of(vllm_utils, monkeypatch) == ["sleep(0)"]
+
+
+def test_sched_yield_keeps_vllms_wait_on_the_cpu_platform(vllm_utils, monkeypatch) -> None:
     config = KVTransferConfig.from_dict(
-        {"kv_role": "kv_both", "engine_id": "e", "extra": {"engine_sched_yield": True}}
+        {"kv_role": "kv_both", "engine_id": "e", "extra": {"engine_step_wait": "sched_yield"}}
     )
-    assert spin_wait.apply(sched_yield=config.extra.engine_sched_yield) is True
+    assert spin_wait.apply(config.extra.engine_step_wait, cpu_platform=True) is True
     assert _yields_of(vllm_utils, monkeypatch) == ["sched_yield"]
 
 
-def test_the_default_config_switches_it() -> None:
+def test_the_default_is_auto_and_other_values_are_refused() -> None:
     assert (
-        KVTransferConfig.from_dict(
-            {"kv_role": "kv_both", "engine_id": "e"}
-        ).extra.engine_sched_yield
-        is False
+        KVTransferConfig.from_dict({"kv_role": "kv_both", "engine_id": "e"}).extra.engine_step_wait
+        == "auto"
     )
+    with pytest.raises(
+        ConfigError, match=r"engine_step_wait='spin' must be one of 'auto', 'sleep0', 'sched_yield'"
+    ):
+        KVTransferConfig.from_dict(
+            {"kv_role": "kv_both", "engine_id": "e", "extra": {"engine_step_wait": "spin"}}
+        )
 
 
 def test_a_vllm_without_the_flag_is_left_alone_and_said(caplog) -> None:
     other = types.ModuleType("vllm.distributed.utils")
     with caplog.at_level("WARNING", logger="kvbridge"):
-        assert spin_wait.apply(sched_yield=False, module=other) is True
+        assert spin_wait.apply("sleep0", cpu_platform=True, module=other) is True
     assert not hasattr(other, "USE_SCHED_YIELD")
     assert "has no USE_SCHED_YIELD" in caplog.text
