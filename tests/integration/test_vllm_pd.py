@@ -79,7 +79,7 @@ class Cluster:
         """For assertion messages: the kvbridge counters that moved on ``name``, and the
         last warnings of ``name`` and of ``peers`` (a load kvbridge failed names its
         reason on decode; what held the answer shows on prefill)."""
-        lines = [_deltas(before, after)]
+        lines = [str(_deltas(before, after))]
         for server in (name, *peers):
             tail = self.servers[server].log_tail(3000).splitlines()
             warnings = [line for line in tail if " WARNING " in line or " ERROR " in line][-8:]
