@@ -42,6 +42,7 @@ EVERY_FIELD = KVTransferConfig(
         idle_progress_ms=2.5,
         merge_runs=True,
         engine_thread_nice=19,
+        engine_step_wait="sleep0",
     ),
 )
 
@@ -184,6 +185,7 @@ def test_ints_are_numbers_of_seconds_and_mib():
         ({"extra": {"idle_progress_ms": -2}}, "extra.idle_progress_ms=-2 must be >= 0"),
         ({"extra": {"engine_thread_nice": -1}}, "extra.engine_thread_nice=-1 must be an integer "),
         ({"extra": {"engine_thread_nice": 20}}, "from 0 (leave the engine thread's priority alo"),
+        ({"extra": {"engine_step_wait": "yield"}}, "extra.engine_step_wait='yield' must be one of"),
         ({"extra": {"warm_peers": ["h"]}}, "extra.warm_peers entry 'h' is not 'host:port'"),
         ({"extra": {"warm_peers": ["h:0"]}}, "extra.warm_peers entry 'h:0' is not 'host:port'"),
         ({"extra": {"warm_peers": [":5600"]}}, "extra.warm_peers entry ':5600' is not"),
