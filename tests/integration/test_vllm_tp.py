@@ -6,29 +6,35 @@ own servers (they start after ``test_vllm_pd.py``'s are torn down):
 
     P128   tiny-llama, TP 1, block 128, kv_both, one core (prefill, and the reference)
     T32    tiny-llama, TP 2, block 32, kv_both, one core per rank
-    L64    tiny-llama, TP 1, block 64, kv_both; only with KVBRIDGE_VLLM_TP21=1
+    L64    tiny-llama, TP 1, block 64, kv_both (not with KVBRIDGE_VLLM_TP21=0)
 
-The whole module is opt-in (``KVBRIDGE_VLLM_TP=1``): on the shared 2-core machine it was
-not reliable (see below and docs/vllm.md, known limits).
+The module runs in CI. It was opt-in until vLLM's wait between engine steps was switched
+from ``os.sched_yield`` to ``time.sleep(0)`` (``kvbridge.connector.vllm.spin_wait``;
+docs/handover.md, third round): with vLLM's own wait it failed on the quiet 2-core machine
+(a load failed, a request got no answer in 120 s), with the switch it passed 3 of 3 runs
+in about a minute. ``KVBRIDGE_VLLM_TP=0`` skips it.
 
 - TP 1 -> TP 2 (P128 -> T32): each decode rank reads its KV head of every 128-token prefill
   page into its staging slots and vLLM's kernel splits it into its 32-token blocks.
-- TP 2 -> TP 1 (T32 -> L64), opt-in on top (``KVBRIDGE_VLLM_TP21=1``): decode reads each
-  32-token page from both prefill ranks (each holds one KV head) and merges them into its
-  64-token blocks. On the shared
-  2-core machine, busy with other tests, it failed in 3 of 3 runs (CHANGELOG.md, known limits):
-  L64's first handshakes with the TP-2 prefill took 1.4 s to 2 min, and L64's and T32's
-  engines then went minutes without a step (loads timed out, or prefill's lease expired).
+- TP 2 -> TP 1 (T32 -> L64; ``KVBRIDGE_VLLM_TP21=0`` skips it): decode reads each 32-token
+  page from both prefill ranks (each holds one KV head) and merges them into its 64-token
+  blocks. With vLLM's own wait, on the shared 2-core machine busy with other tests, it
+  failed in 3 of 3 runs (CHANGELOG.md): L64's first handshakes with the TP-2 prefill took
+  1.4 s to 2 min, and L64's and T32's engines then went minutes without a step.
 
 Settings as in ``scripts/run_vllm_pd.sh``: one core per engine thread
 (``VLLM_CPU_OMP_THREADS_BIND``), ``extra.engine_thread_nice`` (more busy-waiting engine
 threads than cores), and the TP-2 server's first forward pass paid before the tests (a
 local request, then P/D requests per direction until one loads, at most 4).
+``KVBRIDGE_VLLM_EXTRA`` (a JSON object) is merged into kvbridge's ``extra`` settings on
+every server (e.g. ``{"engine_step_wait": "sched_yield"}``: vLLM's own wait between steps,
+the "before" runs of docs/handover.md's third round).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,14 +51,14 @@ from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
 
-WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP") == "1"
+WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP", "1") != "0"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in
 # `reading` for the 60 s timeout, or the prefill's handshake listener silent for 4 x 5 s;
 # CHANGELOG.md, known limits).
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.integration,
-    pytest.mark.skipif(not WITH_TP, reason="opt-in: KVBRIDGE_VLLM_TP=1 (docs/vllm.md)"),
+    pytest.mark.skipif(not WITH_TP, reason="KVBRIDGE_VLLM_TP=0 skips it"),
 ]
 
 MAX_TOKENS = 8
@@ -61,9 +67,10 @@ TIMEOUT_S = 120.0
 # TP-2 engines on 2 cores run slowly (seconds per load, more on a busy machine): a prefill
 # lease and a load timeout with room for that
 LEASE = {"lease_s": 120, "heartbeat_s": 3, "transfer_timeout_s": 60}
+EXTRA = json.loads(os.environ.get("KVBRIDGE_VLLM_EXTRA") or "{}")
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama: layers x K,V x kv heads x head dim x fp32
 LAYERS = 4
-WITH_TP21 = os.environ.get("KVBRIDGE_VLLM_TP21") == "1"
+WITH_TP21 = os.environ.get("KVBRIDGE_VLLM_TP21", "1") != "0"
 
 
 class ServerFailed(AssertionError):
@@ -154,6 +161,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("vllm-tp-logs")
     busy = sum(tp for _, tp, _ in SERVERS.values())  # one busy-waiting thread per rank
     kv_extra = with_engine_nice(dict(LEASE), "kvbridge", busy)
+    if EXTRA:  # KVBRIDGE_VLLM_EXTRA: more of kvbridge's extra settings, on every server
+        kv_extra = {**(kv_extra or {}), "extra": {**(kv_extra or {}).get("extra", {}), **EXTRA}}
     servers = {name: vllm_service(_spec(name, llama, kv_extra), logs) for name in SERVERS}
     try:
         start_all(list(servers.values()), timeout_s=400)
@@ -230,7 +239,7 @@ def test_prefill_tp_1_to_decode_tp_2_with_larger_prefill_blocks(cluster: Cluster
     assert _delta(before, after, "receiver_rewrites") == 2 * _pages(loaded, 32), moved
 
 
-@pytest.mark.skipif(not WITH_TP21, reason="opt-in: KVBRIDGE_VLLM_TP21=1 (docs/vllm.md)")
+@pytest.mark.skipif(not WITH_TP21, reason="KVBRIDGE_VLLM_TP21=0 skips it")
 def test_prefill_tp_2_to_decode_tp_1_with_smaller_prefill_blocks(cluster: Cluster) -> None:
     """T32 (TP 2) -> L64 (TP 1): decode reads each 32-token page's head from both prefill
     ranks (one descriptor per page, layer and source rank) and merges them into its
