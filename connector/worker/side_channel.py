@@ -121,18 +121,16 @@ class SideChannel:
             if not req.requester_agent_name or req.requester_agent_name in self._known_agents:
                 continue
             try:
-                agent = self._engine.add_peer(req.requester_nixl_metadata)
+                self._engine.add_peer(req.requester_nixl_metadata)
                 self._known_agents.add(req.requester_agent_name)
             except KVBridgeError as exc:
                 logger.warning("cannot add requester %s: %s", req.requester_agent_name, exc)
                 continue
-            # Start UCX's wire-up with the reader now: its first READ then finds the
-            # endpoints connected instead of waiting on this side's progress to set
-            # them up (docs/handover.md)
-            try:
-                self._engine.connect(agent)
-            except KVBridgeError as exc:  # its first transfer connects instead
-                logger.warning("NIXL connection to requester %s not set up: %s", agent, exc)
+            # No make_connection towards the requester here: the requester connects to us
+            # as soon as our description arrives (PeerDirectory._wire_up), and the two
+            # connecting to each other at once is where prefill workers froze (CI: a
+            # prefill's engine went 227 s without a step right after a new decode's
+            # handshake, its claims answered only then; docs/handover.md)
 
     def directory(self, *, can_repack: bool = False, writer: bool = False) -> PeerDirectory:
         """Peers this worker reads from, or (``writer``) pushes to."""
