@@ -118,14 +118,14 @@ def negotiate(
         try:
             if isinstance(lg.spec, StateSpec) and across_tp:
                 plans.append(tp_state_plan(local, remote, lg, rg, peer))
+            elif isinstance(lg.spec, StateSpec):  # kvbridge's own page layout, packed or not
+                plans.append(_state_plan(local, remote, lg, rg))
             elif packed:
                 plans.append(packed_plan(local, remote, lg, rg, heads))
             elif heads is not None:
                 plans.append(
                     tp_attention_plan(local, remote, lg, rg, heads, min_native_piece_bytes)
                 )
-            elif isinstance(lg.spec, StateSpec):
-                plans.append(_state_plan(local, remote, lg, rg))
             else:
                 plans.append(_attention_plan(local, remote, lg, rg, min_native_piece_bytes))
         except LayoutError as exc:

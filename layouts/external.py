@@ -33,7 +33,7 @@ from kvbridge.layouts.errors import ExternalLayoutError
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.heads_outer import adopt_heads_outer, heads_outer_kernel_block
 from kvbridge.layouts.layout import KVLayout, KVPacking
-from kvbridge.layouts.specs import AttentionSpec, KVCacheKind
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, StateSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +218,38 @@ def _head_outer_axis(
     )
 
 
+def describe_state_layer(
+    name: str, tensor: torch.Tensor, spec: StateSpec, num_blocks: int, page_bytes: int
+) -> None:
+    """Check one state layer's tensor (vLLM's Mamba layers: a ``[blocks, 1, 1, C]`` byte
+    view, ``C`` the states back to back, one page apart); raises
+    :class:`ExternalLayoutError` naming what differs."""
+    where = (
+        f"state layer {name!r}: tensor shape {tuple(tensor.shape)}, strides "
+        f"{tuple(tensor.stride())}, dtype {tensor.dtype}"
+    )
+    packed, offsets = 0, []  # the engine's states back to back, no alignment gaps
+    for nbytes in spec.state_nbytes:
+        offsets.append(packed)
+        packed += nbytes
+    if tuple(offsets) != spec.state_offsets:
+        raise ExternalLayoutError(
+            f"{where}: the engine packs its states at byte offsets {offsets}, kvbridge's "
+            f"state spec aligns them at {list(spec.state_offsets)} (dtypes {spec.dtypes})"
+        )
+    sizes, strides = _physical(tensor)
+    item = tensor.element_size()
+    want_sizes = [num_blocks, packed // item] if num_blocks > 1 else [packed // item]
+    want_strides = [page_bytes // item, 1] if num_blocks > 1 else [1]
+    if packed % item or sizes != want_sizes or strides != want_strides:
+        raise ExternalLayoutError(
+            f"{where} (memory order {sizes}, element strides {strides}): expected "
+            f"{num_blocks} blocks of {packed} state bytes, one {page_bytes}-byte page apart "
+            f"(a per-layer cache: block-outer layouts overlay a hybrid model's groups inside "
+            f"each block, which kvbridge does not move; use VLLM_KV_CACHE_LAYOUT=LBHNC)"
+        )
+
+
 def adopt_kv_caches(
     config: KVCacheConfig,
     tensors: Mapping[str, torch.Tensor],
@@ -243,29 +275,45 @@ def adopt_kv_caches(
             f"unexpected {extra}"
         )
     formats: dict[str, LayerFormat] = {}
+    page = config.page_size_bytes
     for g in config.groups:
-        if not isinstance(g.spec, AttentionSpec):
-            raise ExternalLayoutError(
-                f"group {g.group_id} ({g.spec.kind.value}, layers {list(g.layer_names)}): only "
-                f"attention groups can be adopted from an engine so far"
-            )
         for name in g.layer_names:
-            formats[name] = describe_layer(
-                name, tensors[name], g.spec, config.num_blocks, layout_hint=layout_hint
-            )
-    first = formats[config.layer_names[0]]
+            if isinstance(g.spec, StateSpec):
+                describe_state_layer(name, tensors[name], g.spec, config.num_blocks, page)
+            else:
+                formats[name] = describe_layer(
+                    name, tensors[name], g.spec, config.num_blocks, layout_hint=layout_hint
+                )
+    if not formats:
+        raise ExternalLayoutError(
+            f"KV-cache groups {[g.spec.kind.value for g in config.groups]}: kvbridge adopts an "
+            f"engine's cache when at least one group is attention"
+        )
+    first_name = next(iter(formats))
+    first = formats[first_name]
     for name, f in formats.items():
         if str(f) != str(first):
             raise ExternalLayoutError(
-                f"layer {name!r} is {f} but layer {config.layer_names[0]!r} is {first}; "
+                f"layer {name!r} is {f} but layer {first_name!r} is {first}; "
                 f"kvbridge needs one format"
             )
     groups = tuple(
-        replace(g, spec=replace(g.spec, kv_interleaved=formats[g.layer_names[0]].kv_interleaved))
+        g
+        if isinstance(g.spec, StateSpec)
+        else replace(
+            g, spec=replace(g.spec, kv_interleaved=formats[g.layer_names[0]].kv_interleaved)
+        )
         for g in config.groups
     )
     config = replace(config, groups=groups)
-    page = config.page_size_bytes
+    has_state = len(formats) != len(config.layer_names)
+    per_layer = not (first.heads_outer or first.head_stride_bytes)
+    if has_state and not (per_layer and first.block_stride_bytes == page):
+        raise ExternalLayoutError(
+            f"attention layer {first_name!r} is {first} with a {first.block_stride_bytes}-byte "
+            f"block stride: kvbridge moves state (Mamba) groups beside attention laid out per "
+            f"layer, blocks-first (vLLM: VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)"
+        )
     if first.heads_outer:
         return adopt_heads_outer(
             config, tensors, kernel_block_size=first.kernel_block_size, block_packing=block_packing

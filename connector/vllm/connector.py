@@ -69,7 +69,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 
             self._scheduler = VLLMSchedulerSide(
-                config, kv_config, tp_size=vllm_config.parallel_config.tensor_parallel_size
+                config,
+                kv_config,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                single_block_groups=translate.single_block_groups(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -163,6 +166,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         self.scheduler_side.set_handshake_metadata(metadata)
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -25,9 +25,14 @@ from kvbridge.connector.vllm.metadata import (
     KVBridgeWorkerMetadata,
 )
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
-from kvbridge.connector.vllm.translate import engine_block_ids, parse_params
+from kvbridge.connector.vllm.translate import (
+    engine_block_ids,
+    parse_params,
+    position_block_ids,
+)
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.specs import KVCacheKind
 
 logger = logging.getLogger(__name__)
 
@@ -37,25 +42,40 @@ _HANDOVER_STATES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 class RequestView:
     """A vLLM ``Request`` as :class:`kvbridge.connector.common.api.ConnectorRequest` (params parsed
-    once)."""
+    once). ``withheld``: prompt tokens the prefill engine was told not to compute (see
+    :meth:`VLLMSchedulerSide.on_new_request`); the view's prompt still ends with them."""
 
     __slots__ = ("kv_transfer_params", "prompt_token_ids", "request_id")
 
-    def __init__(self, request: Any, params: KVTransferParams | None) -> None:
+    def __init__(
+        self, request: Any, params: KVTransferParams | None, withheld: Sequence[int] = ()
+    ) -> None:
         self.request_id: str = request.request_id
-        self.prompt_token_ids: Sequence[int] = request.prompt_token_ids or ()
+        self.prompt_token_ids: Sequence[int] = [*(request.prompt_token_ids or ()), *withheld]
         self.kv_transfer_params = params
 
 
 class VLLMSchedulerSide:
     def __init__(
-        self, config: KVTransferConfig, kv_config: KVCacheConfig, *, tp_size: int = 1
+        self,
+        config: KVTransferConfig,
+        kv_config: KVCacheConfig,
+        *,
+        tp_size: int = 1,
+        single_block_groups: frozenset[int] = frozenset(),
     ) -> None:
+        """``single_block_groups``: state groups vLLM gives one block per request
+        (:func:`kvbridge.connector.vllm.translate.single_block_groups`)."""
+        self._single = single_block_groups
         self.sched = KVBridgeScheduler(config, kv_config, tp_size=tp_size)
         self._views: dict[str, RequestView] = {}  # requests kvbridge may still load for
         self._bad_params: set[str] = set()
         self.counters: Counter[str] = Counter()
         self._delta = CounterDelta()
+        # state (Mamba) groups: vLLM keeps one running state per request, so a prefill
+        # must stop one token short (decode resumes from the state after N - 1 tokens)
+        self._state_groups = [g.group_id for g in kv_config.groups if g.kind is KVCacheKind.STATE]
+        self._withheld: dict[str, list[int]] = {}  # prompt tokens a prefill did not compute
 
     def _view(self, request: Any) -> RequestView | None:
         """The request's view; None (and counted, logged once) when its params are bad."""
@@ -73,6 +93,32 @@ class VLLMSchedulerSide:
             logger.error("request %s: %s; serving it without kvbridge", rid, exc)
             return None
         return RequestView(request, params)
+
+    def on_new_request(self, request: Any) -> None:
+        """A request reached the engine. A prefill of a model with state groups withholds
+        the prompt's last token: vLLM keeps one running state per request, and decode,
+        which computes the last token itself, needs the state after the ones before it.
+        The request then computes ``N - 1`` tokens and stops after one output token
+        (vLLM's own NixlConnector does the same); its params still describe ``N``."""
+        if not self._state_groups or not self.sched.config.is_producer:
+            return
+        view = self._view(request)
+        params = None if view is None else view.kv_transfer_params
+        prompt = request.prompt_token_ids
+        if params is None or not params.do_remote_decode or prompt is None or len(prompt) < 2:
+            return
+        rid = request.request_id
+        if rid in self._withheld:  # preempted and added again: withheld already
+            return
+        withheld = [int(prompt[-1])]
+        del prompt[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        self._withheld[rid] = withheld
+        logger.debug(
+            "request %s: prefill computes %d prompt tokens of %d", rid, len(prompt), len(prompt) + 1
+        )
 
     def set_handshake_metadata(self, metadata: Mapping[int, object]) -> None:
         """Every TP rank's bound side-channel port (vLLM gathers them from the workers at
@@ -124,7 +170,7 @@ class VLLMSchedulerSide:
         view = self._views.get(request.request_id)
         if view is None:
             return
-        block_ids = engine_block_ids(blocks.get_block_ids())
+        block_ids = position_block_ids(engine_block_ids(blocks.get_block_ids()), self._single)
         self.sched.update_state_after_alloc(view, block_ids, num_external_tokens)
 
     def build_connector_meta(self) -> KVBridgeMetadata:
@@ -142,23 +188,46 @@ class VLLMSchedulerSide:
         self, request: Any, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        withheld = self._withheld.pop(rid, [])
         view = self._views.pop(rid, None) or self._view(request)  # bad params: counted once
         self._bad_params.discard(rid)
         if view is None:
             return False, None
+        if withheld:
+            view = RequestView(request, view.kv_transfer_params, withheld)
         status = getattr(request.status, "name", str(request.status))
         if status not in _HANDOVER_STATES:
             # Aborted or failed: nothing to hand over; release whatever kvbridge holds.
             self.sched.request_aborted(rid)
             return self.sched.defers_free(rid), None
+        ids = position_block_ids(engine_block_ids(block_ids), self._single)
         try:
-            delay, params = self.sched.request_finished(view, engine_block_ids(block_ids))
+            resume = self._resume_blocks(view, ids) if withheld else None
+            delay, params = self.sched.request_finished(view, ids, resume_state_block_ids=resume)
         except KVBridgeError as exc:
             logger.error("request %s: cannot keep its KV for a remote decode: %s", rid, exc)
             return False, None
         if params is not None:
             self.sched.take_blocks_to_free(rid)  # vLLM frees all of them on finished_sending
         return delay, None if params is None else params.to_dict()
+
+    def _resume_blocks(self, view: RequestView, ids: Sequence[Sequence[int]]) -> dict[int, int]:
+        """Per state group, the block that holds the state after ``N - 1`` tokens: vLLM
+        keeps a request's running state in the block of its last computed token (prefix
+        caching's "align" mode; without prefix caching the group has one block)."""
+        computed = len(view.prompt_token_ids) - 1
+        out = {}
+        for g in self._state_groups:
+            spec = self.sched.kv_cache_config.groups[g].spec
+            group = ids[g]
+            index = min((computed - 1) // spec.block_size, len(group) - 1)
+            if computed < 1 or index < 0 or group[index] < 0:
+                raise KVBridgeError(
+                    f"state group {g}: no block holds the state after {computed} tokens "
+                    f"(block ids {list(group)}, {spec.block_size}-token blocks)"
+                )
+            out[g] = group[index]
+        return out
 
     def update_connector_output(self, worker_meta: Any) -> None:
         """Each TP rank's report in turn (a step with none still advances leases)."""

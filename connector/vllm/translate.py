@@ -8,13 +8,21 @@ vLLM engine; vLLM spec classes are told apart by class name.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout
-from kvbridge.layouts.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
+from kvbridge.layouts.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLASpec,
+    SlidingWindowSpec,
+    StateSharding,
+    StateSpec,
+)
 
 # vLLM's --kv-transfer-config keys that kvbridge reads from the top level (vLLM 0.32 has
 # no kv_ip: the side-channel host goes in kv_connector_extra_config).
@@ -46,6 +54,11 @@ VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_
 
 # what to change when a spec field kvbridge cannot move is set
 _FIXES = {
+    "page_size_padded": (
+        " (vLLM padded the attention page up to a larger Mamba state page); start vLLM "
+        "with a --block-size whose attention page holds the state, as vLLM's own hybrid "
+        "config does"
+    ),
     "state_content_bytes": (
         " (each token is one packed record of that many bytes, e.g. FlashMLA sparse's "
         "fp8_ds_mla: latent, rope and scales together); start vLLM with --kv-cache-dtype "
@@ -96,13 +109,47 @@ def transfer_config(vllm_kv_config: Any) -> KVTransferConfig:
     return KVTransferConfig.from_dict(raw)
 
 
+def _state_spec(where: str, vspec: Any) -> StateSpec:
+    """A vLLM ``MambaSpec`` (Mamba1/2, GDN, short conv, ...): the layer's state tensors
+    back to back at the start of each page, the page padded to the attention page (what
+    ``MambaBase.bind_kv_cache`` reads). Each block holds one state (see
+    :func:`state_resume_block`); equal TP sizes only, unless the state is replicated."""
+    # (prefill checkpoint blocks, prefix caching's extra state at the replay boundary, are
+    # the engine's own business: decode reads the running state)
+    if getattr(vspec, "num_speculative_blocks", 0):
+        raise ConfigError(
+            f"{where}: num_speculative_blocks={vspec.num_speculative_blocks}: kvbridge moves "
+            f"one state block per request, not the scratch blocks speculative decoding adds; "
+            f"start vLLM without speculative decoding for this model"
+        )
+    shapes = tuple(tuple(int(d) for d in shape) for shape in vspec.shapes)
+    sharding = None  # vLLM does not say how it splits a state: equal TP sizes only
+    if getattr(vspec, "tp_replicated", False):
+        sharding = tuple(StateSharding(dim=None) for _ in shapes)
+    return StateSpec(
+        block_size=vspec.block_size,
+        shapes=shapes,
+        dtypes=tuple(vspec.dtypes),
+        page_size_padded=vspec.page_size_padded,
+        sharding=sharding,
+    )
+
+
 def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
     kind = type(vspec).__name__
     where = f"KV-cache group {group_id} ({kind}, layers {list(layer_names)[:3]}...)"
+    if kind == "MambaSpec":
+        return _state_spec(where, vspec)
+    if kind == "UniformTypeKVCacheSpecs":
+        raise ConfigError(
+            f"{where}: vLLM packs this group's layers into each block (a block-outer layout "
+            f"of a hybrid model, e.g. BLHNC); kvbridge moves hybrid models laid out per layer: "
+            f"set VLLM_KV_CACHE_LAYOUT=LBHNC"
+        )
     if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
         raise ConfigError(
-            f"{where}: kvbridge moves full attention, sliding window and MLA groups; "
-            f"{kind} is not supported yet"
+            f"{where}: kvbridge moves full attention, sliding window, MLA and Mamba state "
+            f"groups; {kind} is not supported yet"
         )
     head_size_v = getattr(vspec, "head_size_v", None)
     # MLA keeps one latent per token: vLLM 0.32 says so with head_size_v=0
@@ -129,6 +176,35 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
     return MLASpec(**common)
 
 
+def single_block_groups(vllm_kv_cache_config: Any) -> frozenset[int]:
+    """State groups vLLM gives one block per request: Mamba without prefix caching
+    (``mamba_cache_mode`` "none", block size ``max_model_len``), whose one block holds the
+    running state whatever the position. kvbridge's state groups are position-indexed
+    (block ``i`` holds the state after block ``i``'s last token), so such a group is shown
+    to kvbridge with the attention block size, its one block standing at every position
+    (see :func:`position_block_ids`)."""
+    return frozenset(
+        gid
+        for gid, g in enumerate(vllm_kv_cache_config.kv_cache_groups)
+        if type(g.kv_cache_spec).__name__ == "MambaSpec"
+        and getattr(g.kv_cache_spec, "mamba_cache_mode", "none") == "none"
+    )
+
+
+def position_block_ids(
+    block_ids: Sequence[Sequence[int]], single: frozenset[int]
+) -> list[list[int]]:
+    """vLLM's per-group block ids with each single-block group's block repeated at every
+    position the other groups' lists cover (see :func:`single_block_groups`)."""
+    out = [list(ids) for ids in block_ids]
+    if not single:
+        return out
+    length = max((len(ids) for g, ids in enumerate(out) if g not in single), default=1)
+    for g in single:
+        out[g] = out[g][:1] * max(length, 1)
+    return out
+
+
 def kv_cache_config(vllm_kv_cache_config: Any) -> KVCacheConfig:
     """kvbridge's groups from vLLM's ``KVCacheConfig`` (same order, same block ids)."""
     groups = []
@@ -145,6 +221,13 @@ def kv_cache_config(vllm_kv_cache_config: Any) -> KVCacheConfig:
                 spec=_spec(gid, g.layer_names, g.kv_cache_spec),
             )
         )
+    single = single_block_groups(vllm_kv_cache_config)
+    attention = [g.spec.block_size for g in groups if g.group_id not in single]
+    if single and attention:
+        groups = [
+            replace(g, spec=g.spec.with_block_size(attention[0])) if g.group_id in single else g
+            for g in groups
+        ]
     return KVCacheConfig(groups=tuple(groups), num_blocks=vllm_kv_cache_config.num_blocks)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.vllm.metadata import (
     KVBridgeHandshakeMetadata,
@@ -62,8 +62,12 @@ class VLLMWorkerSide:
         self.layout_hint = layout_hint
         self._cpu_attention = cpu_attention
         self._engine_nice = config.extra.engine_thread_nice
-        spec = kv_config.groups[0].spec
-        assert isinstance(spec, AttentionSpec)
+        spec = next((g.spec for g in kv_config.groups if isinstance(g.spec, AttentionSpec)), None)
+        if spec is None:
+            raise ConfigError(
+                f"KV-cache groups {[g.spec.kind.value for g in kv_config.groups]}: kvbridge "
+                f"moves state (Mamba) groups beside attention groups, not alone"
+            )
         self.worker = KVBridgeWorker(
             config,
             ModelInfo(
@@ -176,7 +180,7 @@ def heads_major(kv_config: KVCacheConfig) -> bool:
     for g in kv_config.groups:
         spec = g.spec
         if not isinstance(spec, AttentionSpec):
-            return False
+            continue  # a state page is moved whole (equal TP sizes)
         offsets = page_map(spec.dtype, spec.block_size, spec.num_kv_heads, spec.head_size)
         per_head = offsets.size // spec.num_kv_heads
         by_head = np.moveaxis(offsets, 2, 0).reshape(spec.num_kv_heads, -1)

@@ -152,9 +152,41 @@ def gemma3_config() -> Any:
     return config
 
 
+def granite_hybrid_config() -> Any:
+    """Mamba2 layers between attention layers (IBM Granite 4.0's architecture): vLLM gives
+    the Mamba layers a KV-cache group of their own, one state per block (conv + SSM)."""
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        num_local_experts=0,  # dense: the shared MLP only
+        num_experts_per_tok=0,
+        mamba_n_heads=4,
+        mamba_d_head=64,  # n_heads * d_head = expand * hidden_size
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=MAX_POSITIONS,
+        position_embedding_type="rope",
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    _common(config)
+    return config
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "tiny-llama": llama_config,
     "tiny-gemma3": gemma3_config,
+    "tiny-granite-hybrid": granite_hybrid_config,
 }
 
 

@@ -11,16 +11,21 @@ startup with a typed error that names what to change. The tensors come from
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 
 from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.vllm import translate
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
 from kvbridge.layouts.arrangement import HeadOrder
-from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.errors import KVBridgeError, LayoutError
 from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
+from kvbridge.layouts.specs import KVCacheKind
 from tests.vllm_layouts.vllm_alloc import (
     BACKENDS,
     MLA_BACKENDS,
@@ -30,6 +35,7 @@ from tests.vllm_layouts.vllm_alloc import (
     allocate,
     backend,
     get_supported_kv_cache_layouts,
+    mamba2_layer_spec,
 )
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +62,9 @@ def vllm_tokens(a: Allocation, layer: str, block_ids: np.ndarray, gid: int) -> t
     return ints.permute(0, 2, 1, 3).reshape(-1, view.shape[1], view.shape[3])
 
 
-def check_every_token(a: Allocation, buffers: KVCacheBuffers) -> None:
+def check_every_token(
+    a: Allocation, buffers: KVCacheBuffers, groups: list[int] | None = None
+) -> None:
     """Random bytes in vLLM's buffer; kvbridge's token-major read equals vLLM's views."""
     first = next(iter(a.kv_caches.values()))
     raw = first.untyped_storage()
@@ -66,6 +74,8 @@ def check_every_token(a: Allocation, buffers: KVCacheBuffers) -> None:
     n = buffers.config.num_blocks
     block_ids = np.array([n - 1, 1, 3], dtype=np.int64)
     for g in buffers.config.groups:
+        if groups is not None and g.group_id not in groups:
+            continue
         got = read_group_token_major(buffers, g.group_id, block_ids)  # (L, P, T, H, D)
         assert got.shape[1] == 1  # vLLM 0.32 keeps K|V (or the latent) in one content axis
         for i, name in enumerate(g.layer_names):
@@ -187,15 +197,85 @@ def test_lhbnc_is_adopted_as_one_region_per_layer_and_head():
     check_every_token(a, b)
 
 
-def test_mamba_state_group_is_refused_by_name():
+def vllm_states(a: Allocation, layer: str) -> tuple[torch.Tensor, ...]:
+    """The state tensors of a Mamba layer as vLLM's own ``MambaBase.bind_kv_cache`` views
+    them (``(blocks, *shape)`` per state), on the tensor ``register_kv_caches`` gets."""
+    spec = next(
+        g.kv_cache_spec for g in a.kv_cache_config.kv_cache_groups if layer in g.layer_names
+    )
+    layer_obj = SimpleNamespace(
+        get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes
+    )
+    MambaBase.bind_kv_cache(layer_obj, a.kv_caches[layer])
+    return layer_obj.kv_cache
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_mamba2_state_group_is_adopted_beside_attention(layout, block_size):
+    """A Mamba2 hybrid: vLLM pads the state page to the attention page and overlays the
+    groups (attention layer i and Mamba layer i share one tensor). kvbridge's state spec
+    is vLLM's (shapes, dtypes, padded page), and every block's bytes where kvbridge reads
+    each state are the bytes vLLM's Mamba layer reads as that state."""
     a = allocate(
         Model(num_layers=2, mamba_layers=2),
-        block_size=16,
+        block_size=block_size,
+        layout=layout,
+        backend_name="FLASH_ATTN",
+    )
+    b = adopt(a)
+    state = b.config.groups[1]
+    assert state.kind is KVCacheKind.STATE
+    vspec = a.kv_cache_config.kv_cache_groups[1].kv_cache_spec
+    assert state.spec.shapes == vspec.shapes and state.spec.dtypes == vspec.dtypes
+    assert state.spec.page_size_bytes == b.config.page_size_bytes == vspec.page_size_bytes
+    assert len(b.tensors) == 2  # one per shared (attention, Mamba) layer pair
+    check_every_token(a, b, groups=[0])
+    for name in state.layer_names:
+        rows = b.layer_bytes(name)
+        for want, offset, nbytes, dtype, shape in zip(
+            vllm_states(a, name),
+            state.spec.state_offsets,
+            state.spec.state_nbytes,
+            state.spec.dtypes,
+            state.spec.shapes,
+            strict=True,
+        ):
+            mine = rows[:, offset : offset + nbytes].contiguous().view(dtype)
+            assert torch.equal(mine.view(-1, *shape).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_mamba2_state_group_in_a_block_outer_layout_is_refused_by_name():
+    a = allocate(
+        Model(num_layers=2, mamba_layers=2),
+        block_size=64,
+        layout=KVCacheLayout.BLHNC,
+        backend_name="FLASH_ATTN",
+    )
+    with pytest.raises(KVBridgeError, match="LBHNC"):
+        adopt(a)
+
+
+def test_mamba_state_page_larger_than_the_attention_page_is_refused_by_name():
+    """vLLM pads the attention page up to the Mamba state when the state is larger (here
+    at 32-token blocks); kvbridge refuses that at startup and says what to change."""
+    a = allocate(
+        Model(num_layers=2, mamba_layers=2),
+        block_size=32,
         layout=KVCacheLayout.LBHNC,
         backend_name="FLASH_ATTN",
     )
-    with pytest.raises(ConfigError, match="MambaSpec is not supported"):
+    with pytest.raises(ConfigError, match=r"page_size_padded=.*--block-size"):
         translate.kv_cache_config(a.kv_cache_config)
+
+
+def test_mamba_speculative_scratch_blocks_are_refused_by_name():
+    spec = replace(mamba2_layer_spec(64, torch.float16), num_speculative_blocks=1)
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=["m"], kv_cache_spec=spec)], num_blocks=8
+    )
+    with pytest.raises(ConfigError, match="num_speculative_blocks=1"):
+        translate.kv_cache_config(config)
 
 
 def test_head_outer_buffers_refuse_per_layer_rows_and_need_cross_layer():

@@ -24,6 +24,10 @@ import vllm.config  # vLLM's backends import it first (circular imports otherwis
 import vllm.model_executor.layers.attention  # noqa: F401
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
@@ -111,12 +115,27 @@ class Model:
                     dtype=self.dtype,
                 )
         for i in range(self.mamba_layers):
-            out[f"model.layers.{self.num_layers + i}.mixer"] = MambaSpec(
-                block_size=block_size,
-                shapes=((3, 64), (2, 16, 16)),  # conv state, SSM state (Mamba2: heads x d x n)
-                dtypes=(self.dtype, torch.float32),
+            out[f"model.layers.{self.num_layers + i}.mixer"] = mamba2_layer_spec(
+                block_size, self.dtype
             )
         return out
+
+
+def mamba2_layer_spec(block_size: int, dtype: torch.dtype, tp_size: int = 1) -> MambaSpec:
+    """A Mamba2 mixer's spec as vLLM's layer builds it: state shapes and dtypes from
+    vLLM's own calculators (conv state ``(conv_kernel - 1, conv_dim)``, SSM state
+    ``(heads, head_dim, state_size)``; an fp32 SSM state as vLLM's CPU build resets it)."""
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=tp_size,
+        intermediate_size=128,
+        n_groups=1,
+        num_heads=4,
+        head_dim=32,
+        state_size=16,
+        conv_kernel=4,
+    )
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(dtype, "auto", "float32")
+    return MambaSpec(block_size=block_size, shapes=shapes, dtypes=dtypes)
 
 
 def mla_layer_spec(head_size: int, kv_cache_dtype: str, block_size: int) -> KVCacheSpec:

@@ -126,3 +126,93 @@ def test_handshake_metadata_hands_every_rank_port_to_the_params():
     )
     assert delay and params is not None
     assert (params["remote_port"], params["remote_ports"]) == (41000, [41000, 39000])
+
+
+# -- state (Mamba) groups: vLLM's own Request, one running state per request -------------
+
+
+def _hybrid_side(role: str = "kv_both", *, single: bool = False) -> VLLMSchedulerSide:
+    """Group 0: a Mamba-like state group; group 1: full attention; 32-token blocks."""
+    from kvbridge.layouts.specs import StateSpec
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    state = StateSpec(
+        block_size=32,
+        shapes=((3, 8), (2, 4, 4)),
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=attn.page_size_bytes,
+    )
+    kv = KVCacheConfig(
+        groups=(
+            KVCacheGroup(group_id=0, layer_names=("m0",), spec=state),
+            KVCacheGroup(group_id=1, layer_names=("a0",), spec=attn),
+        ),
+        num_blocks=64,
+    )
+    config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": "e", "kv_port": 5600})
+    return VLLMSchedulerSide(
+        config, kv, single_block_groups=frozenset({0}) if single else frozenset()
+    )
+
+
+def _vllm_request(rid: str, prompt: list[int], params: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    sampling = SamplingParams(max_tokens=16, extra_args={"kv_transfer_params": params})
+    request = Request(rid, list(prompt), sampling, None)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return request
+
+
+def test_a_prefill_of_a_state_model_computes_all_but_the_last_prompt_token():
+    """vLLM keeps one running state per request: prefill stops one token short, so its
+    state block holds the state after N - 1 tokens, where decode resumes; the params
+    still describe the N-token prompt."""
+    side = _hybrid_side()
+    prompt = list(range(100, 200))  # N = 100
+    req = _vllm_request("r1", prompt, {"do_remote_decode": True})
+    side.on_new_request(req)
+    assert (req.num_prompt_tokens, len(req.prompt_token_ids), req.num_tokens) == (99, 99, 99)
+    assert req.max_tokens == 1
+    side.on_new_request(req)  # preempted and added again: not shortened twice
+    assert req.num_prompt_tokens == 99
+    # vLLM's align mode: the running state sits in the block of the last computed token
+    # (token 98 -> block 3); the other state blocks hold boundary states (freed)
+    state_ids, attn_ids = [11, 12, 13, 14], [21, 22, 23, 24]
+    delay, params = side.request_finished(req, [state_ids, attn_ids])
+    assert delay is True
+    assert (params["num_tokens"], params["resume_tokens"]) == (100, 99)
+    assert params["remote_block_ids"] == [[14], [21, 22, 23, 24]]
+    assert params["remote_first_block"] == [3, 0]
+
+
+def test_a_single_block_state_group_stands_at_every_position():
+    """Without prefix caching vLLM gives a Mamba group one block per request: prefill keeps
+    it as the state after N - 1 tokens, and decode loads that state into its one block."""
+    from kvbridge.connector.common.params import KVTransferParams
+
+    prefill = _hybrid_side(single=True)
+    req = _vllm_request("r1", list(range(100, 200)), {"do_remote_decode": True})
+    prefill.on_new_request(req)
+    _, params = prefill.request_finished(req, [[7], [21, 22, 23, 24]])
+    assert params["remote_block_ids"] == [[7], [21, 22, 23, 24]]
+    assert params["remote_first_block"] == [3, 0]
+
+    decode = _hybrid_side("kv_consumer", single=True)
+    loaded = KVTransferParams.from_dict(params)
+    dreq = _vllm_request("d1", list(range(100, 200)), loaded.to_dict())
+    decode.on_new_request(dreq)  # a decode request keeps its prompt
+    assert dreq.num_prompt_tokens == 100
+    assert decode.get_num_new_matched_tokens(dreq, 0) == (99, True)
+    decode.update_state_after_alloc(dreq, _Blocks([[9], [31, 32, 33, 34]]), 99)
+    [load] = decode.build_connector_meta().meta.reqs_to_load
+    assert load.local_block_ids[0][-1] == 9  # the state lands in decode's one block
+    assert list(load.local_block_ids[1]) == [31, 32, 33, 34]
+
+
+def test_a_model_without_state_groups_keeps_the_whole_prompt():
+    side = _side()
+    req = _vllm_request("r1", list(range(100)), {"do_remote_decode": True})
+    side.on_new_request(req)
+    assert req.num_prompt_tokens == 100 and req.max_tokens == 16

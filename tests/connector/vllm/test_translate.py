@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from vllm.config.kv_transfer import KVTransferConfig as VLLMTransferConfig
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec as VFull,
 )
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig as VKVCacheConfig,
-)
-from vllm.v1.kv_cache_interface import (
-    KVCacheGroupSpec,
-    MambaSpec,
 )
 from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec as VSliding,
@@ -24,7 +27,7 @@ from kvbridge.connector.common.config import ConfigError, ExtraConfig, FailurePo
 from kvbridge.connector.common.params import ParamsError
 from kvbridge.connector.vllm import translate
 from kvbridge.layouts.layout import KVLayout
-from kvbridge.layouts.specs import KVCacheKind
+from kvbridge.layouts.specs import KVCacheKind, StateSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -116,15 +119,15 @@ def test_hybrid_groups_keep_order_kind_and_window():
 
 
 def test_unsupported_group_kind_and_layout_are_named():
-    mamba = MambaSpec(
-        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=8, dtype=torch.float16, attention_chunk_size=64
     )
     vcfg = VKVCacheConfig(
         num_blocks=10,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=mamba)],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=chunked)],
     )
-    with pytest.raises(ConfigError, match="MambaSpec is not supported yet"):
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec is not supported yet"):
         translate.kv_cache_config(vcfg)
     # every layout vLLM defines maps (LHBNC: one region per (layer, head); BHLNC:
     # head-outer cross-layer); a layout a later vLLM adds is named, not guessed
@@ -136,6 +139,39 @@ def test_unsupported_group_kind_and_layout_are_named():
     vcfg.kv_cache_layout = "LHNBC"
     with pytest.raises(ConfigError, match=r"'LHNBC' is not supported; kvbridge reads \[.*'LHBNC'"):
         translate.kv_layout(vcfg)
+
+
+def test_mamba_group_is_a_state_group_with_vllm_shapes_dtypes_and_padded_page():
+    mamba = MambaSpec(
+        block_size=32,
+        shapes=((3, 8), (2, 4, 4)),
+        dtypes=(torch.float16, torch.float32),
+        page_size_padded=512,
+        mamba_cache_mode="align",
+    )
+    vcfg = VKVCacheConfig(
+        num_blocks=10,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=mamba)],
+    )
+    (group,) = translate.kv_cache_config(vcfg).groups
+    assert isinstance(group.spec, StateSpec)
+    assert group.spec.shapes == ((3, 8), (2, 4, 4))
+    assert group.spec.dtypes == (torch.float16, torch.float32)
+    assert (group.spec.block_size, group.spec.page_size_bytes) == (32, 512)
+    assert group.spec.sharding is None  # vLLM does not say how: equal TP sizes only
+    replicated = translate.kv_cache_config(
+        VKVCacheConfig(
+            num_blocks=10,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    layer_names=["m"], kv_cache_spec=replace(mamba, tp_replicated=True)
+                )
+            ],
+        )
+    )
+    assert all(s.replicated for s in replicated.groups[0].spec.sharding)
 
 
 def test_params_drop_vllm_proxy_placeholders_and_name_bad_fields():
