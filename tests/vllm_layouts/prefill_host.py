@@ -86,10 +86,18 @@ class PrefillHost:
         self.command(cmd="open", key=key, spec=spec, engine_id=engine_id, mode=mode, seed=seed)
         return self.wait_for("ready")["port"]
 
-    def send(self, key: str, request_id: str, block_ids: list[int]) -> None:
-        """The rank keeps ``block_ids`` (one group, from block 0) for decode."""
+    def send(
+        self,
+        key: str,
+        request_id: str,
+        block_ids: list[list[int]],
+        first_block: list[int] | None = None,
+    ) -> None:
+        """The rank keeps ``block_ids`` (per group, from ``first_block``; default 0) for
+        decode."""
+        first = first_block if first_block is not None else [0] * len(block_ids)
         self.command(
-            cmd="send", key=key, request_id=request_id, block_ids=[block_ids], first_block=[0]
+            cmd="send", key=key, request_id=request_id, block_ids=block_ids, first_block=first
         )
         self.wait_for("kept")
 

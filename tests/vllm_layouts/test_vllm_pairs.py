@@ -35,6 +35,7 @@ from tests.vllm_layouts.vllm_peer import (
     bind,
     build_allocation,
     fill,
+    states,
     tokens,
     worker_side,
 )
@@ -79,6 +80,18 @@ PAIRS = [
         SideSpec(FA, "LBNHC", 32, head_size=H128),
         SideSpec(ROCM, "LHBNC", 16, head_size=H128, tp_size=2),
         "pull",
+    ),
+    # Mamba2 hybrid (attention group 0, state group 1; vLLM overlays the groups' layers):
+    # one state block moves beside the attention blocks
+    (
+        SideSpec(FA, "LBHNC", 64, num_layers=2, mamba_layers=2),
+        SideSpec(TRITON, "LBHNC", 128, num_layers=2, mamba_layers=2),
+        "pull",
+    ),
+    (
+        SideSpec(FA, "LBNHC", 128, num_layers=2, mamba_layers=2),
+        SideSpec(FA, "LBNHC", 64, num_layers=2, mamba_layers=2),
+        "push",
     ),
 ]
 _LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
@@ -148,10 +161,19 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
     pspec, dspec, mode = case
     engine_id, prefill = start(pspec, mode)
     rng = np.random.default_rng(7)
-    remote = rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-TOKENS // pspec.block_size)]
+    shuffled = rng.permutation(np.arange(1, NUM_BLOCKS))
+    remote = shuffled[: -(-TOKENS // pspec.block_size)]
+    # a state group keeps the state after the last loaded token, in a block of its own
+    # (the groups share one pool: never one of the attention blocks)
+    hybrid = bool(pspec.mamba_layers)
+    remote_state = int(shuffled[len(remote)])
+    block_ids, first_block = [remote.tolist()], [0]
+    if hybrid:
+        block_ids.append([remote_state])
+        first_block.append((TOKENS - 1) // pspec.block_size)
     rid = new_id("req")
     for p in prefill:
-        host.send(p.key, rid, remote.tolist())
+        host.send(p.key, rid, block_ids, first_block)
     d_allocs, d_sides = [], []
     for r in range(dspec.tp_size):
         spec = replace(dspec, rank=r)
@@ -161,7 +183,12 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
         decodes.append(side)
         d_allocs.append(a)
         d_sides.append(side)
-    local = rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-TOKENS // dspec.block_size)]
+    shuffled = rng.permutation(np.arange(1, NUM_BLOCKS))
+    local = shuffled[: -(-TOKENS // dspec.block_size)]
+    local_state = int(shuffled[len(local)])
+    local_ids = (tuple(int(b) for b in local),)
+    if hybrid:  # decode's state block at the position of the last loaded token
+        local_ids += ((local_state,) * len(local),)
     params = KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=engine_id,
@@ -170,8 +197,8 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
         remote_ports=[p.port for p in prefill],
         remote_rank=0,
         remote_tp_size=pspec.tp_size,
-        remote_block_ids=[remote.tolist()],
-        remote_first_block=[0],
+        remote_block_ids=block_ids,
+        remote_first_block=first_block,
         remote_block_size=pspec.block_size,
         num_tokens=TOKENS,
         remote_request_id=rid,
@@ -179,7 +206,7 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
     load = LoadSpec(
         request_id=new_id("load"),
         params=params,
-        local_block_ids=(tuple(int(b) for b in local),),
+        local_block_ids=local_ids,
         start_token=0,
         end_token=TOKENS,
     )
@@ -227,6 +254,11 @@ def test_pair_moves_every_token_byte_for_byte(ranks, case) -> None:
         for side in d_sides:
             most = dspec.num_layers * (TOTAL_HEADS // dspec.tp_size) * -(-TOKENS // chunk)
             assert 0 < side.worker.metrics.descriptors_posted <= most * rows
+    if hybrid:
+        want_states = states(prefill[0].replica, remote_state)
+        assert all(
+            g.equal(w) for g, w in zip(states(d_allocs[0], local_state), want_states, strict=True)
+        )
     for r, a in enumerate(d_allocs):
         got = tokens(a, local)[:, :TOKENS]
         slices = tp.sources(r, dspec.tp_size, pspec.tp_size, heads) if not pspec.mla else None

@@ -42,12 +42,14 @@ class SideSpec:
     num_layers: int = 3
     num_blocks: int = NUM_BLOCKS
     total_heads: int = TOTAL_HEADS
+    mamba_layers: int = 0  # Mamba2 state layers after the attention layers (group 1)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     def label(self) -> str:
-        return f"{self.backend}-{self.layout}-b{self.block_size}-tp{self.tp_size}"
+        mamba = f"-mamba{self.mamba_layers}" if self.mamba_layers else ""
+        return f"{self.backend}-{self.layout}-b{self.block_size}-tp{self.tp_size}{mamba}"
 
 
 def build_allocation(spec: SideSpec) -> Allocation:
@@ -58,6 +60,7 @@ def build_allocation(spec: SideSpec) -> Allocation:
         mla=spec.mla,
         dtype=getattr(torch, spec.dtype),
         head_size=spec.head_size,
+        mamba_layers=spec.mamba_layers,
     )
     return allocate(
         model,
@@ -123,3 +126,22 @@ def tokens(a: Allocation, block_ids: np.ndarray) -> torch.Tensor:
         ints = blocks.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[view.element_size()])
         out.append(ints.permute(0, 2, 1, 3).reshape(-1, view.shape[1], view.shape[3]))
     return torch.stack(out)
+
+
+def states(a: Allocation, block_id: int) -> list[torch.Tensor]:
+    """Every state (conv, SSM) of every Mamba layer in block ``block_id``, as bytes, through
+    vLLM's own ``MambaBase.bind_kv_cache`` views of the tensors ``register_kv_caches`` got."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    out = []
+    for group in a.kv_cache_config.kv_cache_groups[1:]:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            layer = SimpleNamespace(
+                get_state_shape=lambda s=spec: s.shapes, get_state_dtype=lambda s=spec: s.dtypes
+            )
+            MambaBase.bind_kv_cache(layer, a.kv_caches[name])
+            out += [state[block_id].contiguous().view(torch.uint8) for state in layer.kv_cache]
+    return out
