@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge.examples.vllm.models import DTYPE, MAX_POSITIONS, REPO_ROOT, ensure_model
+from kvbridge.examples.vllm.models import (
+    DTYPE,
+    MAX_POSITIONS,
+    REPO_ROOT,
+    SERVER_ARGS,
+    ensure_model,
+)
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import (
     CONNECTORS,
@@ -123,7 +129,7 @@ def start_pd(
         max_model_len=max_model_len,
         served_model_name=model,
         enforce_eager=enforce_eager,
-        extra_args=extra_args,
+        extra_args=(*SERVER_ARGS.get(model, ()), *extra_args),
     )
     specs = [
         ServerSpec(

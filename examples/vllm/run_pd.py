@@ -5,18 +5,18 @@
     CONNECTOR=nixl PREFILL_BLOCK_SIZE=32 DECODE_BLOCK_SIZE=64 bash scripts/run_vllm_pd.sh
 
 Environment (defaults in brackets): ``CONNECTOR`` [kvbridge] or nixl; ``MODEL``
-[tiny-llama] or tiny-gemma3; ``PREFILL_BLOCK_SIZE`` / ``DECODE_BLOCK_SIZE`` [32]
-(multiples of 32 on CPU); ``PREFILL_TP`` / ``DECODE_TP`` [1] (tensor-parallel sizes; the
-reference server runs at TP 1, one core per rank); ``NUM_PROMPTS`` [4]; ``MAX_TOKENS``
-[16]; ``PROMPT_TOKENS`` [100] (approximate prompt length; prompts spread over
-~0.6x..1.4x); ``KVBRIDGE_EXTRA`` (JSON object, kvbridge's ``kv_connector_extra_config``);
-``LOGPROB_TOL`` [1e-3];
-``START_TIMEOUT_S`` [600]; ``REQUEST_TIMEOUT_S`` [120]; ``FAILURE_POLICY`` [recompute]
-(decode's ``kv_load_failure_policy``: recompute or fail); ``ENFORCE_EAGER`` [1]
-(``--enforce-eager`` on every server: ~3x faster start on CPU; 0 gives vLLM's default
-torch.compile warm-up, 2-5 minutes here);
-``LOG_DIR`` [out/vllm-pd/<run>]; ``REQUIRE_TRANSFER`` [1]: fail when decode's metrics
-show no prompt token taken from the connector (decode recomputed everything).
+[tiny-llama], tiny-gemma3 (full + sliding-window groups) or tiny-granite-hybrid (Mamba2 +
+attention; its servers run without prefix caching, see ``models.SERVER_ARGS``);
+``PREFILL_BLOCK_SIZE`` / ``DECODE_BLOCK_SIZE`` [32] (multiples of 32 on CPU); ``PREFILL_TP``
+/ ``DECODE_TP`` [1] (tensor-parallel sizes; the reference server runs at TP 1, one core per
+rank); ``NUM_PROMPTS`` [4]; ``MAX_TOKENS`` [16]; ``PROMPT_TOKENS`` [100] (approximate prompt
+length; prompts spread over ~0.6x..1.4x); ``KVBRIDGE_EXTRA`` (JSON object, kvbridge's
+``kv_connector_extra_config``); ``LOGPROB_TOL`` [1e-3]; ``START_TIMEOUT_S`` [600];
+``REQUEST_TIMEOUT_S`` [120]; ``FAILURE_POLICY`` [recompute] (decode's
+``kv_load_failure_policy``: recompute or fail); ``ENFORCE_EAGER`` [1] (``--enforce-eager``
+on every server: ~3x faster start on CPU; 0 gives vLLM's default torch.compile warm-up, 2-5
+minutes here); ``LOG_DIR`` [out/vllm-pd/<run>]; ``REQUIRE_TRANSFER`` [1]: fail when decode's
+metrics show no prompt token taken from the connector (decode recomputed everything).
 
 Prints one line per prompt, ``RESULT: PASS`` or ``RESULT: FAIL`` and a ``SUMMARY`` line;
 exits 0 iff PASS. Every server is torn down on the way out (also on Ctrl-C / SIGTERM).
