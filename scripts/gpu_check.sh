@@ -7,7 +7,8 @@
 #   3. scripts/bench_transfer.py --device cuda --host-staging compare: connector loads vs
 #      raw NIXL READ / WRITE on VRAM, direct and host-staged;
 #   4. when `import vllm` finds a CUDA build and a GPU: real vLLM prefill + decode servers
-#      on the GPU (scripts/run_vllm_pd.sh, tiny generated model, TP 1), pull and push,
+#      on the GPU (scripts/run_vllm_pd.sh, tiny generated models, TP 1; a Mamba2 hybrid
+#      too), pull and push,
 #      different block sizes and so different layouts (kvbridge asks vLLM for BHLNC at
 #      block sizes 16-64 and LBHNC above; VLLM_KV_CACHE_LAYOUT forces one), greedy tokens
 #      and logprobs compared with a single server; "skipped: no CUDA vLLM" otherwise.
@@ -119,19 +120,21 @@ then
     if [ "$PYTHON" = .venv/bin/python ]; then PD=(bash scripts/run_vllm_pd.sh); else
         PD=("$PYTHON" -m kvbridge.examples.vllm.run_pd); fi
     export KVBRIDGE_VLLM_SERVER_ARGS="${KVBRIDGE_VLLM_SERVER_ARGS:---gpu-memory-utilization 0.25}"
-    # name, mode, prefill block, decode block, VLLM_KV_CACHE_LAYOUT ("-": kvbridge asks vLLM)
+    # name, mode, prefill block, decode block, VLLM_KV_CACHE_LAYOUT ("-": kvbridge asks
+    # vLLM), model (the Mamba2 hybrid runs with prefix caching on a GPU: "align" mode)
     CASES=(
-        "pull-b32-b32 pull 32 32 -"
-        "pull-b128-b32 pull 128 32 -"
-        "push-b64-b128 push 64 128 -"
-        "push-b32-b64-LBNHC push 32 64 LBNHC"
-        "pull-b64-b32-BLHNC pull 64 32 BLHNC"
+        "pull-b32-b32 pull 32 32 - tiny-llama"
+        "pull-b128-b32 pull 128 32 - tiny-llama"
+        "push-b64-b128 push 64 128 - tiny-llama"
+        "push-b32-b64-LBNHC push 32 64 LBNHC tiny-llama"
+        "pull-b64-b32-BLHNC pull 64 32 BLHNC tiny-llama"
+        "mamba-pull-b64-b128 pull 64 128 - tiny-granite-hybrid"
     )
     if [ -n "${QUICK:-}" ]; then CASES=("${CASES[1]}" "${CASES[2]}"); fi
     for case in "${CASES[@]}"; do
-        read -r name mode pbs dbs layout <<<"$case"
+        read -r name mode pbs dbs layout model <<<"$case"
         envs=(PREFILL_BLOCK_SIZE="$pbs" DECODE_BLOCK_SIZE="$dbs" LOG_DIR="$OUT/vllm-pd-$name"
-            KVBRIDGE_EXTRA="{\"transfer_mode\": \"$mode\"}")
+            MODEL="$model" KVBRIDGE_EXTRA="{\"transfer_mode\": \"$mode\"}")
         if [ "$layout" != - ]; then envs+=(VLLM_KV_CACHE_LAYOUT="$layout"); fi
         step "vllm-pd-$name" env "${envs[@]}" "${PD[@]}"
     done

@@ -51,7 +51,8 @@ class RequestView:
         self, request: Any, params: KVTransferParams | None, withheld: Sequence[int] = ()
     ) -> None:
         self.request_id: str = request.request_id
-        self.prompt_token_ids: Sequence[int] = [*(request.prompt_token_ids or ()), *withheld]
+        prompt = request.prompt_token_ids or ()
+        self.prompt_token_ids: Sequence[int] = [*prompt, *withheld] if withheld else prompt
         self.kv_transfer_params = params
 
 
@@ -99,26 +100,51 @@ class VLLMSchedulerSide:
         the prompt's last token: vLLM keeps one running state per request, and decode,
         which computes the last token itself, needs the state after the ones before it.
         The request then computes ``N - 1`` tokens and stops after one output token
-        (vLLM's own NixlConnector does the same); its params still describe ``N``."""
+        (vLLM's own NixlConnector does the same, and both mark the params
+        ``_p_side_truncated``); its kvbridge params still describe ``N``. A prompt that
+        cannot be shortened this way is computed whole and handed over to no decode
+        (see :meth:`_not_withheld`)."""
         if not self._state_groups or not self.sched.config.is_producer:
             return
         view = self._view(request)
         params = None if view is None else view.kv_transfer_params
-        prompt = request.prompt_token_ids
-        if params is None or not params.do_remote_decode or prompt is None or len(prompt) < 2:
+        if params is None or not params.do_remote_decode:
             return
         rid = request.request_id
         if rid in self._withheld:  # preempted and added again: withheld already
             return
-        withheld = [int(prompt[-1])]
-        del prompt[-1:]
-        del request._all_token_ids[-1:]
+        if self._not_withheld(request):
+            return
+        prompt = list(request.prompt_token_ids)
+        withheld = prompt[-1:]
+        # a new list: the engine's output side may hold the one the request came with
+        request.prompt_token_ids = prompt[:-1]
+        del request._all_token_ids[-1:]  # in place: request.all_token_ids views this list
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
-        self._withheld[rid] = withheld
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["_p_side_truncated"] = True
+        self._withheld[rid] = [int(t) for t in withheld]
         logger.debug(
-            "request %s: prefill computes %d prompt tokens of %d", rid, len(prompt), len(prompt) + 1
+            "request %s: prefill computes %d of %d prompt tokens", rid, len(prompt) - 1, len(prompt)
         )
+
+    @staticmethod
+    def _not_withheld(request: Any) -> str:
+        """Why the last prompt token of ``request`` cannot be withheld ('' if it can)."""
+        prompt = request.prompt_token_ids
+        raw = request.kv_transfer_params
+        if prompt is None or getattr(request, "prompt_embeds", None) is not None:
+            return "a prompt given as embeddings"
+        if len(prompt) < 2:
+            return "a one-token prompt"
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return "prompt logprobs asked for (decode computes the whole prompt)"
+        if getattr(request, "mm_features", None):
+            return "a multimodal prompt (the last token may be inside a placeholder)"
+        if isinstance(raw, dict) and raw.get("_p_side_truncated"):
+            return "another connector shortened the prompt already"
+        return ""
 
     def set_handshake_metadata(self, metadata: Mapping[int, object]) -> None:
         """Every TP rank's bound side-channel port (vLLM gathers them from the workers at
@@ -201,6 +227,16 @@ class VLLMSchedulerSide:
             self.sched.request_aborted(rid)
             return self.sched.defers_free(rid), None
         ids = position_block_ids(engine_block_ids(block_ids), self._single)
+        if self._state_groups and not withheld and self.sched.config.is_producer:
+            raw = view.kv_transfer_params
+            if raw is not None and raw.do_remote_decode:
+                # its state is the one after the whole prompt, not where decode resumes
+                logger.info(
+                    "request %s: not handed over to a decode (%s); decode computes it",
+                    rid,
+                    self._not_withheld(request) or "the prompt was not shortened",
+                )
+                return False, None
         try:
             resume = self._resume_blocks(view, ids) if withheld else None
             delay, params = self.sched.request_finished(view, ids, resume_state_block_ids=resume)
@@ -220,8 +256,8 @@ class VLLMSchedulerSide:
         for g in self._state_groups:
             spec = self.sched.kv_cache_config.groups[g].spec
             group = ids[g]
-            index = min((computed - 1) // spec.block_size, len(group) - 1)
-            if computed < 1 or index < 0 or group[index] < 0:
+            index = (computed - 1) // spec.block_size
+            if computed < 1 or index >= len(group) or group[index] < 0:
                 raise KVBridgeError(
                     f"state group {g}: no block holds the state after {computed} tokens "
                     f"(block ids {list(group)}, {spec.block_size}-token blocks)"

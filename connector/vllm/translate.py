@@ -44,7 +44,9 @@ _VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
 
 # Keys vLLM itself adds to kv_transfer_params on the way out (its scheduler reports the
 # prefill's prefix hit to the frontend); they are vLLM's, not kvbridge's, and are dropped.
-_VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens"})
+# (``_p_side_truncated``: a prefill of a state model shortened the prompt by one token; vLLM's
+# NixlConnector and kvbridge both mark it.)
+_VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens", "_p_side_truncated"})
 
 # vLLM calls the connector only while it has work: an idle prefill must still answer the
 # READs (UCX's control traffic) of decodes that read its blocks, and their notifications
@@ -55,9 +57,9 @@ VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_
 # what to change when a spec field kvbridge cannot move is set
 _FIXES = {
     "page_size_padded": (
-        " (vLLM padded the attention page up to a larger Mamba state page); start vLLM "
-        "with a --block-size whose attention page holds the state, as vLLM's own hybrid "
-        "config does"
+        " (vLLM padded the attention page up to a larger page of another layer, e.g. a "
+        "Mamba state or a draft model's); start vLLM with a --block-size whose attention "
+        "page holds the larger page, as vLLM's own hybrid config does"
     ),
     "state_content_bytes": (
         " (each token is one packed record of that many bytes, e.g. FlashMLA sparse's "

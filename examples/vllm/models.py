@@ -183,10 +183,11 @@ def granite_hybrid_config() -> Any:
     return config
 
 
-# Server arguments a model needs on vLLM's CPU build. tiny-granite-hybrid: with prefix
-# caching (Mamba "align" mode, vLLM's default for it) vLLM 0.32's CPU Mamba2 prefill fails
-# once a prompt passes one block (IndexError in mamba_mixer2.conv_ssm_forward, no
-# connector involved); without it vLLM keeps one state block per request.
+# Server arguments a model needs on vLLM's CPU build (added there only).
+# tiny-granite-hybrid: with prefix caching (Mamba "align" mode, vLLM's default for it) vLLM
+# 0.32's CPU Mamba2 prefill fails once a prompt passes one block (IndexError in
+# mamba_mixer2.conv_ssm_forward, no connector involved); without it vLLM keeps one state
+# block per request.
 SERVER_ARGS: dict[str, tuple[str, ...]] = {
     "tiny-granite-hybrid": ("--no-enable-prefix-caching",),
 }

@@ -83,6 +83,15 @@ def default_log_dir(tag: str) -> Path:
     return REPO_ROOT / "out" / "vllm-pd" / f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
 
 
+def _model_args(model: str) -> tuple[str, ...]:
+    """``SERVER_ARGS`` of ``model`` on vLLM's CPU build (none on other platforms)."""
+    if model not in SERVER_ARGS:
+        return ()
+    from vllm.platforms import current_platform
+
+    return SERVER_ARGS[model] if current_platform.is_cpu() else ()
+
+
 def start_pd(
     *,
     connector: str = "kvbridge",
@@ -129,7 +138,7 @@ def start_pd(
         max_model_len=max_model_len,
         served_model_name=model,
         enforce_eager=enforce_eager,
-        extra_args=(*SERVER_ARGS.get(model, ()), *extra_args),
+        extra_args=(*_model_args(model), *extra_args),
     )
     specs = [
         ServerSpec(

@@ -216,3 +216,42 @@ def test_a_model_without_state_groups_keeps_the_whole_prompt():
     req = _vllm_request("r1", list(range(100)), {"do_remote_decode": True})
     side.on_new_request(req)
     assert req.num_prompt_tokens == 100 and req.max_tokens == 16
+
+
+def test_a_state_model_prompt_that_cannot_be_shortened_is_not_handed_over():
+    """Prompt logprobs (vLLM then reads no prefix cache), or a one-token prompt: prefill
+    computes the whole prompt, so its state is the one after all N tokens, not where
+    decode resumes. No params: decode computes the request."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    side = _hybrid_side()
+    sampling = SamplingParams(
+        max_tokens=16,
+        prompt_logprobs=1,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+    req = Request("r1", list(range(100, 200)), sampling, None)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    side.on_new_request(req)
+    assert req.num_prompt_tokens == 100  # kept whole
+    assert side.request_finished(req, [[11, 12, 13, 14], [21, 22, 23, 24]]) == (False, None)
+    short = _vllm_request("r2", [5], {"do_remote_decode": True})
+    side.on_new_request(short)
+    assert short.num_prompt_tokens == 1
+    assert side.request_finished(short, [[11], [21]]) == (False, None)
+
+
+def test_the_shortened_prompt_is_a_new_list_and_the_params_are_marked():
+    """The engine's output side may hold the list the request came with: it keeps every
+    token. The params carry vLLM's ``_p_side_truncated`` mark (a NixlConnector beside
+    kvbridge does not shorten the prompt again), which kvbridge's params parser drops."""
+    side = _hybrid_side()
+    prompt = list(range(100, 200))
+    req = _vllm_request("r1", prompt, {"do_remote_decode": True})
+    given = req.prompt_token_ids
+    side.on_new_request(req)
+    assert len(given) == 100 and len(req.prompt_token_ids) == 99
+    assert req.kv_transfer_params["_p_side_truncated"] is True
+    _, params = side.request_finished(req, [[11, 12, 13, 14], [21, 22, 23, 24]])
+    assert params["num_tokens"] == 100
