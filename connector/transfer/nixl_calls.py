@@ -7,7 +7,9 @@ Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -31,6 +33,8 @@ _HINTS: dict[str, str] = {
     "nixlMismatchError": "corrupt or foreign metadata",
     "nixlRemoteDisconnectError": "the peer process is gone",
 }
+logger = logging.getLogger(__name__)
+
 NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 NIXL_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING}
@@ -75,12 +79,33 @@ def progress_delay(delay_us: int) -> Iterator[None]:
         bindings.nixlAgent = real
 
 
+# A NIXL call this slow is logged: NIXL's calls are meant to return at once, and the
+# thread that makes them (often the engine's step) waits as long. A call that waits on the
+# peer (e.g. a UCX wire-up that needs the peer's worker to answer) shows up here by name.
+SLOW_CALL_S = 1.0
+
+
 @contextlib.contextmanager
-def nixl_call(what: str, default: type[TransferError] = TransferError) -> Iterator[None]:
+def nixl_call(
+    what: str,
+    default: type[TransferError] = TransferError,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[None]:
+    start = clock()
     try:
         yield
     except _NIXL_ERRORS as exc:
         raise translate(exc, what, default) from exc
+    finally:
+        took = clock() - start
+        if took >= SLOW_CALL_S:
+            logger.warning(
+                "NIXL call %s took %.1f s (the calling thread, often the engine's step, "
+                "waited as long)",
+                what,
+                took,
+            )
 
 
 def new_agent(config: NixlEngineConfig) -> nixl_agent:

@@ -443,3 +443,18 @@ def test_touching_registrations_never_merge() -> None:
         _wait(decode, handle, prefill)
         assert torch.equal(big[60:70], src[10:20])
         assert (handle.num_rows, handle.num_descs) == (10, 2)
+
+
+def test_a_slow_nixl_call_is_logged_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    """A NIXL call that blocks (one waiting on the peer's UCX worker) holds up the thread
+    that made it, often the engine's step: it is logged with its name and duration."""
+    from kvbridge.connector.transfer.nixl_calls import SLOW_CALL_S, nixl_call
+
+    ticks = iter([10.0, 10.0 + SLOW_CALL_S + 59.0, 20.0, 20.1])
+    with caplog.at_level("WARNING", logger="kvbridge.connector.transfer.nixl_calls"):
+        with nixl_call("agent 'd': make_connection 'p'", clock=lambda: next(ticks)):
+            pass
+        with nixl_call("agent 'd': get_notifs", clock=lambda: next(ticks)):
+            pass
+    [record] = caplog.records
+    assert "make_connection 'p' took 60.0 s" in record.getMessage()

@@ -100,7 +100,7 @@ def test_staged_pair_moves_every_token_through_the_chosen_copies(host, case) -> 
         remote = rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-TOKENS // pspec.side.block_size)]
         local = rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-TOKENS // dspec.side.block_size)]
         rid = new_id("req")
-        host.send(key, rid, remote.tolist())
+        host.send(key, rid, [remote.tolist()])
 
         # prefill: the request's blocks went to its mirror when it was kept (after save)
         prefill_calls = _calls(host, key)

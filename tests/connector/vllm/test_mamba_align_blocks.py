@@ -35,6 +35,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.vllm import translate
+from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 from tests.vllm_layouts.vllm_alloc import Model
 
@@ -87,12 +88,14 @@ def _manager(kv_cache_config) -> KVCacheManager:
 
 
 def _side(kv_cache_config, role: str) -> VLLMSchedulerSide:
-    config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": role, "kv_port": 5600})
-    return VLLMSchedulerSide(
+    config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": role, "kv_port": 0})
+    side = VLLMSchedulerSide(
         config,
         translate.kv_cache_config(kv_cache_config),
         single_block_groups=translate.single_block_groups(kv_cache_config),
     )
+    side.set_handshake_metadata({0: KVBridgeHandshakeMetadata(0, 41000)})  # rank 0's port
+    return side
 
 
 def _request(rid: str, prompt: list[int], params: dict) -> Request:

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.specs import FullAttentionSpec
@@ -149,10 +150,12 @@ def _hybrid_side(role: str = "kv_both", *, single: bool = False) -> VLLMSchedule
         ),
         num_blocks=64,
     )
-    config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": "e", "kv_port": 5600})
-    return VLLMSchedulerSide(
+    config = KVTransferConfig.from_dict({"kv_role": role, "engine_id": "e", "kv_port": 0})
+    side = VLLMSchedulerSide(
         config, kv, single_block_groups=frozenset({0}) if single else frozenset()
     )
+    side.set_handshake_metadata({0: KVBridgeHandshakeMetadata(0, 41000)})  # rank 0's port
+    return side
 
 
 def _vllm_request(rid: str, prompt: list[int], params: dict[str, Any]) -> Any:
