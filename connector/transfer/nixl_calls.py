@@ -90,8 +90,12 @@ def nixl_call(
     what: str,
     default: type[TransferError] = TransferError,
     *,
+    slow_s: float | None = SLOW_CALL_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[None]:
+    """Translate NIXL's exceptions for ``what``; log the call when it takes ``slow_s`` or
+    more (None: never, for calls whose time grows with their size, e.g. registering a
+    cache)."""
     start = clock()
     try:
         yield
@@ -99,7 +103,7 @@ def nixl_call(
         raise translate(exc, what, default) from exc
     finally:
         took = clock() - start
-        if took >= SLOW_CALL_S:
+        if slow_s is not None and took >= slow_s:
             logger.warning(
                 "NIXL call %s took %.1f s (the calling thread, often the engine's step, "
                 "waited as long)",
@@ -123,7 +127,7 @@ def new_agent(config: NixlEngineConfig) -> nixl_agent:
     delay_us = (
         config.progress_delay_us if config.progress is ProgressMode.PROGRESS_THREAD_DELAY else 0
     )
-    with nixl_call(f"agent {name!r}: create"), progress_delay(delay_us):
+    with nixl_call(f"agent {name!r}: create", slow_s=None), progress_delay(delay_us):
         agent = nixl_agent(name, nixl_config)
     missing = set(config.backends) - set(agent.backends)
     if missing:

@@ -156,7 +156,9 @@ class NixlTransferEngine:
             dtype=np.int64,
         )
         check_no_overlap(self._registrations, spans, f"agent {self.agent_name!r}")
-        with nixl_call(f"agent {self.agent_name!r}: register {len(spans)}", RegistrationError):
+        with nixl_call(
+            f"agent {self.agent_name!r}: register {len(spans)}", RegistrationError, slow_s=None
+        ):
             native = agent.register_memory(spans, NIXL_MEM[kind])
         self._registrations.append(Registration(native, tuple(tensors), spans, kind))
 
@@ -389,7 +391,9 @@ class NixlTransferEngine:
                     errors.append(exc)
         for reg in self._registrations:
             try:
-                with nixl_call(f"agent {self.agent_name!r}: deregister", RegistrationError):
+                with nixl_call(
+                    f"agent {self.agent_name!r}: deregister", RegistrationError, slow_s=None
+                ):
                     agent.deregister_memory(reg.native)
             except TransferError as exc:
                 errors.append(exc)
