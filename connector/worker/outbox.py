@@ -17,7 +17,7 @@ names for a request: ``Done`` (the prefill may free) to each rank this rank repo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
@@ -44,7 +44,11 @@ class Outbox:
         peers: PeerDirectory,
         router: Router,
         metrics: ConnectorMetrics,
+        ensure_agent: Callable[[str], None] = lambda name: None,
     ) -> None:
+        """``ensure_agent(name)``: called before each notification to add the recipient's
+        NIXL agent if it is not yet (a requester of the description, added lazily)."""
+        self._ensure_agent = ensure_agent
         self._engine = engine
         self._peers = peers
         self._router = router
@@ -102,6 +106,7 @@ class Outbox:
         return True
 
     def send_raw(self, agent: str, msg: object) -> bool:
+        self._ensure_agent(agent)
         try:
             self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
             self._metrics.notifications_sent += 1

@@ -61,6 +61,7 @@ class SideChannel:
         self._engine = engine
         self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
         self._known_agents: set[str] = set()
+        self._pending_agents: dict[str, bytes] = {}  # requesters not notified yet
         security = HandshakeSecurity(secret=config.secret_bytes)
         port = config.kv_port + identity.rank if config.kv_port else 0
         self._description: WorkerDescription | None = None
@@ -111,26 +112,34 @@ class SideChannel:
         return self.listener.port
 
     def add_requesters(self) -> None:
-        """Add the NIXL agents of the workers that asked for the description since the
-        last call (each once), so that this worker can notify them."""
+        """Note the NIXL agents of the workers that asked for the description since the
+        last call (each once). An agent is added to NIXL only when this worker first
+        notifies it (:meth:`ensure_agent`): right after the handshake the requester is
+        adding *our* agent, and both sides creating UCX endpoints to each other at once is
+        the suspected reason a worker was held in ``add_remote_agent`` for 17-62 s (CI,
+        docs/handover.md); by the time this worker answers, the requester has sent it a
+        notification, so its side of the connection is up."""
         while True:
             try:
                 req = self._requesters.get_nowait()
             except queue.Empty:
                 return
-            if not req.requester_agent_name or req.requester_agent_name in self._known_agents:
+            name = req.requester_agent_name
+            if not name or name in self._known_agents:
                 continue
-            try:
-                self._engine.add_peer(req.requester_nixl_metadata)
-                self._known_agents.add(req.requester_agent_name)
-            except KVBridgeError as exc:
-                logger.warning("cannot add requester %s: %s", req.requester_agent_name, exc)
-                continue
-            # No make_connection towards the requester here: the requester connects to us
-            # as soon as our description arrives (PeerDirectory._wire_up), and the two
-            # connecting to each other at once is where prefill workers froze (CI: a
-            # prefill's engine went 227 s without a step right after a new decode's
-            # handshake, its claims answered only then; docs/handover.md)
+            self._pending_agents[name] = req.requester_nixl_metadata
+
+    def ensure_agent(self, name: str) -> None:
+        """Add requester ``name``'s NIXL agent if it asked for the description and is not
+        added yet (a failure is logged; the notification then fails by name)."""
+        metadata = self._pending_agents.pop(name, None)
+        if metadata is None:
+            return
+        try:
+            self._engine.add_peer(metadata)
+            self._known_agents.add(name)
+        except KVBridgeError as exc:
+            logger.warning("cannot add requester %s: %s", name, exc)
 
     def directory(self, *, can_repack: bool = False, writer: bool = False) -> PeerDirectory:
         """Peers this worker reads from, or (``writer``) pushes to."""

@@ -236,7 +236,9 @@ class KVBridgeWorker:
             staging.open()
         self._peers = side.directory(can_repack=self._repacker is not None)
         order = self._device_order(buffers.device)
-        self._outbox = outbox = Outbox(engine, self._peers, self._router, self.metrics)
+        self._outbox = outbox = Outbox(
+            engine, self._peers, self._router, self.metrics, ensure_agent=side.ensure_agent
+        )
         self._sender = Sender(
             buffers,
             self.metrics,
