@@ -10,6 +10,7 @@ came back, so that a log line alone says which process to look at and what to ch
     |   |-- UnsupportedVersionError  the peer speaks another protocol / framing version
     |   `-- UnknownRequestError    a request type this listener does not serve
     |-- AuthenticationError        missing, wrong, stale or replayed HMAC
+    |-- ListenerBusyError          the listener's queue of requests is full (retry later)
     |-- IncompatiblePeerError      both sides talk, but cannot exchange KV blocks
     `-- PeerError                  the peer answered with an ErrorReply
         `-- PeerAuthenticationError  ... whose code says our request failed authentication
@@ -32,6 +33,7 @@ class ErrorCode(enum.Enum):
     TOO_LARGE = "too_large"
     UNAUTHENTICATED = "unauthenticated"
     INTERNAL = "internal"
+    BUSY = "busy"  # the request queue is full (an older requester cannot decode it: refused)
 
 
 class HandshakeError(KVBridgeError):
@@ -40,6 +42,11 @@ class HandshakeError(KVBridgeError):
 
 class HandshakeTimeoutError(HandshakeError, TimeoutError):
     """The peer did not answer within the configured time (after all retries)."""
+
+
+class ListenerBusyError(HandshakeError):
+    """A listener's queue of requests waiting for its worker is full: the request is
+    refused (``ErrorCode.BUSY``), the listener keeps serving, the requester may retry."""
 
 
 class ProtocolError(HandshakeError):

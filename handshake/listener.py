@@ -8,6 +8,11 @@ at once (ROUTER queues them, one thread answers in turn; an answer is microsecon
 
 Bad input never kills the thread: every message that can be routed back gets a typed
 ``ErrorReply``, and ``stats()`` counts what was served, refused (by code) and dropped.
+
+Valid requests go to the owner through a bounded :class:`RequestQueue` (the owner drains
+it on its own thread): with no secret anyone who reaches the port can send requests, each
+with up to ``socket_max_bytes`` of NIXL metadata, so a full queue refuses the request with
+``ErrorCode.BUSY`` instead of growing, and the listener keeps serving.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import queue
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from kvbridge.handshake.affinity import unpinned
 from kvbridge.handshake.errors import (
     AuthenticationError,
     HandshakeError,
+    ListenerBusyError,
     MessageTooLargeError,
     ProtocolError,
     UnknownRequestError,
@@ -54,7 +61,11 @@ _ERROR_CODES: tuple[tuple[type[HandshakeError], ErrorCode], ...] = (
     (UnknownRequestError, ErrorCode.UNKNOWN_REQUEST),
     (ProtocolError, ErrorCode.MALFORMED),
     (AuthenticationError, ErrorCode.UNAUTHENTICATED),
+    (ListenerBusyError, ErrorCode.BUSY),
 )
+
+MAX_QUEUED_REQUESTS = 256  # valid requests waiting for the owner to take them
+MAX_QUEUED_BYTES = 64 << 20  # ... and the NIXL metadata they carry
 
 
 def default_port(rank: int) -> int:
@@ -90,6 +101,53 @@ class ListenerConfig:
             return False
 
 
+class RequestQueue:
+    """Valid requests from the listener thread to the owner's: at most ``max_requests``
+    and ``max_bytes`` of requester metadata waiting; :meth:`put` refuses more."""
+
+    def __init__(self, max_requests: int | None = None, max_bytes: int | None = None) -> None:
+        """Bounds default to ``MAX_QUEUED_REQUESTS`` and ``MAX_QUEUED_BYTES``."""
+        self._queue: queue.SimpleQueue[MetadataRequest] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._max_requests = MAX_QUEUED_REQUESTS if max_requests is None else max_requests
+        self._max_bytes = MAX_QUEUED_BYTES if max_bytes is None else max_bytes
+        self._num_requests = 0
+        self._num_bytes = 0
+
+    def __len__(self) -> int:
+        return self._num_requests
+
+    def put(self, request: MetadataRequest) -> None:
+        """Queue ``request``; raises :class:`ListenerBusyError` when the queue is full (the
+        listener answers ``ErrorCode.BUSY``)."""
+        size = len(request.requester_nixl_metadata)
+        with self._lock:
+            if self._num_requests >= self._max_requests or (
+                self._num_requests and self._num_bytes + size > self._max_bytes
+            ):
+                raise ListenerBusyError(
+                    f"{self._num_requests} handshake requests ({self._num_bytes} bytes of "
+                    f"metadata) wait for this worker, the most it queues ({self._max_requests}"
+                    f" requests, {self._max_bytes} bytes); retry later"
+                )
+            self._num_requests += 1
+            self._num_bytes += size
+        self._queue.put(request)
+
+    def take(self) -> list[MetadataRequest]:
+        """Every request queued so far, oldest first."""
+        out = []
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return out
+            with self._lock:
+                self._num_requests -= 1
+                self._num_bytes -= len(request.requester_nixl_metadata)
+            out.append(request)
+
+
 @dataclass(frozen=True)
 class ListenerStats:
     """A snapshot of what the listener did since it started."""
@@ -114,7 +172,8 @@ class HandshakeListener:
         on_request: Callable[[MetadataRequest], None] | None = None,
     ) -> None:
         """``on_request`` (optional) sees every valid request before it is answered, on the
-        listener thread: keep it quick and thread-safe (e.g. ``queue.put``)."""
+        listener thread: keep it quick and thread-safe (e.g. :meth:`RequestQueue.put`); a
+        :class:`ListenerBusyError` it raises refuses the request with ``ErrorCode.BUSY``."""
         self.config = config
         self._describe = describe
         self._on_request = on_request

@@ -29,6 +29,9 @@ Protocol history:
         (CacheFormat.heads; "chunk" is vLLM's head-outer cross-layer BHLNC, "outer" its
         LHBNC, which an older peer refuses by name when it parses the description);
         WireRegion.head (default -1): the head a region holds ("outer" caches).
+    3 - readers in the protocol (notifications version 2); MetadataRequest.requester_
+        description (default none): the requester's description, its NIXL metadata left
+        out, so that a prefill can digest what a verifying decode reads.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ from kvbridge.handshake.errors import (
 # 2: workers that claim what they read (Prepare.hold_s / Prepared.held_s) and answer
 #    every Push round once its WRITEs ended; a version-1 peer would answer claims with no
 #    hold (every load failing after its READ), so the two refuse each other by name here
-PROTOCOL_VERSION = 2
+# 3: readers in the protocol (notifications version 2): a claim belongs to its reader and a
+#    Done ends only the claims it names; a version-2 decode's Done names none, and its
+#    prefill would end a hold another reader was granted, so the two refuse each other
+PROTOCOL_VERSION = 3
 
 
 class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
@@ -60,6 +66,10 @@ class MetadataRequest(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
     # The requester's NIXL agent, so the described worker can notify it back (Prepared).
     requester_agent_name: str = ""
     requester_nixl_metadata: bytes = b""
+    # The requester's own description (its NIXL metadata left out: it is the field above),
+    # so the described worker can plan as the requester does: a prefill then digests
+    # exactly the rows a verifying decode reads (``Prepare.verify``). None: not sent.
+    requester_description: WorkerDescription | None = None
 
 
 class WireStateSharding(msgspec.Struct, frozen=True):

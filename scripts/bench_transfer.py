@@ -163,8 +163,13 @@ def _config(
     warm: tuple[str, ...] = (),
     kv_port: int = 0,
     kv_ip: str = "127.0.0.1",
+    verify: str = "off",
 ) -> KVTransferConfig:
-    extra: dict[str, object] = {"transfer_mode": mode, "rewrite_on_save": on_save}
+    extra: dict[str, object] = {
+        "transfer_mode": mode,
+        "rewrite_on_save": on_save,
+        "verify": verify,  # decode's: the rows without digests unless a row says so
+    }
     if warm:
         extra["warm_peers"] = list(warm)
     return KVTransferConfig.from_dict(
@@ -494,6 +499,7 @@ def measure_connector(
     warm: bool = False,
     merge: MergeRuns = MergeRuns.OFF,
     merge_named: bool = False,
+    verify: str = "off",
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
     child = Child(shape, pfmt, mode, device, on_save, staged, merge)
     engines: list[TimedEngine] = []
@@ -511,6 +517,7 @@ def measure_connector(
             staged=staged,
             warm=(f"{PREFILL_HOST}:{child.port}",) if warm else (),
             kv_ip=DECODE_HOST,
+            verify=verify,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -568,6 +575,9 @@ def measure_connector(
     name += ", host-staged" if staged else ""
     name += ", warm peer" if warm else ""
     name += f", merge {merge.value}" if merge_named else ""
+    name += f", verify {verify}" if verify != "off" else ""
+    if verify == "all" and decode.metrics.loads_verified < iterations + 1:
+        raise SystemExit(f"{name}: {decode.metrics.loads_verified} loads verified")
     keep = statistics.median(keep_ms[1:])  # after the warm-up
     row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows)
     return row, child, decode, buffers
@@ -645,6 +655,79 @@ def measure_raw(
     return nixl_row, write_row, torch_row
 
 
+DIGEST_SIZES_MIB = (1, 32, 256)
+DIGEST_BLOCK_BYTES = 256 << 10  # one cross-layer block of the digest rows (a 2-token block)
+
+
+def measure_digest(device: str, iterations: int) -> list[dict]:
+    """``extra.verify``'s cost on its own: the digest of a request's rows (a cross-layer
+    block each, ``layouts.digest.row_sums`` + ``fold``) against ``copy_`` of the same
+    bytes on the same device, at 1, 32 and 256 MiB; blocks contiguous (one strided
+    reduction) and shuffled (run by run)."""
+    out = []
+    for mib in DIGEST_SIZES_MIB:
+        n = max(1, (mib << 20) // DIGEST_BLOCK_BYTES)
+        units = torch.randint(0, 256, (2 * n + 16, DIGEST_BLOCK_BYTES), dtype=torch.uint8)
+        units = units.to(device)
+        copy_s = median_s(_timed(units, _copy_of(units[:n].reshape(-1))), iterations)
+        shuffled = np.random.default_rng(0).permutation(units.shape[0])[:n]
+        for order, rows in (("contiguous", np.arange(n)), ("shuffled", shuffled)):
+            digest_s = median_s(_timed(units, _digest_of(units, rows)), iterations)
+            out.append(
+                {
+                    "mib": n * DIGEST_BLOCK_BYTES / 2**20,
+                    "order": order,
+                    "digest_ms": digest_s * 1e3,
+                    "copy_ms": copy_s * 1e3,
+                    "digest_gbps": n * DIGEST_BLOCK_BYTES / digest_s / 1e9,
+                    "x_copy": copy_s / digest_s,
+                }
+            )
+    return out
+
+
+def _copy_of(src: torch.Tensor) -> Callable[[], object]:
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _digest_of(units: torch.Tensor, rows: np.ndarray) -> Callable[[], object]:
+    from kvbridge.layouts.digest import fold, row_sums
+
+    offsets = np.zeros(1, dtype=np.int64)
+    return lambda: fold(row_sums(units, offsets, DIGEST_BLOCK_BYTES, rows))
+
+
+def _timed(on: torch.Tensor, fn: Callable[[], object]) -> Callable[[], float]:
+    """``fn``'s time, the device's queue drained before and after (GPU work is async)."""
+
+    def sync() -> None:
+        if on.is_cuda:
+            torch.cuda.synchronize(on.device)
+
+    def run() -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def print_digest(records: list[dict], device: str) -> None:
+    print(f"\ndigest (extra.verify) vs copy_ of the same bytes, {device}:")
+    header = f"{'MiB':>6} {'blocks':<11} {'digest ms':>10} {'copy ms':>9} {'GB/s':>7} {'x copy':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in records:
+        print(
+            f"{r['mib']:6.0f} {r['order']:<11} {r['digest_ms']:10.2f} {r['copy_ms']:9.2f} "
+            f"{r['digest_gbps']:7.2f} {r['x_copy']:7.2f}"
+        )
+    print("x copy = copy time / digest time (>= 0.5: the digest reads as fast as half a copy)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(ap)
@@ -669,6 +752,13 @@ def main() -> None:
         default="off",
         help="post adjacent blocks as one descriptor (MergeRuns.ON) on both sides: off, on "
         "(every row), compare (per-layer contiguous rows both ways)",
+    )
+    ap.add_argument(
+        "--verify",
+        choices=["off", "all", "compare"],
+        default="off",
+        help="extra.verify on decode: off, all (every row), compare (x-NHD rows again with "
+        "verify all, and the digest alone vs a copy at 1, 32 and 256 MiB)",
     )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
@@ -726,21 +816,28 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staging = args.host_staging == "on"
     merge = MergeRuns.ON if args.merge == "on" else MergeRuns.OFF
-    # (mode, *format, host-staged, warm peer, merge, merge named in the row)
-    runs = [(mode, *f, staging, False, merge, False) for mode in modes for f in formats]
+    verify = "all" if args.verify == "all" else "off"
+    # (mode, *format, host-staged, warm peer, merge, merge named in the row, verify)
+    runs = [(mode, *f, staging, False, merge, False, verify) for mode in modes for f in formats]
     if args.merge == "compare":  # the raw baseline's row, then per-layer off/on pairs
-        runs = [(modes[0], *formats[0], staging, False, merge, False)] + [
-            (mode, pfmt, pfmt, False, False, staging, False, m, True)
+        runs = [(modes[0], *formats[0], staging, False, merge, False, verify)] + [
+            (mode, pfmt, pfmt, False, False, staging, False, m, True, verify)
             for mode in modes
             for pfmt in ("bf-NHD", "ks-NHD")
             for m in (MergeRuns.OFF, MergeRuns.ON)
         ]
     if args.host_staging == "compare":
-        runs += [(mode, *f, True, False, merge, False) for mode in modes for f in formats[:2]]
+        runs += [
+            (mode, *f, True, False, merge, False, verify) for mode in modes for f in formats[:2]
+        ]
     if args.warm:
-        runs += [(mode, *formats[0], staging, True, merge, False) for mode in modes]
+        runs += [(mode, *formats[0], staging, True, merge, False, verify) for mode in modes]
+    if args.verify == "compare":  # each x-NHD row again, verified
+        runs += [
+            (mode, *f, staging, False, merge, False, "all") for mode in modes for f in formats[:2]
+        ]
     raw_rows: list[Row] = []
-    for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm, m, named) in enumerate(runs):
+    for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm, m, named, v) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
             shape,
             pfmt,
@@ -755,6 +852,7 @@ def main() -> None:
             warm=warm,
             merge=m,
             merge_named=named,
+            verify=v,
         )
         try:
             rows.append(row)
@@ -808,7 +906,18 @@ def main() -> None:
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
         "Pushed (the child polls every ~1 ms between its steps)."
     )
-    write_json(args.json, "bench_transfer", records, shape=asdict(shape), device=args.device)
+    digest = []
+    if args.verify == "compare":
+        digest = measure_digest(args.device, args.iterations)
+        print_digest(digest, args.device)
+    write_json(
+        args.json,
+        "bench_transfer",
+        records,
+        shape=asdict(shape),
+        device=args.device,
+        **({"digest": digest} if digest else {}),
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,17 @@ class FailurePolicy(enum.Enum):
     FAIL = "fail"  # end the request with the reason
 
 
+class VerifyMode(enum.Enum):
+    """Which loads prove, by digests of what moved, that decode holds what prefill sent."""
+
+    OFF = "off"
+    SAMPLE = "sample"  # each load with probability extra.verify_rate (a canary)
+    ALL = "all"
+
+
 DEFAULT_STAGING_MIB = 64
+DEFAULT_VERIFY_RATE = 0.01
+DEFAULT_MAX_QUARANTINED_MIB = 1024
 
 # Keys that once existed: whoever still sets one is told why it went.
 _RETIRED = {
@@ -126,7 +136,37 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     round). Set ``"sleep0"`` on a GPU host whose cores are oversubscribed.
     Read by: both (vLLM adapter only)."""
 
+    max_quarantined_mib: float = DEFAULT_MAX_QUARANTINED_MIB
+    """Most MiB of decode blocks that failed loads' READs from one prefill may still write
+    into (the quarantine: NIXL cannot stop a READ in flight, so those blocks stay out of
+    the engine's pool until the READ ends or the prefill is confirmed dead). Past it,
+    decode starts no new load from that prefill until the quarantine drains below it; the
+    log names the prefill and the figures (``kvbridge_quarantined_bytes{peer}``).
+    Read by: decode."""
+
+    verify: VerifyMode = VerifyMode.SAMPLE
+    """Loads that prove what they moved: ``"off"``, ``"sample"`` (each load with
+    probability ``verify_rate``) or ``"all"``. A verified load asks prefill for digests of
+    exactly the rows it moves and compares them with its own, on the landed bytes, before
+    it rewrites them; a mismatch fails the load (recompute or fail, by the policy) and
+    counts ``kvbridge_load_verify_failures_total``. Groups staged through decode's slots
+    (engine-packed pages larger than decode's) are not digested. See docs/reliability.md.
+    Read by: decode (prefill answers whoever asks)."""
+
+    verify_rate: float = DEFAULT_VERIFY_RATE
+    """With ``verify: "sample"``: the share of loads verified, in [0, 1].
+    Read by: decode."""
+
     def __post_init__(self) -> None:
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ConfigError(
+                f"extra.verify_rate={self.verify_rate:g} must be a share of loads in [0, 1]"
+            )
+        if self.max_quarantined_mib <= 0:
+            raise ConfigError(
+                f"extra.max_quarantined_mib={self.max_quarantined_mib:g} must be a positive "
+                f"number of MiB (blocks held for one prefill's unfinished READs)"
+            )
         if self.staging_mib <= 0:
             raise ConfigError(
                 f"extra.staging_mib={self.staging_mib:g} must be a positive number of MiB "
@@ -156,6 +196,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     @property
     def staging_bytes(self) -> int:
         return int(self.staging_mib * (1 << 20))
+
+    @property
+    def max_quarantined_bytes(self) -> int:
+        return int(self.max_quarantined_mib * (1 << 20))
 
     @property
     def warm_peer_addresses(self) -> list[tuple[str, int]]:

@@ -7,6 +7,8 @@ read it: the example servers' ``/metrics`` (:func:`metric_families`, through a
 through vLLM's own registry). Names follow Prometheus' conventions: every counter ends in
 ``_total`` (``kvbridge_transfers_total``, ``kvbridge_transfer_seconds_total``), and each
 decode load's phases are one histogram, ``kvbridge_load_phase_seconds{phase=...}``.
+Decode's quarantine is also shown per prefill agent as gauges
+(``kvbridge_quarantined_blocks{peer=...}``, ``kvbridge_quarantined_bytes{peer=...}``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -47,11 +54,20 @@ class ConnectorMetrics:
     notifications_sent: int = 0
     notifications_received: int = 0
     bad_notifications: int = 0
+    # notifications that could not be encoded or sent, the peer not known to be gone: the
+    # message failed (and what it belonged to), the peer was kept
+    notifications_failed: int = 0
     leases_expired: int = 0
     # decode: failed loads reported only after their in-flight READs ended (release is not
     # cancel), and those whose READs still ran transfer_timeout_s after the failure
     loads_held: int = 0
     held_overdue: int = 0
+    # decode: times a prefill's quarantined READs passed extra.max_quarantined_mib (no new
+    # loads from it until they end or it is confirmed gone)
+    quarantine_caps: int = 0
+    # decode, a gauge per prefill agent: (block rows, bytes) of READs in the quarantine
+    # that may still land (kvbridge.connector.worker.decode.quarantine)
+    quarantined: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     # a background thread (idle progress) died: the worker reports itself unhealthy
     background_thread_failures: int = 0
     # the idle-progress thread woke STALL_S or more late: the process's Python could not run
@@ -60,6 +76,12 @@ class ConnectorMetrics:
     heartbeats_sent: int = 0
     claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
     claims_resent: int = 0  # decode: ... of them sent again, the first one unanswered
+    # extra.verify: decode loads whose digests matched prefill's, those that did not (the
+    # load failed), and groups left out (staged pages); prefill: claims answered with digests
+    loads_verified: int = 0
+    load_verify_failures: int = 0
+    verify_unverified_groups: int = 0
+    digests_sent: int = 0
     # prefill: Push requests whose writes completed (one per load, or one per round of
     # decode's staging slots), and those answered with ok=False
     pushes_written: int = 0
@@ -119,15 +141,21 @@ HELP = {
     "notifications_sent": "NIXL notifications sent.",
     "notifications_received": "NIXL notifications received.",
     "bad_notifications": "NIXL notifications received that could not be used.",
+    "notifications_failed": "Notifications not sent (too large, or refused); peer kept.",
     "leases_expired": "Prefill holds freed because their reader's lease expired.",
     "loads_held": "Failed loads reported only after their in-flight READs ended.",
     "held_overdue": "Failed loads whose READs still ran transfer_timeout_s after failing.",
+    "quarantine_caps": "Times a prefill's quarantined READs passed max_quarantined_mib.",
     "background_thread_failures": "Background threads that died (the worker is unhealthy).",
     "progress_stalls": "Times the progress thread could not run for a second or more.",
     "progress_stall_seconds": "Seconds the progress thread was late in those stalls.",
     "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
     "claims_resent": "Claims decode sent again because the first went unanswered.",
+    "loads_verified": "Decode loads whose landed bytes matched prefill's digests.",
+    "load_verify_failures": "Decode loads failed: landed bytes differ from prefill's digests.",
+    "verify_unverified_groups": "Groups of verified loads left undigested (staged pages).",
+    "digests_sent": "Claims prefill answered with digests of what their reader reads.",
     "pushes_written": "Push requests prefill wrote to completion.",
     "push_failures": "Push requests prefill answered with a failure.",
     "bytes_written": "Bytes prefill wrote into decode's blocks (push mode).",
@@ -174,6 +202,21 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
         buckets = list(zip(bounds, cumulative, strict=True))
         hist.add_metric([phase], buckets, getattr(metrics, f"load_{phase}_seconds"))
     yield hist
+    blocks = GaugeMetricFamily(
+        f"{prefix}_quarantined_blocks",
+        "Decode block rows of failed loads whose READs from this prefill may still land.",
+        labels=["peer"],
+    )
+    num_bytes = GaugeMetricFamily(
+        f"{prefix}_quarantined_bytes",
+        "Bytes of failed loads' READs from this prefill that may still land.",
+        labels=["peer"],
+    )
+    for peer, (n_blocks, n_bytes) in sorted(metrics.quarantined.items()):
+        blocks.add_metric([peer], n_blocks)
+        num_bytes.add_metric([peer], n_bytes)
+    yield blocks
+    yield num_bytes
 
 
 def parse_metrics(text: str) -> dict[str, float]:

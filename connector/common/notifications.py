@@ -51,6 +51,16 @@ Protocol history:
         A prefill that echoes them says so in its description
         (``WorkerDescription.numbered_claims``); decode sends a claim again only to such
         a prefill.
+    2 - Readers in the protocol. Prepare.reader_rank: a claim belongs to its reader, the
+        (decode agent, rank) that sent it; Done.claims: the claim numbers the Done ends
+        (0: the claim prefill made for a Push it served). A hold ends only when every
+        granted claim has its own Done or ran out: one reader's Done no longer ends what
+        another was granted. A version-1 decode's Done names no claim, so the two
+        refuse each other (``Prepare.version`` here, ``PROTOCOL_VERSION`` 3 at the
+        handshake).
+        Verified loads (``extra.verify``): Prepare.verify with the load's token range and
+        plan digest, Push.verify; Prepared.digests and Pushed.digests: one
+        ``GroupDigest`` per group of the rows the reader moves (``kvbridge.layouts.digest``).
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ from kvbridge.layouts.arrangement import BlockArrangement, HeadOrder
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.layout import KVLayout
 
-NOTIF_PROTOCOL_VERSION = 1
+NOTIF_PROTOCOL_VERSION = 2
 
 
 class NotificationError(KVBridgeError):
@@ -103,6 +113,15 @@ class GroupRewrite(msgspec.Struct, frozen=True, array_like=True):
     dst: WireArrangement
 
 
+class GroupDigest(msgspec.Struct, frozen=True, array_like=True):
+    """The digest (``kvbridge.layouts.digest.fold``) of the ``num_rows`` rows of one group
+    a reader moves, in the order the plan moves them, as the holder's memory has them."""
+
+    group_id: int
+    digest: int
+    num_rows: int
+
+
 class Prepare(msgspec.Struct, frozen=True, tag=True):
     """A claim on a kept request's blocks (and the rewrites the reader's plan wants)."""
 
@@ -113,6 +132,15 @@ class Prepare(msgspec.Struct, frozen=True, tag=True):
     # the claim's number on decode, echoed in the answer: which claim a Prepared answers
     # (a claim may be sent again); 0: unnumbered (a decode older than numbered claims)
     claim: int = 0
+    # the decode rank claiming (with the sending NIXL agent: the reader the claim is for)
+    reader_rank: int = 0
+    # a verified load: answer with the digests of the rows it reads, tokens
+    # [start_token, end_token) on the plan with this digest (decode's description came
+    # with its handshake request)
+    verify: bool = False
+    plan_digest: str = ""
+    start_token: int = 0
+    end_token: int = 0
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
@@ -123,6 +151,7 @@ class Prepared(msgspec.Struct, frozen=True, tag=True):
     # holder's clock (an abort or lease end waits for it; only the readers' Done is sooner)
     held_s: float = 0.0
     claim: int = 0  # Prepare.claim of the claim this answers (0: unnumbered)
+    digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Prepare.verify
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
@@ -132,6 +161,10 @@ class Done(msgspec.Struct, frozen=True, tag=True):
     # parallelism: every decode rank reading its heads); prefill frees after the last
     readers: int = 1
     reader_rank: int = 0
+    # the claims this Done ends: numbers of the reader's own Prepares (0: the claim a
+    # prefill made for the reader's Push). Empty: the reader claimed nothing (it ends no
+    # claim, another reader's least of all; it still counts as a reader done)
+    claims: list[int] = msgspec.field(default_factory=list)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -171,6 +204,7 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     # not stage; a later round writes only ``staged``
     round: int = 0
     staged: list[StagedPages] = msgspec.field(default_factory=list)
+    verify: bool = False  # answer round 0 with the digests of the rows written
 
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):
@@ -185,6 +219,7 @@ class Pushed(msgspec.Struct, frozen=True, tag=True):
     num_bytes: int = 0
     num_descs: int = 0
     round: int = 0  # the Push.round answered
+    digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Push.verify, ok
 
 
 Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed

@@ -6,6 +6,7 @@ Decode (consumer) requests, by where their remote KV stands::
     MATCHED --alloc n>0--> ALLOCATED --meta--> LOADING --recv----> LOADED
                                                        --failed--> RECOMPUTED | FAILED
     MATCHED | FULL_HIT --alloc n=0--> RELEASING --meta--> RELEASED
+    MATCHED | FULL_HIT --refused--> RELEASING --meta--> RECOMPUTED | FAILED   (see below)
     MATCHED | FULL_HIT | ALLOCATED --abort--> ABORTED        nothing in flight
     LOADING --abort--> ABORTING --recv | failed--> ABORTED   blocks free only now
 
@@ -20,7 +21,10 @@ only the workers end a hold (one clock: theirs), the scheduler follows their rep
 
 Terminal states end the record (its id may come back only as a counted, ignored
 notification). Engine calls that break the machine raise :class:`LifecycleError`; worker
-reports that do not fit it are counted in :class:`Ignored`, never acted on twice.
+reports that do not fit it are counted in :class:`Ignored`, never acted on twice. An
+engine adapter that must not raise into its engine (vLLM's ``schedule()``) refuses the
+load instead (``Loads.refuse``): prefill is told to free, nothing is read, and the load
+ends failed, for the engine to recompute.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ LOAD_TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     _LS.MATCHED: frozenset({_LS.MATCHED, _LS.FULL_HIT, _LS.ALLOCATED, _LS.RELEASING, _LS.ABORTED}),
     _LS.FULL_HIT: frozenset({_LS.MATCHED, _LS.FULL_HIT, _LS.RELEASING, _LS.ABORTED}),
     _LS.ALLOCATED: frozenset({_LS.LOADING, _LS.ABORTED}),
-    _LS.RELEASING: frozenset({_LS.RELEASED}),
+    _LS.RELEASING: frozenset({_LS.RELEASED, _LS.RECOMPUTED, _LS.FAILED}),  # refused: failed
     _LS.LOADING: frozenset({_LS.LOADED, _LS.RECOMPUTED, _LS.FAILED, _LS.ABORTING}),
     _LS.ABORTING: frozenset({_LS.ABORTED}),
     _LS.LOADED: frozenset(),

@@ -150,6 +150,29 @@ class Loads:
             end_token=record.num_load_tokens,
         )
 
+    def refuse(
+        self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], reason: str
+    ) -> LoadFailure | None:
+        """Fail a load the engine's calls no longer fit (:meth:`allocated` raised), without
+        raising into the engine: nothing is read, prefill is told to free, and the load
+        ends RECOMPUTED or FAILED (``failure_policy``) with the next metadata. Returns the
+        failure the engine must hear of (every block it allocated invalid, the local
+        prefix hit valid); None when a load already went out for the request (its own
+        report ends it) or no request is known."""
+        record = self._records.get(request_id)
+        if record is None or record.state not in (LoadState.MATCHED, LoadState.FULL_HIT):
+            return None
+        record.failure = LoadFailure(
+            request_id=request_id,
+            reason=reason,
+            invalid_block_ids=tuple(tuple(ids) for ids in block_ids_per_group),
+            num_valid_tokens=record.num_computed_tokens,
+        )
+        record.advance(LoadState.RELEASING)
+        self._to_release[request_id] = record.params
+        self._waiting.pop(request_id, None)
+        return record.failure
+
     def keep_alive(self, request_id: str) -> None:
         """Still waiting for blocks: heartbeat prefill at most once per ``heartbeat_s``."""
         record = self._records.get(request_id)
@@ -197,7 +220,8 @@ class Loads:
         for rid in self._to_load:
             self._records[rid].advance(LoadState.LOADING)
         for rid in self._to_release:
-            self._finish(rid, LoadState.RELEASED)
+            failed = self._records[rid].failure is not None  # refused
+            self._finish(rid, self._failed_outcome() if failed else LoadState.RELEASED)
         out = (
             tuple(self._to_load.values()),
             tuple(self._to_abort),
@@ -256,12 +280,15 @@ class Loads:
             self._to_free.add(rid)
         elif record.failure is None:
             outcome = LoadState.LOADED
-        elif self.config.failure_policy is FailurePolicy.RECOMPUTE:
-            outcome = LoadState.RECOMPUTED
         else:
-            outcome = LoadState.FAILED
+            outcome = self._failed_outcome()
         self._finish(rid, outcome)
         return outcome, record.failure
+
+    def _failed_outcome(self) -> LoadState:
+        if self.config.failure_policy is FailurePolicy.RECOMPUTE:
+            return LoadState.RECOMPUTED
+        return LoadState.FAILED
 
     def _finish(self, rid: str, outcome: LoadState) -> None:
         self._records.pop(rid).advance(outcome)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvbridge.connector.common.api import ConnectorRequest, SchedulerEvents
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
-from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadFailure, WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams, ParamsError
 from kvbridge.connector.common.signing import ParamsSigner
 from kvbridge.connector.scheduler.lifecycle import Ignored, LoadState, SendState
@@ -128,6 +128,19 @@ class KVBridgeScheduler:
     ) -> None:
         """Blocks exist: queue the load, or (nothing to load) tell prefill to free."""
         self._loads.allocated(request, block_ids_per_group, num_external_tokens)
+
+    def refuse_load(
+        self,
+        request: ConnectorRequest,
+        block_ids_per_group: Sequence[Sequence[int]],
+        reason: str,
+    ) -> LoadFailure | None:
+        """For an engine adapter that must not raise into its engine: fail the load that
+        ``update_state_after_alloc`` refused (a :class:`LifecycleError`, e.g. the engine
+        changed the token count after ``get_num_new_matched_tokens``). Nothing is read,
+        prefill is told to free; returns the failure the engine must be told of (None: a
+        load already went out, its own report ends it)."""
+        return self._loads.refuse(request.request_id, block_ids_per_group, reason)
 
     def request_waiting(self, request: ConnectorRequest) -> None:
         """The request is still queued for blocks this step: keep prefill's lease alive."""

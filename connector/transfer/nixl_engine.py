@@ -13,6 +13,9 @@ spins a full core per agent. By default there is no progress thread; ``poll()`` 
 NIXL reports failures as exceptions from ``transfer()`` / ``check_xfer_state()`` (the
 "ERR" state was never seen) and as status strings otherwise; both are mapped in one
 function each (``kvbridge.connector.transfer.nixl_calls``: ``translate``, ``to_state``).
+A peer NIXL reports disconnected (``nixlRemoteDisconnectError`` from a transfer, a poll, a
+notification or a connect) is remembered by name (``peer_gone``): only that proves no
+transfer with it can still land; ``remove_peer`` alone does not stop one.
 
 Posting: by index through the prepared lists (``make_prepped_xfer``), or, for rows that
 run adjacent on both sides, one descriptor per run through lists built for that transfer
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ from nixl._api import nixl_agent
 
 from kvbridge.connector.transfer.errors import (
     DescriptorError,
+    PeerDisconnectedError,
     RegistrationError,
     TransferError,
 )
@@ -68,6 +72,10 @@ from kvbridge.layouts.runs import next_adjacent
 # the config lives in kvbridge.connector.transfer.nixl_config; importing it from here keeps working
 __all__ = ["MergeRuns", "NixlEngineConfig", "NixlTransferEngine", "ProgressMode", "XferTelemetry"]
 
+# disconnected peers remembered (agent names are unique per process incarnation, so this
+# only bounds memory; a handle to a peer forgotten here counts as still running: safe)
+GONE_KEPT = 4096
+
 
 class NixlTransferEngine:
     """``TransferEngine`` over one NIXL agent. See the module docstring for ownership."""
@@ -81,6 +89,8 @@ class NixlTransferEngine:
         self._peers: set[str] = set()
         self._desc_lists: set[DescList] = set()
         self._xfers: set[XferHandle] = set()
+        # peers NIXL reported disconnected (oldest first, GONE_KEPT at most): see peer_gone
+        self._gone: dict[str, None] = {}
         self._num_descriptors_posted = 0
         self._num_rows_posted = 0
         self._bytes_posted = 0
@@ -179,8 +189,24 @@ class NixlTransferEngine:
         agent = self._enter("connect")
         if peer not in self._peers:
             raise TransferError(f"agent {self.agent_name!r}: connect to unknown peer {peer!r}")
-        with nixl_call(f"agent {self.agent_name!r}: make_connection {peer!r}"):
+        what = f"agent {self.agent_name!r}: make_connection {peer!r}"
+        with self._watch(peer), nixl_call(what):
             agent.make_connection(peer)
+
+    def peer_gone(self, peer: str) -> bool:
+        return peer in self._gone
+
+    @contextlib.contextmanager
+    def _watch(self, peer: str) -> Iterator[None]:
+        """Remember ``peer`` as gone when NIXL reports it disconnected inside the block
+        (the one fact that proves nothing more moves between us)."""
+        try:
+            yield
+        except PeerDisconnectedError:
+            self._gone[peer] = None
+            while len(self._gone) > GONE_KEPT:
+                del self._gone[next(iter(self._gone))]
+            raise
 
     def remove_peer(self, peer: str) -> None:
         agent = self._enter("remove_peer")
@@ -298,7 +324,7 @@ class NixlTransferEngine:
         )
         self._xfers.add(handle)
         try:
-            with nixl_call(f"{what}: post {handle!r}"):
+            with self._watch(remote.peer), nixl_call(f"{what}: post {handle!r}"):
                 status = agent.transfer(native)
             handle._done = to_state(status, f"{what}: post {handle!r}") is XferState.DONE
         except TransferError:
@@ -318,7 +344,7 @@ class NixlTransferEngine:
         if handle._done:
             return XferState.DONE
         what = f"agent {self.agent_name!r}: poll {handle!r}"
-        with nixl_call(what):
+        with self._watch(handle.peer), nixl_call(what):
             state = to_state(agent.check_xfer_state(native), what)
         handle._done = state is XferState.DONE
         return state
@@ -363,7 +389,7 @@ class NixlTransferEngine:
             raise TransferError(f"{what}: unknown peer; known: {self.peers}")
         if len(msg) > MAX_NOTIF_BYTES:
             raise TransferError(f"{what}: {len(msg)} bytes > {MAX_NOTIF_BYTES}")
-        with nixl_call(what):
+        with self._watch(peer), nixl_call(what):
             agent.send_notif(peer, msg)
 
     def get_notifs(self) -> dict[str, list[bytes]]:

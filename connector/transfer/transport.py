@@ -192,7 +192,17 @@ class TransferEngine(Protocol):
 
     def remove_peer(self, peer: str) -> None:
         """Release every handle and descriptor list that touches ``peer``, then forget it
-        (disconnects). A no-op for an unknown peer."""
+        (disconnects). A no-op for an unknown peer. Removing is not stopping: a READ or
+        WRITE already posted may still complete afterwards (``peer_gone`` says when none
+        can)."""
+        ...
+
+    def peer_gone(self, peer: str) -> bool:
+        """The transport reported ``peer`` disconnected (a transfer, poll or notification
+        raised ``PeerDisconnectedError``): its process died or the connection failed, so
+        no transfer with it can still land. Stays true after ``remove_peer``; a name never
+        comes back (each process incarnation has its own). False for a peer that is merely
+        slow, frozen or unknown."""
         ...
 
     def connect(self, peer: str) -> None:
@@ -275,11 +285,12 @@ class TransferEngine(Protocol):
 
 def release_if_ended(engine: TransferEngine, handle: XferHandle) -> bool:
     """True (and the handle released) once nothing of the transfer can still land: NIXL
-    reports it done or failed, or it was released by ``remove_peer`` (kvbridge removes a
-    peer only once it is found gone: a dead process sends nothing more). False: it may
-    still run, and releasing it would not stop it."""
+    reports it done or failed, or it was released (by ``remove_peer``) and its peer is
+    confirmed gone (``peer_gone``: a dead process sends nothing more). False: it may
+    still run, and releasing it did not stop it: a handle released while its peer was
+    merely unreachable stays "running" until that peer is confirmed gone."""
     if handle.released:
-        return True
+        return engine.peer_gone(handle.peer)
     try:
         state = engine.poll(handle)
     except TransferError:

@@ -18,10 +18,13 @@ from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 
 
 class KVBridgeMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step."""
+    """Scheduler -> workers, once per step. ``refused``: loads the scheduler side failed
+    before any worker had them (``VLLMSchedulerSide.update_state_after_alloc``); every
+    rank reports them finished and failed, so vLLM recomputes them."""
 
-    def __init__(self, meta: ConnectorMetadata) -> None:
+    def __init__(self, meta: ConnectorMetadata, refused: tuple[str, ...] = ()) -> None:
         self.meta = meta
+        self.refused = refused
 
 
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):

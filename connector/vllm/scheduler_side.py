@@ -77,6 +77,7 @@ class VLLMSchedulerSide:
         # must stop one token short (decode resumes from the state after N - 1 tokens)
         self._state_groups = [g.group_id for g in kv_config.groups if g.kind is KVCacheKind.STATE]
         self._withheld: dict[str, list[int]] = {}  # prompt tokens a prefill did not compute
+        self._refused: list[str] = []  # loads refused since the last metadata
 
     def _view(self, request: Any) -> RequestView | None:
         """The request's view; None (and counted, logged once) when its params are bad."""
@@ -193,11 +194,35 @@ class VLLMSchedulerSide:
         return count, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Queue the load. A call that does not fit what ``get_num_new_matched_tokens``
+        offered (vLLM may round ``num_external_computed_tokens`` down to a block boundary
+        after it, e.g. for a sliding-window replay) never raises into vLLM's
+        ``schedule()``: the load is refused (prefill told to free, nothing read) and
+        every worker reports it finished and failed (``failed_recving``), so vLLM
+        recomputes it (``kv_load_failure_policy``) and never counts the tokens as
+        computed."""
         view = self._views.get(request.request_id)
         if view is None:
             return
-        block_ids = position_block_ids(engine_block_ids(blocks.get_block_ids()), self._single)
-        self.sched.update_state_after_alloc(view, block_ids, num_external_tokens)
+        block_ids: list[list[int]] = []
+        try:
+            block_ids = position_block_ids(engine_block_ids(blocks.get_block_ids()), self._single)
+            self.sched.update_state_after_alloc(view, block_ids, num_external_tokens)
+        except KVBridgeError as exc:
+            failure = self.sched.refuse_load(view, block_ids, str(exc))
+            self.counters["loads_refused"] += 1
+            if failure is not None and num_external_tokens > 0:
+                self._refused.append(view.request_id)  # vLLM waits for it: report it
+            logger.warning(
+                "request %s: update_state_after_alloc(num_external_tokens=%d) does not fit "
+                "the load offered: %s; %s",
+                view.request_id,
+                num_external_tokens,
+                exc,
+                "load failed, vLLM recomputes it"
+                if failure is not None
+                else "a load already went out for it: its own report ends it",
+            )
 
     def build_connector_meta(self) -> KVBridgeMetadata:
         for rid, view in list(self._views.items()):
@@ -206,7 +231,8 @@ class VLLMSchedulerSide:
                 del self._views[rid]
             elif state in (LoadState.MATCHED, LoadState.FULL_HIT):
                 self.sched.request_waiting(view)  # still queued: keep prefill's lease alive
-        return KVBridgeMetadata(self.sched.build_connector_meta())
+        refused, self._refused = tuple(self._refused), []
+        return KVBridgeMetadata(self.sched.build_connector_meta(), refused=refused)
 
     # -- both -----------------------------------------------------------------------------
 
@@ -224,7 +250,10 @@ class VLLMSchedulerSide:
         status = getattr(request.status, "name", str(request.status))
         if status not in _HANDOVER_STATES:
             # Aborted or failed: nothing to hand over; release whatever kvbridge holds.
-            self.sched.request_aborted(rid)
+            try:
+                self.sched.request_aborted(rid)
+            except KVBridgeError as exc:  # never into vLLM: its blocks wait if a load runs
+                logger.warning("request %s: aborting its transfer: %s", rid, exc)
             return self.sched.defers_free(rid), None
         ids = position_block_ids(engine_block_ids(block_ids), self._single)
         if self._state_groups and not withheld and self.sched.config.is_producer:

@@ -84,6 +84,7 @@ class VLLMWorkerSide:
             host_staging=host_staging,
         )
         self._freed: set[str] = set()  # released by the scheduler: vLLM must free them
+        self._refused: set[str] = set()  # loads the scheduler side failed: vLLM recomputes
         self._output = WorkerOutput()
         self._delta = CounterDelta()
 
@@ -136,6 +137,7 @@ class VLLMWorkerSide:
         if not isinstance(metadata, KVBridgeMetadata):
             raise TypeError(f"expected KVBridgeMetadata, got {type(metadata).__name__}")
         self._freed.update(metadata.meta.reqs_freed)
+        self._refused.update(metadata.refused)
         self.worker.bind_connector_metadata(metadata.meta)
 
     def start_load_kv(self) -> None:
@@ -145,13 +147,14 @@ class VLLMWorkerSide:
         self.worker.wait_for_save()
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) for vLLM; failed loads are
-        also 'finished receiving' so vLLM releases them from the wait state."""
+        """(finished_sending, finished_recving, failed_recving) for vLLM; failed loads (and
+        those the scheduler side refused) are also 'finished receiving' so vLLM releases
+        them from the wait state."""
         out = self.worker.get_finished()
         self._output = out
-        failed = {f.request_id for f in out.failed_loads}
+        failed = {f.request_id for f in out.failed_loads} | self._refused
         sending = set(out.finished_sending) | self._freed
-        self._freed = set()
+        self._freed, self._refused = set(), set()
         return sending, set(out.finished_recving) | failed, failed
 
     def worker_meta(self) -> KVBridgeWorkerMetadata | None:

@@ -79,8 +79,8 @@ class Inbox:
                         self._outbox.send_raw(agent, reply)
                 elif isinstance(msg, Done):
                     if self._pusher is not None:  # a decode that gave up: stop writing
-                        self._pusher.cancel(msg.request_id, msg.reader_rank)
-                    if not self._sender.on_done(msg):
+                        self._pusher.cancel(msg.request_id, agent)
+                    if not self._sender.on_done(msg, agent):
                         self._metrics.bad_notifications += 1
                 elif isinstance(msg, Heartbeat):
                     self._sender.on_heartbeat(msg)

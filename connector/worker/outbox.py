@@ -6,12 +6,20 @@ have loaded its agent first); the worker flushes the queue once per progress rou
     queue_to(key, endpoint, msg)   peers.ensure(key): the handshake runs in the background
     flush()                        CONNECTING: keep it queued    CONNECTED: send(peer, msg)
                                    FAILED or forgotten: drop it (logged)
-    send(peer, msg)                a send that fails forgets the peer (next use re-handshakes)
+    send(peer, msg)                False: not sent; only a peer NIXL reported disconnected
+                                   is forgotten (next use re-handshakes)
     send_raw(agent, msg)           encode, engine.send_notif; every notification passes here
+
+A message that cannot be encoded (over ``MAX_NOTIFICATION_BYTES``) or that NIXL refuses for
+any other reason fails alone: the caller fails the load or push it belongs to, and the
+peer stays (a healthy peer is never dropped for one of our messages). Only
+``PeerDisconnectedError`` (its process died, or UCX failed the connection) drops the
+peer, and only then do the transfers it owed count as ended (``decode.quarantine``).
 
 The decode side's own messages go to the prefill ranks :mod:`kvbridge.connector.worker.routing`
 names for a request: ``Done`` (the prefill may free) to each rank this rank reports to, and one
-``Heartbeat`` (keep the leases) per prefill rank for the requests still waiting for blocks.
+``Heartbeat`` (keep the leases) per prefill rank for the requests still waiting for blocks,
+split into as many as keep each under the notification limit.
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ from kvbridge.connector.common.notifications import (
     Done,
     Heartbeat,
     Notification,
+    NotificationError,
     encode_notification,
 )
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.errors import PeerDisconnectedError
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Route, Router
@@ -68,7 +78,8 @@ class Outbox:
             self.queue_to(key, route.endpoints[key], msg)
 
     def queue_heartbeats(self, waiting: Iterable[tuple[str, KVTransferParams]]) -> None:
-        """One ``Heartbeat`` per prefill rank for the requests still waiting for blocks."""
+        """``Heartbeat``s to each prefill rank for the requests still waiting for blocks:
+        one, or as many as keep each under the notification limit."""
         by_peer: dict[PeerKey, tuple[tuple[str, int], list[str]]] = {}
         for _rid, params in waiting:
             route = self._route(params)
@@ -78,8 +89,9 @@ class Outbox:
                 entry = by_peer.setdefault(key, (route.endpoints[key], []))
                 entry[1].append(params.remote_request_id)
         for key, (endpoint, ids) in by_peer.items():
-            self.queue_to(key, endpoint, Heartbeat(request_ids=ids))
-            self._metrics.heartbeats_sent += 1
+            for msg in split_heartbeat(ids):
+                self.queue_to(key, endpoint, msg)
+                self._metrics.heartbeats_sent += 1
 
     def queue_to(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
         host, port = endpoint
@@ -100,20 +112,44 @@ class Outbox:
         self._queued = keep
 
     def send(self, peer: Peer, msg: object) -> bool:
-        if not self.send_raw(peer.agent, msg):
-            self._peers.drop(peer.key, "notification failed: peer unreachable")
+        """Send ``msg`` to ``peer``; False: it was not sent (the caller fails what it
+        belongs to). The peer is dropped only when NIXL reported it disconnected."""
+        try:
+            self._deliver(peer.agent, msg)
+        except PeerDisconnectedError as exc:
+            self._peers.drop(peer.key, f"notification failed, peer disconnected: {exc}")
+            return False
+        except KVBridgeError as exc:
+            self._not_sent(peer.agent, msg, exc)
             return False
         return True
 
     def send_raw(self, agent: str, msg: object) -> bool:
-        self._ensure_agent(agent)
+        """Send ``msg`` to a NIXL agent (no peer of the directory); False: not sent."""
         try:
-            self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
-            self._metrics.notifications_sent += 1
-            return True
+            self._deliver(agent, msg)
         except KVBridgeError as exc:
-            logger.warning("notification to %s failed: %s", agent, exc)
+            self._not_sent(agent, msg, exc)
             return False
+        return True
+
+    def _deliver(self, agent: str, msg: object) -> None:
+        """Encode and send; raises ``NotificationError`` (too large, ours), or the
+        transport's error (``PeerDisconnectedError``: the peer is gone)."""
+        self._ensure_agent(agent)
+        self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
+        self._metrics.notifications_sent += 1
+
+    def _not_sent(self, agent: str, msg: object, exc: KVBridgeError) -> None:
+        self._metrics.notifications_failed += 1
+        where = "could not be encoded" if isinstance(exc, NotificationError) else "failed"
+        logger.warning(
+            "%s to %s %s (the message fails, the peer is kept): %s",
+            type(msg).__name__,
+            agent,
+            where,
+            exc,
+        )
 
     def _route(self, params: KVTransferParams) -> Route | None:
         try:
@@ -121,3 +157,25 @@ class Outbox:
         except KVBridgeError as exc:
             logger.warning("no route to prefill %s: %s", params.remote_engine_id, exc)
             return None
+
+
+def split_heartbeat(request_ids: list[str]) -> list[Heartbeat]:
+    """``Heartbeat``s that together name every id, each under ``MAX_NOTIFICATION_BYTES``
+    (halved until each fits: 1,400 ids of vLLM's length are about 70 KB). An id too long
+    for a notification of its own is logged and left out: its lease runs out alone."""
+    out: list[Heartbeat] = []
+    todo = [request_ids]
+    while todo:
+        ids = todo.pop()
+        msg = Heartbeat(request_ids=ids)
+        try:
+            encode_notification(msg)
+        except NotificationError:
+            if len(ids) == 1:
+                logger.warning("request id of %d characters too long for a Heartbeat", len(ids[0]))
+                continue
+            half = len(ids) // 2
+            todo += [ids[half:], ids[:half]]
+            continue
+        out.append(msg)
+    return out

@@ -18,6 +18,15 @@ An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bri
 its agent is kept for notifications only, so loads against it fail at once *and* tell it
 to free the request's blocks (``Done(ok=False)``) instead of leaving them to the lease.
 The next load to it handshakes again (the peer may have been reconfigured).
+
+A peer is dropped (:meth:`PeerDirectory.drop`) when it died or restarted; only a peer the
+transport confirmed gone (``TransferEngine.peer_gone``: NIXL reported it disconnected)
+ends what waited for it (``on_drop``). A peer that is merely unreachable keeps whatever
+of ours it may still write. A peer may also be REFUSED by an admission check (decode's
+quarantine holds too many of our blocks for it, ``decode.quarantine``): it keeps its
+agent (notifications still go out) but no new load starts from it; the next ``poll``
+after a load asks for it (``ensure(for_read=True)``) returns it, so the load fails by
+name at once, and it is READY again once the check admits it.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class PeerState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
     INCOMPATIBLE = "incompatible"  # reachable, notifications only; reason says why
+    REFUSED = "refused"  # ready, but no new load from it (an admission check; reason)
     FAILED = "failed"
 
 
@@ -106,9 +116,12 @@ class PeerDirectory:
         self._local_lists: dict[tuple, DescList] = {}
         self.handshakes = 0
         self.failures = 0
-        # called with a peer's agent once it is removed (found dead: transfers posted to
-        # it end, notifications it owed never come)
+        # called with a peer's agent once it is removed and the transport confirmed it
+        # gone (transfers posted to it ended, notifications it owed never come)
         self.on_drop: list[Callable[[str], None]] = []
+        # admission checks: check(agent) is '' or why no new load may start from it
+        self.admission: list[Callable[[str], str]] = []
+        self._surfaced: set[PeerKey] = set()  # REFUSED peers a load asked for since poll
 
     @property
     def num_connecting(self) -> int:
@@ -129,6 +142,8 @@ class PeerDirectory:
         if peer is not None and for_read and peer.state is PeerState.INCOMPATIBLE:
             self.drop(key, "handshaking again")
             peer = None
+        if peer is not None and for_read and peer.state is PeerState.REFUSED:
+            self._surfaced.add(key)  # the next poll returns it: the load fails by name
         if peer is not None and peer.state is not PeerState.FAILED:
             return peer
         peer = Peer(key=key, host=host, port=port)
@@ -174,14 +189,21 @@ class PeerDirectory:
         except Exception as exc:  # delivered to the step thread, which fails the loads
             self._results.put((key, exc))
 
+    def gone(self, agent: str) -> bool:
+        """The transport confirmed ``agent`` gone (its process died, or the connection
+        failed): nothing posted to it can still land."""
+        return bool(agent) and self._engine.peer_gone(agent)
+
     def poll(self) -> list[Peer]:
-        """Finish handshakes that came back; returns peers whose state changed."""
+        """Finish handshakes that came back, apply the admission checks; returns peers
+        whose state changed (and REFUSED peers a load asked for since the last poll)."""
         changed = self._poll_warmed()
         while True:
             try:
                 key, result = self._results.get_nowait()
             except queue.Empty:
-                return changed
+                admitted = self._admit()
+                return [p for p in changed if all(p is not a for a in admitted)] + admitted
             peer = self._peers.get(key)
             if peer is None or peer.state is not PeerState.CONNECTING:
                 continue
@@ -228,6 +250,30 @@ class PeerDirectory:
         except KVBridgeError as exc:
             self._fail(peer, str(exc))
 
+    def _refusal(self, agent: str) -> str:
+        return next((why for check in self.admission if (why := check(agent))), "")
+
+    def _admit(self) -> list[Peer]:
+        """READY <-> REFUSED as the admission checks say; the peers that changed, and
+        the REFUSED ones a load asked for since the last poll."""
+        changed = []
+        for peer in self._peers.values():
+            if peer.state not in (PeerState.READY, PeerState.REFUSED):
+                continue
+            why = self._refusal(peer.agent)
+            if why and peer.state is PeerState.READY:
+                peer.state, peer.reason = PeerState.REFUSED, why
+                logger.warning("peer %s: no new loads from it: %s", peer.key, why)
+                changed.append(peer)
+            elif not why and peer.state is PeerState.REFUSED:
+                peer.state, peer.reason = PeerState.READY, ""
+                logger.info("peer %s admits loads again", peer.key)
+                changed.append(peer)
+            elif why and peer.key in self._surfaced:
+                changed.append(peer)
+        self._surfaced.clear()
+        return changed
+
     def _wire_up(self, peer: Peer) -> None:
         """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
         once): a first transfer on an unconnected endpoint stays pending until the
@@ -253,7 +299,10 @@ class PeerDirectory:
             self.drop(peer.key, reason)
 
     def drop(self, key: PeerKey, reason: str) -> None:
-        """Forget a peer (dead or restarted): its agent and lists go; next use re-handshakes."""
+        """Forget a peer (dead or restarted): its agent and lists go; next use re-handshakes.
+        Its transfers in flight are released, which does not stop them: only when the
+        transport confirmed the peer gone are ``on_drop``'s hooks told (what waited for it
+        has ended); else they stay held by whoever waits for them (``decode.quarantine``)."""
         peer = self._peers.get(key)
         if peer is None:
             return
@@ -268,7 +317,7 @@ class PeerDirectory:
                 logger.warning("removing peer %s: %s", agent, exc)
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
-        for hook in self.on_drop if agent else ():
+        for hook in self.on_drop if self.gone(agent) else ():
             hook(agent)
 
     def _their_rows(

@@ -4,9 +4,11 @@ Opened once the cache is registered with NIXL (the description carries NIXL's me
 
     HandshakeListener    kv_ip : kv_port + rank (kv_port 0: an ephemeral port); serves the
                          description; each valid request carries the requester's NIXL
-                         agent, queued on the listener thread and added to NIXL (once per
-                         agent) by :meth:`SideChannel.add_requesters` under the worker's lock,
-                         so that this worker can notify the requester
+                         agent, queued on the listener thread (a bounded queue: a full one
+                         refuses the request, ``ErrorCode.BUSY``), taken by
+                         :meth:`SideChannel.add_requesters` under the worker's lock and
+                         added to NIXL when this worker first notifies the requester
+                         (bounded and pruned: ``kvbridge.connector.worker.requester_agents``)
     WorkerDescription    identity, the registered regions (and, for a push decode that
                          stages pages, its staging arena: registered before, so that the
                          NIXL metadata covers it), NIXL metadata, compat hash, the bound
@@ -20,16 +22,25 @@ Peer directories (:meth:`SideChannel.directory`) share the client and the local 
 from __future__ import annotations
 
 import logging
-import queue
+import time
+from collections.abc import Callable
+
+import msgspec
 
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.peers import PeerDirectory
+from kvbridge.connector.worker.requester_agents import IDLE_S, RequesterAgents
 from kvbridge.handshake.client import ClientConfig, HandshakeClient
 from kvbridge.handshake.compat import compat_hash
-from kvbridge.handshake.description import WorkerIdentity, describe, parse_description
+from kvbridge.handshake.description import (
+    PeerLayout,
+    WorkerIdentity,
+    describe,
+    parse_description,
+)
 from kvbridge.handshake.framing import HandshakeSecurity
-from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
+from kvbridge.handshake.listener import HandshakeListener, ListenerConfig, RequestQueue
 from kvbridge.handshake.messages import MetadataRequest, WorkerDescription
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -55,13 +66,17 @@ class SideChannel:
         can_repack: bool,
         rewrites_on_save: bool,
         staging: KVRegion | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``registered``: the buffers ``engine`` registered (the cache, or its host mirror);
         ``staging``: the registered staging arena a pushing writer may write into."""
         self._engine = engine
-        self._requesters: queue.Queue[MetadataRequest] = queue.Queue()
-        self._known_agents: set[str] = set()
-        self._pending_agents: dict[str, bytes] = {}  # requesters not notified yet
+        self._requesters = RequestQueue()
+        self._directories: list[PeerDirectory] = []
+        # an agent idle this long has no claim left: a hold outlives no lease (4x margin)
+        self.agents = RequesterAgents(
+            engine, held=self._held, clock=clock, idle_s=max(IDLE_S, 4 * config.lease_s)
+        )
         security = HandshakeSecurity(secret=config.secret_bytes)
         port = config.kv_port + identity.rank if config.kv_port else 0
         self._description: WorkerDescription | None = None
@@ -91,6 +106,7 @@ class SideChannel:
                 requester_rank=identity.rank,
                 requester_agent_name=identity.agent_name,
                 requester_nixl_metadata=self._description.nixl_metadata,
+                requester_description=msgspec.structs.replace(self._description, nixl_metadata=b""),
             )
             self.client = HandshakeClient(
                 ClientConfig(timeout_s=config.handshake_timeout_s, security=security),
@@ -113,37 +129,47 @@ class SideChannel:
 
     def add_requesters(self) -> None:
         """Note the NIXL agents of the workers that asked for the description since the
-        last call (each once). An agent is added to NIXL only when this worker first
-        notifies it (:meth:`ensure_agent`): right after the handshake the requester is
-        adding *our* agent, and both sides creating UCX endpoints to each other at once is
-        the suspected reason a worker was held in ``add_remote_agent`` for 17-62 s (CI,
-        docs/handover.md); by the time this worker answers, the requester has sent it a
-        notification, so its side of the connection is up."""
-        while True:
-            try:
-                req = self._requesters.get_nowait()
-            except queue.Empty:
-                return
-            name = req.requester_agent_name
-            if not name or name in self._known_agents:
-                continue
-            self._pending_agents[name] = req.requester_nixl_metadata
+        last call, and prune idle ones (:class:`RequesterAgents`). An agent is added to
+        NIXL only when this worker first notifies it (:meth:`ensure_agent`): right after
+        the handshake the requester is adding *our* agent, and both sides creating UCX
+        endpoints to each other at once is the suspected reason a worker was held in
+        ``add_remote_agent`` for 17-62 s (CI, docs/handover.md); by the time this worker
+        answers, the requester has sent it a notification, so its side of the connection
+        is up."""
+        for req in self._requesters.take():
+            if req.requester_agent_name:
+                self.agents.asked(
+                    req.requester_agent_name, req.requester_nixl_metadata, self._layout_of(req)
+                )
+        self.agents.prune()
+
+    @staticmethod
+    def _layout_of(req: MetadataRequest) -> PeerLayout | None:
+        """The layout a requester described of itself (None: none, or one we cannot
+        parse: its verified loads are then refused by name)."""
+        if req.requester_description is None:
+            return None
+        try:
+            return parse_description(req.requester_description)
+        except KVBridgeError as exc:
+            logger.warning(
+                "requester %s described itself unusably: %s", req.requester_agent_name, exc
+            )
+            return None
 
     def ensure_agent(self, name: str) -> None:
         """Add requester ``name``'s NIXL agent if it asked for the description and is not
-        added yet (a failure is logged; the notification then fails by name)."""
-        metadata = self._pending_agents.pop(name, None)
-        if metadata is None:
-            return
-        try:
-            self._engine.add_peer(metadata)
-            self._known_agents.add(name)
-        except KVBridgeError as exc:
-            logger.warning("cannot add requester %s: %s", name, exc)
+        added (again, after it was removed while idle); a failure is logged and the
+        notification then fails by name."""
+        self.agents.ensure(name)
+
+    def _held(self, name: str) -> bool:
+        """A peer directory holds agent ``name`` (reads from it or pushes to it)."""
+        return any(d.with_agent(name) is not None for d in self._directories)
 
     def directory(self, *, can_repack: bool = False, writer: bool = False) -> PeerDirectory:
         """Peers this worker reads from, or (``writer``) pushes to."""
-        return PeerDirectory(
+        directory = PeerDirectory(
             self._engine,
             self.client,
             self.description,
@@ -151,6 +177,8 @@ class SideChannel:
             can_repack=can_repack,
             writer=writer,
         )
+        self._directories.append(directory)
+        return directory
 
     def close(self) -> None:
         self.listener.close()

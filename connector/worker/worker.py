@@ -13,6 +13,7 @@ engine-call lock; handshakes run in the background.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -24,16 +25,20 @@ import torch
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.load_records import PushEndpoint
 from kvbridge.connector.worker.decode.receiver import Receiver
+from kvbridge.connector.worker.decode.verifier import Verifier
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
+from kvbridge.connector.worker.load_digests import region_units
 from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.prefill.pushes import Pusher
+from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
@@ -43,11 +48,13 @@ from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.staging.staging import StagingPools
 from kvbridge.connector.worker.worker_setup import engine_call, nixl_engine
 from kvbridge.handshake.affinity import unpinned
-from kvbridge.handshake.description import WorkerIdentity
+from kvbridge.handshake.description import WorkerIdentity, parse_description
 from kvbridge.handshake.messages import WorkerDescription
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,9 +243,12 @@ class KVBridgeWorker:
             staging.open()
         self._peers = side.directory(can_repack=self._repacker is not None)
         order = self._device_order(buffers.device)
+        extra = self.config.extra
         self._outbox = outbox = Outbox(
             engine, self._peers, self._router, self.metrics, ensure_agent=side.ensure_agent
         )
+        units = region_units(moved)  # where NIXL moves from and to: digests read them there
+        digests = ReaderDigests(parse_description(side.description), units, side.agents.layout)
         self._sender = Sender(
             buffers,
             self.metrics,
@@ -250,6 +260,7 @@ class KVBridgeWorker:
             # a Prepare or Push may come before the engine hands this worker the request
             # (its next step, seconds away under load): wait for it as long as the lease
             early_wait_s=self.config.lease_s,
+            digests=digests,
         )
         push = None
         if self.transfer_mode is TransferMode.PUSH:
@@ -261,6 +272,7 @@ class KVBridgeWorker:
                 self.metrics,
                 outbox.send_raw,
                 clock=self._clock,
+                digests=digests,
             )
             push = PushEndpoint(self.config.engine_id, self.rank, self.config.kv_ip, side.port)
         self._receiver = Receiver(
@@ -278,6 +290,10 @@ class KVBridgeWorker:
             push=push,
             stage=self._stage,
             order=order,
+            verifier=Verifier(extra.verify, extra.verify_rate, moved, units, self.metrics)
+            if self.config.is_consumer
+            else None,
+            max_quarantined_bytes=extra.max_quarantined_bytes,
         )
         self._inbox = Inbox(
             engine,
@@ -325,11 +341,14 @@ class KVBridgeWorker:
             sender.add(spec)
         for spec in meta.reqs_to_load:
             receiver.add(spec)
+        # a request with no load of its own here (aborted before it loaded, or a full
+        # prefix hit) releases prefill's blocks, unless another local request with the
+        # same params loads them right now (a duplicate): that load's Done is the one
         for rid, params in meta.reqs_to_abort:
             if not receiver.abort(rid):
-                self._outbox.queue_done(params, ok=False)
-        for _rid, params in meta.reqs_to_release:
-            self._outbox.queue_done(params, ok=True)
+                self._release_remote(receiver, rid, params, ok=False)
+        for rid, params in meta.reqs_to_release:
+            self._release_remote(receiver, rid, params, ok=True)
         self._outbox.queue_heartbeats(meta.reqs_waiting)
         self._progress()
 
@@ -385,6 +404,21 @@ class KVBridgeWorker:
         sender.abort(request_id)
 
     # -- internals --------------------------------------------------------------------------
+
+    def _release_remote(
+        self, receiver: Receiver, request_id: str, params: KVTransferParams, *, ok: bool
+    ) -> None:
+        """Tell prefill it may free ``params``' blocks, unless another local request
+        loads them right now."""
+        assert self._outbox is not None
+        if receiver.loading_remote(params.remote_request_id):
+            logger.info(
+                "no Done for prefill request %s from %s: another request here loads it",
+                params.remote_request_id,
+                request_id,
+            )
+            return
+        self._outbox.queue_done(params, ok=ok)
 
     def _ready(self) -> tuple[Receiver, Sender]:
         if self._receiver is None or self._sender is None or self._closed:

@@ -4,8 +4,10 @@
 Its READs and WRITEs are not posted when asked: they wait until the test calls ``land``.
 Releasing such a handle does not stop it (as with UCX, where a GET or PUT already issued
 completes when the network delivers it): it still lands at the next ``land``, after the
-release. Only tearing the peer down (``remove_peer``: its endpoint closed) ends what is
-queued for it without landing. Everything else goes to the real engine.
+release. Tearing the peer down (``remove_peer``) does not stop it either (measured with
+NIXL: tests/connector/test_worker_multiprocess.py); only the peer's death does
+(``disconnect``: what is queued for it never lands, and the transport reports it gone, as
+NIXL does with ``nixlRemoteDisconnectError``). Everything else goes to the real engine.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.connector.transfer.errors import TransferError
+from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import (
     DescList,
     TransferEngine,
@@ -35,6 +37,7 @@ class Late:
     remote_idx: np.ndarray
     notif: bytes
     landed: bool = False
+    dead: bool = False  # its peer died first: it never lands
 
 
 class LateTransport:
@@ -44,7 +47,8 @@ class LateTransport:
         self.inner = inner
         self.queued: list[Late] = []
         self.num_landed_after_release = 0
-        self.num_torn_down = 0
+        self.num_torn_down = 0  # queued transfers that died with their peer
+        self.dead: set[str] = set()  # peers disconnect() killed
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -76,6 +80,8 @@ class LateTransport:
     def poll(self, handle: XferHandle) -> XferState:
         if handle.released:
             raise TransferError(f"poll on released {handle!r}")
+        if handle.peer in self.dead:
+            raise PeerDisconnectedError(f"poll {handle!r}: peer {handle.peer!r} disconnected")
         late = self._late(handle)
         if late is None:
             return self.inner.poll(handle)
@@ -90,14 +96,14 @@ class LateTransport:
     @property
     def num_in_flight(self) -> int:
         """Queued transfers that have not landed (released ones included)."""
-        return sum(not q.landed for q in self.queued)
+        return sum(not (q.landed or q.dead) for q in self.queued)
 
     def land(self, pump: Callable[[], object] = lambda: None, timeout_s: float = 10.0) -> int:
         """Deliver every queued transfer (released ones too) through the real engine;
         ``pump`` gives the peer its progress (a step of its engine) while one runs."""
         n = 0
         for q in self.queued:
-            if q.landed:
+            if q.landed or q.dead:
                 continue
             post = self.inner.read if q.handle.op is XferOp.READ else self.inner.write
             real = post(q.local, q.local_idx, q.remote, q.remote_idx, q.notif)
@@ -110,13 +116,30 @@ class LateTransport:
             q.landed = True
             self.num_landed_after_release += q.handle.released
             n += 1
-        self.queued = [q for q in self.queued if not (q.landed and q.handle.released)]
+        self.queued = [q for q in self.queued if not (q.landed or q.dead) or not q.handle.released]
         return n
 
     def remove_peer(self, peer: str) -> None:
-        """Tear the peer down: what is queued for it fails and can never land."""
-        for q in [q for q in self.queued if q.handle.peer == peer and not q.landed]:
-            q.handle._native = None
-            self.queued.remove(q)
-            self.num_torn_down += 1
+        """Forget the peer: its handles are released, and what is queued for it still
+        lands at the next ``land`` (removing is not stopping)."""
+        for q in self.queued:
+            if q.handle.peer == peer:
+                q.handle._native = None
         self.inner.remove_peer(peer)
+
+    def disconnect(self, peer: str) -> None:
+        """The peer died: what is queued for it never lands; polls and notifications to
+        it raise ``PeerDisconnectedError`` and ``peer_gone`` says so."""
+        self.dead.add(peer)
+        for q in self.queued:
+            if q.handle.peer == peer and not (q.landed or q.dead):
+                q.dead = True
+                self.num_torn_down += 1
+
+    def peer_gone(self, peer: str) -> bool:
+        return peer in self.dead or self.inner.peer_gone(peer)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        if peer in self.dead:
+            raise PeerDisconnectedError(f"send_notif to {peer!r}: disconnected")
+        self.inner.send_notif(peer, msg)

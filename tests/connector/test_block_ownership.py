@@ -349,7 +349,7 @@ def test_a_rewrite_of_a_block_another_reader_reads_natively_is_refused(clock):
         assert not refused.ok and "block 3 of group 0 is read in its native" in refused.reason
         for want, t in zip(before, prefill.buffers.tensors, strict=True):
             assert torch.equal(t[3], want)
-        assert sender.on_done(Done(request_id="a"))
+        assert sender.on_done(Done(request_id="a", claims=[0]))  # ends its claim
         assert sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0)).ok
     finally:
         prefill.worker.shutdown()

@@ -15,6 +15,7 @@ from kvbridge.connector.common.config import (
     FailurePolicy,
     KVRole,
     KVTransferConfig,
+    VerifyMode,
 )
 from kvbridge.handshake.modes import TransferMode
 
@@ -43,6 +44,9 @@ EVERY_FIELD = KVTransferConfig(
         merge_runs=True,
         engine_thread_nice=19,
         engine_step_wait="sleep0",
+        max_quarantined_mib=256.0,
+        verify=VerifyMode.ALL,
+        verify_rate=0.5,
     ),
 )
 
@@ -183,7 +187,10 @@ def test_ints_are_numbers_of_seconds_and_mib():
         ({"extra": {"staging_mib": 0}}, "extra.staging_mib=0 must be a positive number of MiB"),
         ({"extra": {"nixl_progress_us": -1}}, "extra.nixl_progress_us=-1 must be >= 0"),
         ({"extra": {"idle_progress_ms": -2}}, "extra.idle_progress_ms=-2 must be >= 0"),
+        ({"extra": {"verify_rate": 1.5}}, "extra.verify_rate=1.5 must be a share of loads"),
+        ({"extra": {"verify": "some"}}, "verify"),
         ({"extra": {"engine_thread_nice": -1}}, "extra.engine_thread_nice=-1 must be an integer "),
+        ({"extra": {"max_quarantined_mib": 0}}, "extra.max_quarantined_mib=0 must be a positive"),
         ({"extra": {"engine_thread_nice": 20}}, "from 0 (leave the engine thread's priority alo"),
         ({"extra": {"engine_step_wait": "yield"}}, "extra.engine_step_wait='yield' must be one of"),
         ({"extra": {"warm_peers": ["h"]}}, "extra.warm_peers entry 'h' is not 'host:port'"),

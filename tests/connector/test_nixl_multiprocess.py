@@ -156,6 +156,7 @@ def test_read_from_child_then_survive_its_death(spawn, decode: NixlTransferEngin
     decode.send_notif(first.agent_name, b"ping")
     assert first.next_msg() == {"notif_from": decode.agent_name, "notif": "ping"}
 
+    assert not decode.peer_gone(first.agent_name)  # alive: nothing says otherwise
     first.kill()
     killed_at = time.monotonic()
     error: TransferError | None = None
@@ -174,6 +175,8 @@ def test_read_from_child_then_survive_its_death(spawn, decode: NixlTransferEngin
 
     decode.remove_peer(first.agent_name)
     assert remote.released and decode.peers == ()
+    # the disconnect NIXL reported is what proves nothing more lands: kept after removal
+    assert decode.peer_gone(first.agent_name)
     second = spawn(seed=22)
     _read_and_check(decode, local, cache, second, b"req-2")
     assert decode.peers == (second.agent_name,)

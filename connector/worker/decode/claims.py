@@ -43,6 +43,7 @@ from kvbridge.connector.worker.decode.load_records import Load, Source
 from kvbridge.connector.worker.peers import Peer
 
 RESEND_S = 2.0  # a claim unanswered this long goes out again
+CLAIM_IDS_KEPT = 64  # claim numbers a source names in its Done (its latest ones)
 SETTLED_KEPT = 4096  # claims settled unanswered whose answers may still come
 
 
@@ -54,7 +55,12 @@ class Claims:
         send: Callable[[Peer, object], bool],
         metrics: ConnectorMetrics,
         clock: Callable[[], float],
+        *,
+        rank: int = 0,
     ) -> None:
+        """``rank``: this decode rank, named in every claim (with our NIXL agent, the
+        reader prefill keeps the claim for)."""
+        self._rank = rank
         self._send = send
         self._metrics = metrics
         self._clock = clock
@@ -68,14 +74,22 @@ class Claims:
         plan wants); False when prefill is unreachable."""
         now = self._clock()
         number = next(self._numbers)
+        ask = load.verify and src.digests is None
         msg = Prepare(
             request_id=load.spec.params.remote_request_id,
             rewrites=src.rewrites,
             hold_s=max(load.deadline - now, 0.0),
             claim=number,
+            reader_rank=self._rank,
+            # a verified load asks for digests until an answer brought them
+            verify=ask,
+            plan_digest=peer.plan.digest if ask and peer.plan is not None else "",
+            start_token=load.spec.start_token if ask else 0,
+            end_token=load.spec.end_token if ask else 0,
         )
         if not self._send(peer, msg):
             return False
+        src.claim_ids = [*src.claim_ids[-(CLAIM_IDS_KEPT - 1) :], number]
         if src.claims:
             self._metrics.claims_resent += 1
         src.claims[number] = now
@@ -113,6 +127,10 @@ class Claims:
         sent = src.claims.get(msg.claim, src.claim_sent)
         src.held_until = max(src.held_until, sent + msg.held_s)
         src.held_s = msg.held_s
+        if msg.digests and src.digests is None:  # a verified load: what prefill digested
+            src.digests = list(msg.digests)
+        elif msg.reason and src.digests is None:
+            src.digest_reason = msg.reason
         self.settle(src, ended=False, answered=msg.claim)
         return ""
 

@@ -9,6 +9,12 @@ Push round (push), and before the load is reported to the engine::
     fence           every kernel above finished (kvbridge.connector.worker.device_order)
 
 so the engine's next forward pass, on whatever stream, reads finished blocks.
+
+The rewrite and merge of each group come from the plan each source carries
+(``Source.plan``, recorded when its READs were posted or its push asked), never from the
+peer as it is now: a peer dropped and handshaken again in between may have no plan yet, or
+another one. A source without a plan, or two sources that would land a group differently,
+fail the load (:class:`KVBridgeError`): never a load reported with blocks in wire arrangement.
 """
 
 from __future__ import annotations
@@ -18,9 +24,38 @@ from kvbridge.connector.worker.decode.load_records import Load
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.connector.worker.staging.staged_reads import Repacker
-from kvbridge.handshake.plan_model import TransferPlan
+from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.transforms import rewrite_group
+
+
+def landing_groups(load: Load) -> list[GroupPlan]:
+    """The group plans that land ``load``, one per group, from the plans its sources carry.
+
+    A group's steps (receiver rewrite, engine merge) act on whole local blocks, which
+    every source of a TP load writes a head slice of: the sources that moved the group
+    must agree on them. Raises :class:`KVBridgeError` when a source carries no plan or two
+    disagree."""
+    rid = load.spec.request_id
+    chosen: dict[int, GroupPlan] = {}
+    for src in load.sources:
+        if src.plan is None:
+            raise KVBridgeError(
+                f"load {rid}: source {src.key} carries no plan (its READs or push went out "
+                f"without one), so how its bytes land is unknown; the load fails"
+            )
+        for g in src.plan.groups:
+            first = chosen.get(g.group_id)
+            if first is None or (g.streams and not first.streams):
+                chosen[g.group_id] = g
+            elif g.streams and (g.receiver, g.repack_from) != (first.receiver, first.repack_from):
+                raise KVBridgeError(
+                    f"load {rid}: sources land group {g.group_id} differently (receiver "
+                    f"{first.receiver}, repack {first.repack_from} vs receiver {g.receiver}, "
+                    f"repack {g.repack_from} from {src.key}); the load fails"
+                )
+    return [chosen[gid] for gid in sorted(chosen)]
 
 
 class Landing:
@@ -41,12 +76,15 @@ class Landing:
         self._stage = stage
         self._repacker = repacker
 
-    def finish(self, load: Load, plan: TransferPlan | None) -> None:
-        """The load's blocks in the cache's own format, every kernel finished."""
+    def finish(self, load: Load) -> None:
+        """The load's blocks in the cache's own format, every kernel finished. Raises
+        :class:`KVBridgeError` before touching a block when the sources' plans cannot
+        land it (:func:`landing_groups`)."""
+        groups = landing_groups(load)
         if self._stage is not None:
             for group_id, ids in load.touched.items():
                 self._stage.to_device(group_id, ids)
-        for g in plan.groups if plan is not None else ():
+        for g in groups:
             ids = load.touched.get(g.group_id)
             if ids is None:
                 continue

@@ -4,11 +4,13 @@ In push mode the WRITEs land in our memory and NIXL tells the side they land on 
 when their writer dies: no handle of ours fails. A load waits for prefill's ``Pushed``
 (live) or, failed, is held until it comes (``kvbridge.connector.worker.decode.quarantine``).
 So every prefill that owes a round is probed with an empty ``Heartbeat`` each
-``PROBE_S``: to a dead one (killed, its connection reset) the notification fails at
-once, the outbox drops the peer, and :meth:`Writers.on_drop` ends what waited for it::
+``PROBE_S``: to a dead one (killed, its connection reset) NIXL reports it disconnected
+at once, the outbox drops the peer, and :meth:`Writers.on_drop` ends what waited for it.
+A probe that fails for another reason drops nothing: only a confirmed disconnect proves
+that no WRITE of the prefill's can still land::
 
     owes a round --(every PROBE_S)--> Heartbeat([])   ok: alive (or frozen: it buffers)
-                                                      failed: peer dropped -> on_drop
+                                                      disconnected: dropped -> on_drop
     on_drop(agent)  held rounds: ended (nothing more lands from a dead process)
                     live loads it writes: failed by the receiver's next step
 
@@ -43,10 +45,13 @@ class Writers:
         self.gone: set[str] = set()  # agents removed as dead (a name never comes back)
         self._probed: dict[str, float] = {}  # agent -> last probe
         peers.on_drop.append(self.on_drop)
+        # the quarantine's cap: no new load from an agent holding too many of our blocks
+        peers.admission.append(quarantine.refusal)
 
     def on_drop(self, agent: str) -> None:
-        """A peer was removed as dead. Marked only: the drop may come from inside one of
-        our sends; the receiver's next step fails the live loads it was writing."""
+        """A peer was removed and confirmed dead. Marked only: the drop may come from
+        inside one of our sends; the receiver's next step fails the live loads it was
+        writing."""
         self.gone.add(agent)
         self._probed.pop(agent, None)
         self._quarantine.peer_gone(agent)
@@ -69,8 +74,11 @@ class Writers:
             self._probed[agent] = now
             peer = self._peers.with_agent(agent)
             if peer is None:
-                self.on_drop(agent)  # removed already, by another path
+                if self._peers.gone(agent):  # removed already, by another path
+                    self.on_drop(agent)
+                # else: removed while not known dead; its rounds stay held (nothing
+                # proves its WRITEs stopped), visible in the log and the metrics
             else:
-                self._send(peer, Heartbeat(request_ids=[]))  # a failed send drops it
+                self._send(peer, Heartbeat(request_ids=[]))  # a disconnect drops it
         for agent in set(self._probed) - agents:
             del self._probed[agent]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
-from kvbridge.connector.common.notifications import GroupRewrite, Push
+from kvbridge.connector.common.notifications import GroupDigest, GroupRewrite, Push
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import XferHandle
 from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
@@ -31,7 +31,7 @@ from kvbridge.connector.worker.load_rows import GroupRows, group_rows
 from kvbridge.connector.worker.peers import Peer, PeerKey
 from kvbridge.connector.worker.routing import Route
 from kvbridge.connector.worker.staging.staged_reads import StageBatch, Staged
-from kvbridge.handshake.plan_model import GroupPlan
+from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.specs import KVCacheSpec
 
 
@@ -71,10 +71,20 @@ class Source:
     claim_sent: float = 0.0  # when the first claim in flight was sent (0: none in flight)
     claim_last: float = 0.0  # when the last claim (first or sent again) was sent
     claims: dict[int, float] = field(default_factory=dict)  # in flight: number -> sent at
+    # every claim number this source sent (capped): its Done names them, so prefill ends
+    # this reader's claim and no other reader's
+    claim_ids: list[int] = field(default_factory=list)
     held_until: float = 0.0  # prefill holds the blocks at least until then
     held_s: float = 0.0  # the last answered claim's hold (a refresh goes out at half)
     reads_done: float = 0.0  # when the READs were seen complete (0: not yet)
     handshaken_again: bool = False  # the peer was gone at the claim: handshaken once more
+    # the plan its READs were posted with (push: the Push was asked with): landing rewrites
+    # by it, whatever became of the peer since (dropped, handshaken again, another plan)
+    plan: TransferPlan | None = None
+    # a verified load: prefill's digests of what this source moves (None: none came yet),
+    # or why prefill gave none
+    digests: list[GroupDigest] | None = None
+    digest_reason: str = "no answer carried them"
 
 
 @dataclass
@@ -87,6 +97,7 @@ class Load:
     touched: dict[int, np.ndarray] = field(default_factory=dict)  # group -> local block ids
     num_bytes: int = 0
     started: float = 0.0
+    verify: bool = False  # prove what moved (extra.verify): claims and Push ask digests
 
     def source(self, key: PeerKey) -> Source | None:
         return next((s for s in self.sources if s.key == key), None)

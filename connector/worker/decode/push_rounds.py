@@ -9,6 +9,10 @@
     round k  Push(round k, staged=[next pages -> free slots])  <-- Pushed(round k) ...
              no slot free: the source waits (STAGING) for another load to give some back
 
+Every round's ``Push`` carries the whole load's block ids, so each round takes only as many
+staged pages as keep its message under the notification limit; a round that cannot fit
+(or cannot be sent) fails its load by name, never the peer.
+
 Without staged groups (``GroupPlan.split_from``) a load is round 0 alone. Prefill answers
 every round exactly once, once every WRITE it posted for the round ended: written,
 refused, or cancelled by our ``Done(ok=False)``. A load that fails before that answer
@@ -27,6 +31,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvbridge.connector.common.notifications import (
+    MAX_NOTIFICATION_BYTES,
     GroupRewrite,
     NotificationError,
     Push,
@@ -42,7 +47,10 @@ from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
 
-MAX_PAGES_PER_ROUND = 1024  # keeps a round's Push far below the 64 KiB notification limit
+MAX_PAGES_PER_ROUND = 1024  # pages of one round, if its Push fits the notification limit
+# what one staged page may add to a Push: a block id and a slot id, MessagePack integers of
+# at most 9 bytes each
+PAGE_BYTES = 18
 
 
 class PushRounds:
@@ -89,6 +97,7 @@ class PushRounds:
             rewrites=rewrites,
             plan_digest=peer.plan.digest,
             timeout_s=1.0,  # each round sets its own
+            verify=load.verify,  # round 0's answer brings the digests of what it wrote
         )
         try:
             encode_notification(src.push)  # too many blocks for one notification: this load
@@ -103,12 +112,15 @@ class PushRounds:
         assert src.push is not None
         if peer is None:
             raise KVBridgeError(f"peer {src.key} went away between two push rounds")
-        batch = self._staged.lease_round(src.staged, MAX_PAGES_PER_ROUND) if src.staged else None
+        # prefill starts no write after this (and answers once those it started ended)
+        timeout = max(load.deadline - self._clock(), 0.001)
+        batch = None
+        if src.staged:
+            fits = self._pages_that_fit(src, timeout, peer)
+            batch = self._staged.lease_round(src.staged, min(fits, MAX_PAGES_PER_ROUND))
         if batch is None and src.round > 0:
             src.state = LoadState.STAGING
             return
-        # prefill starts no write after this (and answers once those it started ended)
-        timeout = max(load.deadline - self._clock(), 0.001)
         pages = []
         if batch is not None:
             pages = [
@@ -119,12 +131,35 @@ class PushRounds:
                 )
             ]
         msg = msgspec.structs.replace(src.push, round=src.round, staged=pages, timeout_s=timeout)
+        try:
+            encode_notification(msg)  # the bound above is conservative: never taken here
+        except NotificationError as exc:
+            if batch is not None:
+                self._staged.cancel(batch)
+            raise KVBridgeError(f"push round {src.round} for {peer.key}: {exc}") from None
         if not self._send(peer, msg):
             if batch is not None:
                 self._staged.cancel(batch)  # never asked for: the slots are free
-            raise KVBridgeError(f"prefill {peer.key} unreachable for Push")
+            raise KVBridgeError(f"push round {src.round} not sent to prefill {peer.key}")
         src.batch, src.state = batch, LoadState.PUSHED
         src.round_agent = peer.agent
+
+    def _pages_that_fit(self, src: Source, timeout: float, peer: Peer) -> int:
+        """How many staged pages this round's ``Push`` has room for under the limit;
+        raises :class:`KVBridgeError` (the load fails) when not even one fits."""
+        assert src.push is not None and src.staged
+        group_id = src.staged[0].group.group_id
+        empty = StagedPages(group_id=group_id, blocks=[], slots=[])
+        bare = msgspec.structs.replace(src.push, round=src.round, staged=[empty], timeout_s=timeout)
+        room = MAX_NOTIFICATION_BYTES - len(msgspec.msgpack.encode(bare)) - 8  # list headers
+        fits = room // PAGE_BYTES
+        if fits < 1:
+            raise KVBridgeError(
+                f"push round {src.round} for {peer.key}: the Push names too many blocks to "
+                f"add one staged page under the {MAX_NOTIFICATION_BYTES}-byte notification "
+                f"limit"
+            )
+        return fits
 
     def answered(self, load: Load, src: Source, msg: Pushed, peer: Peer | None) -> None:
         """Prefill answered the round in flight: split its pages, then ask the next round
@@ -136,6 +171,8 @@ class PushRounds:
                 self._staged.cancel(batch)  # prefill released its writes before answering
             raise KVBridgeError(f"prefill {src.key} could not push the blocks: {msg.reason}")
         load.num_bytes += msg.num_bytes
+        if msg.round == 0 and load.verify:
+            src.digests = list(msg.digests)  # [] when prefill digested no group
         if batch is not None:
             self._staged.split(batch)
         src.round += 1

@@ -21,11 +21,20 @@ Tearing the peer down does not end a READ either: measured with NIXL 1.5 over
 ``UCX_TLS=tcp`` (tests/connector/test_worker_multiprocess.py), a READ from a SIGSTOPped
 prefill whose handle was released and whose agent was removed still wrote decode's blocks
 once the prefill resumed. So the quarantine never tears a peer down to end a hold: a READ
-ends when NIXL reports it done or failed. A peer that died (disconnect, failed
-notification) is removed by the receiver and outbox; its released handles and its
-unanswered rounds count as ended, since a dead process sends nothing more. The worst case
-for a frozen peer is therefore as long as it stays frozen: the load waits, visible in the
-log and the metrics, and no byte lands in a block the engine got back.
+ends when NIXL reports it done or failed. A handle released by ``remove_peer`` ends only
+once the transport confirmed that peer gone (``TransferEngine.peer_gone``: NIXL reported
+it disconnected, i.e. its process died or UCX failed the connection), since a dead process
+sends nothing more; its unanswered push rounds likewise (``peer_gone`` below, from the
+directory's ``on_drop``). A peer removed for any other reason (unreachable, refused) keeps
+its released READs here, and no NIXL call exists that proves they stopped: their blocks
+stay out of the engine's pool until the peer is confirmed gone, however long.
+
+The worst case for a frozen peer is therefore as long as it stays frozen: the load waits,
+visible in the log and per prefill agent in the metrics (``kvbridge_quarantined_blocks``
+and ``_bytes``), and no byte lands in a block the engine got back. The wait is bounded in
+space: once one agent's quarantined bytes pass ``max_peer_bytes``
+(``extra.max_quarantined_mib``), :meth:`Quarantine.refusal` refuses new loads from it
+(the peer directory's admission check) until they drop below it again.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvbridge.connector.common.config import DEFAULT_MAX_QUARANTINED_MIB
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.transfer.transport import (
     TransferEngine,
@@ -83,20 +93,29 @@ class Quarantine:
         *,
         overdue_s: float,
         clock: Callable[[], float] = time.monotonic,
+        max_peer_bytes: int = DEFAULT_MAX_QUARANTINED_MIB << 20,
     ) -> None:
         """``overdue_s``: after this long a held READ is logged (once) and counted as
-        overdue; it stays held until it ends."""
+        overdue; it stays held until it ends. ``max_peer_bytes``: past this many bytes of
+        one agent's READs held, :meth:`refusal` refuses new loads from it."""
         self._engine = engine
         self._staged = staged
         self._metrics = metrics
         self._overdue_s = overdue_s
         self._clock = clock
+        self._max_peer_bytes = max_peer_bytes
         self._held: list[Held] = []
+        self._over_cap: dict[str, str] = {}  # agent -> why no new load may start from it
 
     @property
     def num_held(self) -> int:
         """Failed loads not yet reported, because a READ of theirs may still run."""
         return len(self._held)
+
+    def refusal(self, agent: str) -> str:
+        """'' or why no new load may start from ``agent`` (its quarantined READs passed
+        ``max_peer_bytes``): an admission check of the peer directory."""
+        return self._over_cap.get(agent, "")
 
     def holds_remote(self, remote_request_id: str) -> bool:
         """A held load read (or was pushed) prefill's request ``remote_request_id``."""
@@ -134,6 +153,7 @@ class Quarantine:
             return
         self._held.append(held)
         self._metrics.loads_held += 1
+        self._account()
         logger.info(
             "load %s failed with %d transfer(s) still running: its blocks stay held until they end",
             request_id,
@@ -171,18 +191,25 @@ class Quarantine:
                 self._metrics.held_overdue += 1
                 peers = sorted({str(k) for k, hs in held.handles.items() if hs})
                 peers += sorted({f"agent {r[0]} (push round {r[2]})" for r in held.rounds})
+                released = sum(h.released for h in self._handles(held))
                 logger.warning(
                     "load %s failed %.1f s ago and %d transfer(s) from %s may still land: "
-                    "its blocks stay held until they end (a frozen or unreachable peer)",
+                    "its blocks stay held until they end (a frozen or unreachable peer)%s",
                     held.request_id,
                     now - held.since,
                     held.num_handles,
                     ", ".join(peers) or "staging",
+                    f"; {released} of them released with a peer not confirmed gone: no "
+                    "NIXL call proves they stopped, so these blocks stay out of the pool "
+                    "until the peer is found dead"
+                    if released
+                    else "",
                 )
             if held.num_handles == 0:
                 self._held.remove(held)
                 self._give_back(held)
                 held.on_end()
+        self._account()
 
     def _settle(self, held: Held) -> None:
         """Drop (and release) every handle that ended: DONE, failed or already released."""
@@ -193,6 +220,41 @@ class Quarantine:
 
     def _ended(self, handle: XferHandle) -> bool:
         return release_if_ended(self._engine, handle)
+
+    @staticmethod
+    def _handles(held: Held) -> list[XferHandle]:
+        return [h for hs in held.handles.values() for h in hs] + [
+            h for b in held.batches for h in b.handles
+        ]
+
+    def _account(self) -> None:
+        """The per-agent gauge of held READs (block rows, bytes), and the cap on it."""
+        per_agent: dict[str, tuple[int, int]] = {}
+        for held in self._held:
+            for h in self._handles(held):
+                rows, num_bytes = per_agent.get(h.peer, (0, 0))
+                per_agent[h.peer] = (rows + h.num_rows, num_bytes + h.num_bytes)
+        self._metrics.quarantined = per_agent
+        over = {a: n for a, (_, n) in per_agent.items() if n > self._max_peer_bytes}
+        for agent in self._over_cap.keys() - over.keys():
+            logger.info("prefill agent %s: quarantined READs below the cap again", agent)
+        for agent in over.keys() - self._over_cap.keys():
+            self._metrics.quarantine_caps += 1
+            logger.warning(
+                "prefill agent %s: %d block rows (%d bytes) of failed loads' READs from it "
+                "may still land, over extra.max_quarantined_mib (%d bytes): no new loads "
+                "from it until they end or it is confirmed gone (NIXL cannot stop a READ in "
+                "flight; those blocks stay out of the engine's pool)",
+                agent,
+                per_agent[agent][0],
+                over[agent],
+                self._max_peer_bytes,
+            )
+        self._over_cap = {
+            a: f"{n} bytes of failed loads' READs from it may still land, over "
+            f"extra.max_quarantined_mib ({self._max_peer_bytes} bytes)"
+            for a, n in over.items()
+        }
 
     def _give_back(self, held: Held) -> None:
         for batch in held.batches:
@@ -208,3 +270,4 @@ class Quarantine:
             self._give_back(held)
             held.on_end()
         self._held.clear()
+        self._account()

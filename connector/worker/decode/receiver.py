@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvbridge.connector.common.config import DEFAULT_STAGING_MIB
+from kvbridge.connector.common.config import DEFAULT_MAX_QUARANTINED_MIB, DEFAULT_STAGING_MIB
 from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
@@ -60,6 +60,7 @@ from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
 from kvbridge.connector.worker.decode.pull_reads import PullReads
 from kvbridge.connector.worker.decode.push_rounds import PushRounds
 from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
+from kvbridge.connector.worker.decode.verifier import Verifier
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
@@ -95,12 +96,15 @@ class Receiver:
         push: PushEndpoint | None = None,
         stage: HostStage | None = None,
         order: DeviceOrder | None = None,
+        verifier: Verifier | None = None,
+        max_quarantined_bytes: int = DEFAULT_MAX_QUARANTINED_MIB << 20,
     ) -> None:
         """``staging``: the slots larger remote pages land in (default: a pool of
         ``DEFAULT_STAGING_MIB`` registered on first use). ``push``: ask prefill to write
         (push mode) instead of reading (pull). ``stage``: reads land in this host mirror
         of ``buffers`` (host staging) and are copied into ``buffers`` once the load is
-        complete."""
+        complete. ``verifier``: picks the loads that prove what they moved and checks them
+        (``extra.verify``); ``max_quarantined_bytes``: ``extra.max_quarantined_mib``."""
         self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker)
@@ -110,8 +114,14 @@ class Receiver:
         )
         self._peers = peers
         self._quarantine = Quarantine(
-            engine, self._staged, metrics, overdue_s=timeout_s, clock=clock
+            engine,
+            self._staged,
+            metrics,
+            overdue_s=timeout_s,
+            clock=clock,
+            max_peer_bytes=max_quarantined_bytes,
         )
+        self._verifier = verifier
         self._writers = Writers(peers, send, self._quarantine)
         self._metrics = metrics
         self._send = send
@@ -119,7 +129,7 @@ class Receiver:
         self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
-        self._claims = Claims(send, metrics, clock)
+        self._claims = Claims(send, metrics, clock, rank=self._router.rank)
         self._landing = Landing(
             buffers,
             metrics,
@@ -176,8 +186,16 @@ class Receiver:
             deadline=self._clock() + self._timeout_s,
             sources=[Source(key=key) for key in route.reads],
             timeline=LoadTimeline(added=self._clock()),
+            verify=self._verifier is not None and self._verifier.wants(),
         )
         self._by_remote[p.remote_request_id] = spec.request_id
+
+    def loading_remote(self, remote_request_id: str) -> bool:
+        """A load of ours reads (or was pushed) prefill's request ``remote_request_id``,
+        or failed and may still be written: a ``Done`` for it is that load's to send."""
+        return remote_request_id in self._by_remote or self._quarantine.holds_remote(
+            remote_request_id
+        )
 
     def abort(self, request_id: str) -> bool:
         """Cancel a load; True if it was in flight or is held (it is then reported as
@@ -372,6 +390,9 @@ class Receiver:
         if src.handshaken_again:
             self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
             return False
+        if self._ready_peer(src) is not None:  # a local failure: the peer was kept
+            self._finish_failed(load, f"the claim (Prepare) to prefill {peer.key} failed to send")
+            return False
         # The agent we knew is gone (the send dropped it) and nothing was posted to it. A
         # prefill restarted under the same engine id and address answers there with a new
         # agent: handshake again and claim from it (once). One that does not hold this
@@ -436,6 +457,7 @@ class Receiver:
         and answers each round with ``Pushed``."""
         assert self._rounds is not None
         load.started = load.started or self._clock()
+        src.plan = peer.plan  # what prefill writes by, and landing rewrites by
         try:
             self._rounds.ask(load, src, peer, rewrites)
         except KVBridgeError as exc:
@@ -460,6 +482,7 @@ class Receiver:
             self._finish_failed(load, f"peer {src.key} went away before the read")
             return
         src.state = LoadState.READING
+        src.plan = peer.plan  # landing rewrites by it, whatever becomes of the peer
         load.started = load.started or self._clock()
         load.timeline.posted = load.timeline.posted or load.started
         try:
@@ -486,9 +509,19 @@ class Receiver:
             self._settle_claim(load, src)
 
     def _complete(self, load: Load) -> None:
-        """Every source's transfers ended: finish the blocks (landing), report."""
-        peer = self._peers.get(load.sources[0].key) if load.sources else None
-        self._landing.finish(load, peer.plan if peer is not None else None)
+        """Every source's transfers ended: finish the blocks (landing) by the plans the
+        sources were posted with, report; a load landing cannot finish fails."""
+        if load.verify:  # before any rewrite of ours touches the landed bytes
+            assert self._verifier is not None
+            mismatch = self._verifier.check(load)
+            if mismatch:
+                self._finish_failed(load, mismatch)
+                return
+        try:
+            self._landing.finish(load)
+        except KVBridgeError as exc:
+            self._finish_failed(load, f"could not land the load: {exc}")
+            return
         self._metrics.transfers += 1
         self._metrics.bytes_read += load.num_bytes
         self._metrics.transfer_seconds += self._clock() - load.started
@@ -513,8 +546,23 @@ class Receiver:
             peer = self._peers.get(key)
             if peer is not None and peer.state is PeerState.FAILED:
                 continue  # unreachable: it frees by lease (a new handshake would not help)
-            msg = Done(request_id=rid, ok=ok, readers=readers, reader_rank=self._router.rank)
+            msg = Done(
+                request_id=rid,
+                ok=ok,
+                readers=readers,
+                reader_rank=self._router.rank,
+                claims=self._claims_of(load, key),
+            )
             self._notify(key, load.route.endpoints[key], msg)
+
+    def _claims_of(self, load: Load, key: PeerKey) -> list[int]:
+        """The claims our Done to prefill rank ``key`` ends: the numbers of the claims
+        this load sent it (push: 0, the claim prefill made for our Push); none for a rank
+        we only notify."""
+        src = load.source(key)
+        if src is None:
+            return []
+        return [0] if self._rounds is not None else list(src.claim_ids)
 
     def _notify_now(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
         peer = self._peers.get(key)

@@ -6,6 +6,9 @@ our own handshake with decode (the Push names its side channel) and, if that pee
 handshakes again, up to ``ANSWER_ATTEMPTS`` times::
 
     send(push, answer) -> decode known (READY / INCOMPATIBLE): notify now
+                          the send failed, decode not known gone (a local failure): keep
+                          it, send it again at the next flush (decode holds the round's
+                          blocks until it comes; a healthy decode is never given up)
                           unknown or FAILED: handshake, keep it; CONNECTING: keep it
                           still failing after ANSWER_ATTEMPTS: logged and dropped (a
                           decode that answers no handshake is gone and holds nothing)
@@ -34,12 +37,21 @@ class _Answer:
     agent: str
     answer: Pushed
     attempts: int = 0  # handshakes started for it
+    local_failures: int = 0  # sends that failed with decode not known gone
 
 
 class Answers:
     """The Pushed answers a prefill worker still has to deliver."""
 
-    def __init__(self, targets: PeerDirectory, reply: Callable[[str, Pushed], bool]) -> None:
+    def __init__(
+        self,
+        targets: PeerDirectory,
+        reply: Callable[[str, Pushed], bool],
+        gone: Callable[[str], bool] = lambda agent: False,
+    ) -> None:
+        """``gone(agent)``: the transport reported that agent disconnected (its
+        process died or the connection failed: ``TransferEngine.peer_gone``)."""
+        self._gone = gone
         self._targets = targets
         self._reply = reply
         self._outgoing: list[_Answer] = []
@@ -65,6 +77,21 @@ class Answers:
                 continue
             ready = peer is not None and peer.state is not PeerState.FAILED
             if ready and self._reply(out.agent, out.answer):
+                continue
+            if ready and not self._gone(out.agent):
+                # a failure of ours (the send), not decode's: it still holds the round's
+                # blocks and slots, so the answer goes out again at the next flush
+                out.local_failures += 1
+                if out.local_failures in (1, 100) or out.local_failures % 10_000 == 0:
+                    logger.warning(
+                        "answer to push round %d of %s not sent (%d tries); decode %s is "
+                        "not known gone: sending it again",
+                        out.answer.round,
+                        out.answer.request_id,
+                        out.local_failures,
+                        out.key,
+                    )
+                keep.append(out)
                 continue
             if out.endpoint is not None and out.attempts < ANSWER_ATTEMPTS:
                 out.attempts += 1

@@ -48,7 +48,13 @@ import numpy as np
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import NOTIF_PROTOCOL_VERSION, Prepare, Push, Pushed
+from kvbridge.connector.common.notifications import (
+    NOTIF_PROTOCOL_VERSION,
+    GroupDigest,
+    Prepare,
+    Push,
+    Pushed,
+)
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import (
     TransferEngine,
@@ -59,6 +65,7 @@ from kvbridge.connector.transfer.transport import (
 from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.prefill.answers import Answers
+from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
@@ -88,6 +95,7 @@ class _Push:
     pinned: bool = False  # the request's blocks are pinned in the Sender
     reason: str = ""  # ENDING: why it failed
     overdue: bool = False  # ENDING longer than its timeout: logged once
+    digests: list[GroupDigest] = field(default_factory=list)  # Push.verify: what it wrote
 
 
 class Pusher:
@@ -102,21 +110,27 @@ class Pusher:
         reply: Callable[[str, Pushed], bool],
         *,
         clock: Callable[[], float] = time.monotonic,
+        digests: ReaderDigests | None = None,
     ) -> None:
+        """``digests``: answers a verified Push (``Push.verify``) with the digests of
+        the rows it wrote (refused by name without it)."""
+        self._digests = digests
         self._engine = engine
         self._targets = targets
         self._sender = sender
         self._metrics = metrics
-        self._answers = Answers(targets, reply)
+        self._answers = Answers(targets, reply, gone=engine.peer_gone)
         self._clock = clock
-        self._pushes: dict[tuple[str, int], _Push] = {}  # (request id, reader rank) -> push
+        # (request id, decode's agent) -> push: two decodes may push the same params (a
+        # retried or hedged request); each is its own reader, cancelled only by its own Done
+        self._pushes: dict[tuple[str, str], _Push] = {}
 
     @property
     def num_inflight(self) -> int:
         return len(self._pushes)
 
     def on_push(self, msg: Push, agent: str) -> None:
-        rid, where = msg.request_id, (msg.request_id, msg.reader_rank)
+        rid, where = msg.request_id, (msg.request_id, agent)
         if msg.version != NOTIF_PROTOCOL_VERSION:
             self._refuse(
                 agent,
@@ -125,7 +139,7 @@ class Pusher:
             )
             return
         if where in self._pushes:
-            self._refuse(agent, msg, f"a push of {rid!r} to rank {msg.reader_rank} is in flight")
+            self._refuse(agent, msg, f"a push of {rid!r} from this decode is in flight")
             return
         if self._sender.has_ended(rid) or len(self._pushes) >= MAX_PUSHES:
             self._refuse(
@@ -165,10 +179,11 @@ class Pusher:
             wait_until=now + min(msg.timeout_s, self._sender.early_wait_s),
         )
 
-    def cancel(self, request_id: str, reader_rank: int) -> None:
-        """Decode gave up on this push (``Done(ok=False)``): start no WRITE any more; the
-        round is answered once the WRITEs posted ended (decode holds the blocks till then)."""
-        push = self._pushes.get((request_id, reader_rank))
+    def cancel(self, request_id: str, agent: str) -> None:
+        """Decode ``agent`` gave up on its push (``Done(ok=False)``): start no WRITE any
+        more; the round is answered once the WRITEs posted ended (decode holds the blocks
+        till then). Another decode's push of the same request goes on."""
+        push = self._pushes.get((request_id, agent))
         if push is not None and push.state is not PushState.ENDING:
             self._fail(push, "cancelled: decode gave the load up")
 
@@ -195,7 +210,7 @@ class Pusher:
             push.handles[:] = [h for h in push.handles if not self._ended(h)]
             if push.handles:
                 self._release(push)
-                self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+                self._pushes.pop((push.msg.request_id, push.agent), None)
                 continue
             self._answer(push, ok=False, reason=push.reason or "prefill connector shut down")
 
@@ -234,7 +249,9 @@ class Pusher:
             )
             return
         prepared = self._sender.on_prepare(
-            Prepare(request_id=msg.request_id, rewrites=msg.rewrites), push.agent
+            # the push claims the blocks for its reader (claim 0: decode's Done names it)
+            Prepare(request_id=msg.request_id, rewrites=msg.rewrites, reader_rank=msg.reader_rank),
+            push.agent,
         )
         if prepared is None or not prepared.ok:
             self._fail(push, prepared.reason if prepared else "request not kept here")
@@ -269,6 +286,13 @@ class Pusher:
             raise KVBridgeError(
                 f"Push names staging pages of groups {[p.group_id for p in msg.staged]}; the "
                 f"plan has groups 0..{len(plan.groups) - 1}, each at most once a round"
+            )
+        if msg.verify and msg.round == 0:
+            if self._digests is None:
+                raise KVBridgeError("this prefill gives no digests of what it writes")
+            # the rows it is about to write, as they are (pinned and rewritten)
+            push.digests = self._digests.for_plan(
+                plan, layout, spec, msg.start_token, msg.end_token
             )
         for g in plan.groups:
             first = spec.first_block[g.group_id] if spec.first_block else 0
@@ -363,7 +387,7 @@ class Pusher:
 
     def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
         """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
-        self._pushes.pop((push.msg.request_id, push.msg.reader_rank), None)
+        self._pushes.pop((push.msg.request_id, push.agent), None)
         if push.pinned:
             push.pinned = False
             self._sender.unpin(push.msg.request_id)
@@ -374,6 +398,7 @@ class Pusher:
             num_bytes=push.num_bytes if ok else 0,
             num_descs=push.num_descs if ok else 0,
             round=push.msg.round,
+            digests=push.digests if ok else [],
         )
         self._answers.send(push.msg, push.agent, answer)
 

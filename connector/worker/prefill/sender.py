@@ -26,14 +26,21 @@ handshake advertises: a reader that needs no rewrite then claims the blocks with
 
 One clock decides when a hold ends: this one. The scheduler frees kept blocks only when
 this sender reports the request finished (``finished_sending``), never on a clock of its
-own. A claim (``Prepare``) extends the hold to at least ``max(lease_s, hold_s)`` from now
-and answers how long it lasts (``Prepared.held_s``); the hold then ends no sooner, not
-even on an engine abort (which waits for the claims it granted), unless every reader said
-``Done``. A push writing from the blocks *pins* them (:meth:`Sender.pin`): the hold does
-not end, whatever ends it, until the push's WRITEs ended::
+own. A claim (``Prepare``) belongs to its reader, the (decode agent, rank) that sent it:
+it extends the hold to at least ``max(lease_s, hold_s)`` from now and answers how long it
+lasts (``Prepared.held_s``). The hold then ends no sooner for *any* reason (the readers'
+``Done``, an engine abort) unless that reader's own ``Done`` names the claim: the same
+params may reach two decodes (a router retrying or hedging, a client replaying them), and
+the first one's ``Done`` must not free blocks the second was promised. A push writing from
+the blocks *pins* them (:meth:`Sender.pin`): the hold does not end, whatever ends it,
+until the push's WRITEs ended::
 
-    kept --(Done from the last reader | lease ran out | abort past granted claims)-->
-         ending (pinned: wait for the pushes' WRITEs) --> restored, reported finished
+    kept --(Done from the last reader | lease ran out | abort)--> ending: no new reader
+         is granted a claim; wait for every granted claim (its reader's Done, or its time
+         ran out) and the pushes' WRITEs --> restored, reported finished
+
+The readers a hold waits for are counted by their ``Done`` (``Done.readers``: decode ranks
+that each read some of this rank's heads), one per (agent, rank).
 
 A ``Done`` may arrive before the request does: an engine hands its worker the finished
 request with its next step, and an idle engine takes none, while decode (which needs no
@@ -58,9 +65,17 @@ import numpy as np
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import Done, Heartbeat, Prepare, Prepared
+from kvbridge.connector.common.notifications import (
+    NOTIF_PROTOCOL_VERSION,
+    Done,
+    GroupDigest,
+    Heartbeat,
+    Prepare,
+    Prepared,
+)
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.lending import BlockLending
+from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.arrangement import BlockArrangement
@@ -76,17 +91,36 @@ EARLY_PREPARE_TTL_S = 30.0
 MAX_HOLD_S = 600.0  # the longest hold one claim may ask for (Prepare.hold_s)
 
 
+Reader = tuple[str, int]  # (decode's NIXL agent, its rank): who claims and says Done
+
+
+@dataclass
+class _Claim:
+    """What one reader was granted: the hold lasts for it until ``until`` unless its own
+    ``Done`` names one of ``numbers`` first."""
+
+    numbers: set[int]
+    until: float
+    ended: bool = False  # its reader's Done named it
+
+
 @dataclass
 class _Pending:
     spec: SendSpec
     deadline: float
     rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
-    done_by: set[int] = field(default_factory=set)  # reader ranks that said Done
+    done_by: set[Reader] = field(default_factory=set)  # readers that said Done
+    readers: int = 1  # readers the hold waits for (the last Done's ``readers``)
     eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
-    claimed_until: float = 0.0  # the latest hold end a claim was promised
+    claims: dict[Reader, _Claim] = field(default_factory=dict)  # granted, by reader
     pins: int = 0  # pushes whose WRITEs may still read the blocks
     native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
     ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
+
+    def claimed_until(self, now: float) -> float:
+        """When the last granted claim still running runs out (0.0: none runs)."""
+        live = [c.until for c in self.claims.values() if not c.ended and c.until > now]
+        return max(live, default=0.0)
 
 
 class Sender:
@@ -103,12 +137,15 @@ class Sender:
         stage: HostStage | None = None,
         order: DeviceOrder | None = None,
         early_wait_s: float = EARLY_PREPARE_TTL_S,
+        digests: ReaderDigests | None = None,
     ) -> None:
         """``early_wait_s``: how long a ``Prepare`` or ``Push`` for a request not handed
         over yet waits for it (the worker passes its lease). ``stage``: the host mirror
         NIXL moves instead of ``buffers`` (host staging); kept blocks are copied there once
         they are in the format their reader gets. ``order``: fences the rewrite kernels
-        before NIXL may read the blocks."""
+        before NIXL may read the blocks. ``digests``: answers verified claims
+        (``Prepare.verify``) with the digests of what their reader reads."""
+        self._digests = digests
         self._buffers = buffers
         self._order = order or DeviceOrder(buffers.device)
         self._stage = stage
@@ -121,7 +158,8 @@ class Sender:
         self._lending = BlockLending(buffers, metrics, self._order)
         self._finished: set[str] = set()
         self._expired: set[str] = set()
-        self._early: dict[str, tuple[float, list[Done]]] = {}  # request -> (expiry, Dones)
+        # request -> (expiry, [(reader's agent, Done)]): Dones that came before the request
+        self._early: dict[str, tuple[float, list[tuple[str, Done]]]] = {}
         # request -> (expiry, [(requester agent, Prepare)]) waiting for the request
         self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
         self._replies: list[tuple[str, Prepared]] = []  # deferred answers to send
@@ -147,18 +185,27 @@ class Sender:
             assert reply is not None  # the request is pending now
             self._replies.append((agent, reply))
         _, early = self._early.pop(spec.request_id, (0.0, []))
-        for msg in early:
-            self.on_done(msg)
+        for agent, msg in early:
+            self.on_done(msg, agent)
 
     def on_prepare(self, msg: Prepare, agent: str = "") -> Prepared | None:
         """The answer to send ``agent``, or None: the request is not here yet, and the
         answer comes from :meth:`take_replies` once it is (or it waited too long)."""
+        if msg.version != NOTIF_PROTOCOL_VERSION:
+            return Prepared(
+                request_id=msg.request_id,
+                ok=False,
+                reason=f"Prepare version {msg.version}, this prefill speaks "
+                f"{NOTIF_PROTOCOL_VERSION} (readers in the protocol): upgrade decode",
+                claim=msg.claim,
+            )
+        reader = (agent, msg.reader_rank)
         pending = self._pending.get(msg.request_id)
         if pending is not None and not pending.ending and self._clock() > pending.deadline:
             self.expire()  # its lease ran out before this step's expire(): so it ended
             pending = self._pending.get(msg.request_id)
-        if pending is not None and pending.ending:
-            return _unknown(msg.request_id, msg.claim)  # its hold is ending: no new claim
+        if pending is not None and pending.ending and not self._extends(pending, reader):
+            return _unknown(msg.request_id, msg.claim)  # its hold is ending: no new reader
         if pending is None:
             if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
                 return _unknown(msg.request_id, msg.claim)
@@ -204,10 +251,38 @@ class Sender:
         now = self._clock()
         hold = max(pending.spec.lease_s, min(max(msg.hold_s, 0.0), MAX_HOLD_S))
         pending.deadline = max(pending.deadline, now + hold)
-        pending.claimed_until = pending.deadline
+        claim = pending.claims.get(reader)
+        if claim is None or claim.ended:
+            claim = pending.claims[reader] = _Claim(numbers=set(), until=0.0)
+        claim.numbers.add(msg.claim)
+        claim.until = max(claim.until, pending.deadline)  # what the answer promises
+        digests, why = self._digests_for(pending.spec, agent, msg) if msg.verify else ([], "")
         return Prepared(
-            request_id=msg.request_id, ok=True, held_s=pending.deadline - now, claim=msg.claim
+            request_id=msg.request_id,
+            ok=True,
+            held_s=pending.deadline - now,
+            claim=msg.claim,
+            digests=digests,
+            reason=why,
         )
+
+    def _digests_for(
+        self, spec: SendSpec, agent: str, msg: Prepare
+    ) -> tuple[list[GroupDigest], str]:
+        """A verified claim: the digests of what it reads, as NIXL will read it (after
+        this claim's rewrites, from the host mirror when staged); or none and why (the
+        claim still stands: decode fails the load and says Done)."""
+        if self._digests is None:
+            return [], "this prefill gives no digests"
+        try:
+            digests = self._digests.for_claim(
+                spec, agent, msg.plan_digest, msg.start_token, msg.end_token
+            )
+        except KVBridgeError as exc:
+            logger.warning("no digests for %s to %s: %s", msg.request_id, agent or "?", exc)
+            return [], f"no digests: {exc}"
+        self._metrics.digests_sent += 1
+        return digests, ""
 
     def _stage_out(self, pending: _Pending) -> None:
         """Host staging: the mirror gets the request's blocks as the device holds them."""
@@ -229,8 +304,16 @@ class Sender:
             return
         pending.eager = True
 
-    def on_done(self, msg: Done) -> bool:
-        """A reader is done; the request ends with its last reader. False: unknown."""
+    def _extends(self, pending: _Pending, reader: Reader) -> bool:
+        """``reader`` holds a claim that still runs: it may extend it while the hold is
+        ending (its READs outlast half the hold); a reader without one may not start."""
+        claim = pending.claims.get(reader)
+        return claim is not None and not claim.ended and claim.until > self._clock()
+
+    def on_done(self, msg: Done, agent: str = "") -> bool:
+        """A reader is done: its claim ends (the claims ``msg`` names, and only the
+        reader's own); the hold ends once ``readers`` readers said Done and no claim
+        granted to another still runs. False: unknown or a repeat."""
         pending = self._pending.get(msg.request_id)
         if pending is None:
             if msg.request_id in self._ended or len(self._early) >= 4096:
@@ -238,15 +321,30 @@ class Sender:
             _, early = self._early.setdefault(
                 msg.request_id, (self._clock() + EARLY_DONE_TTL_S, [])
             )
-            early.append(msg)
+            early.append((agent, msg))
             return True
-        if msg.reader_rank in pending.done_by:
+        reader = (agent, msg.reader_rank)
+        if reader in pending.done_by:
             return False
-        pending.done_by.add(msg.reader_rank)
-        if len(pending.done_by) < max(1, msg.readers):
-            return True
-        pending.claimed_until = 0.0  # every reader is done: no claim left to honour
-        self._end(pending, "done")
+        pending.done_by.add(reader)
+        claim = pending.claims.get(reader)
+        if claim is not None and claim.numbers & set(msg.claims):
+            claim.ended = True
+        elif claim is not None and not claim.ended:
+            logger.warning(
+                "Done for %s from %s rank %d names claims %s, not the claim it was granted "
+                "(%s): that claim runs until its time is up",
+                msg.request_id,
+                agent or "?",
+                msg.reader_rank,
+                msg.claims,
+                sorted(claim.numbers),
+            )
+        pending.readers = max(1, msg.readers)
+        if pending.ending:
+            self._end(pending, pending.ending)  # maybe the claim it waited for
+        elif len(pending.done_by) >= pending.readers:
+            self._end(pending, "done")
         return True
 
     def kept(self, request_id: str) -> SendSpec | None:
@@ -278,7 +376,7 @@ class Sender:
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Reader ranks that said Done for a held request (None: not held)."""
         pending = self._pending.get(request_id)
-        return None if pending is None else tuple(sorted(pending.done_by))
+        return None if pending is None else tuple(sorted({r for _, r in pending.done_by}))
 
     def on_heartbeat(self, msg: Heartbeat) -> None:
         now = self._clock()
@@ -302,11 +400,12 @@ class Sender:
 
     def _end(self, pending: _Pending, why: str, *, report: bool = True) -> None:
         """End the hold now, or mark it ending when a push still writes from the blocks
-        or (an abort) a granted claim still runs; :meth:`expire` / :meth:`unpin` end it
-        later."""
+        or a claim granted to a reader still runs (that reader has not said Done);
+        :meth:`expire`, :meth:`unpin` or that reader's :meth:`on_done` end it later."""
         now = self._clock()
         rid = pending.spec.request_id
-        if pending.pins or (why == "aborted" and now < pending.claimed_until):
+        claimed_until = pending.claimed_until(now)
+        if pending.pins or claimed_until:
             if not pending.ending:
                 logger.info(
                     "hold of %s ends (%s) once %s",
@@ -314,7 +413,8 @@ class Sender:
                     why,
                     "its pushes' WRITEs ended"
                     if pending.pins
-                    else f"the claim granted for {pending.claimed_until - now:.1f} s more ran out",
+                    else f"the claims granted to readers that have not said Done ran out "
+                    f"({claimed_until - now:.1f} s at most) or they said Done",
                 )
             pending.ending = why
             return
@@ -363,7 +463,8 @@ class Sender:
     def close(self) -> None:
         """Shutdown: the memory goes with the process (the pushes were closed first)."""
         for pending in list(self._pending.values()):
-            pending.pins, pending.claimed_until = 0, 0.0
+            pending.pins = 0
+            pending.claims.clear()
             self._end(pending, "aborted")
 
 

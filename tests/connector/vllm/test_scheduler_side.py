@@ -258,3 +258,76 @@ def test_the_shortened_prompt_is_a_new_list_and_the_params_are_marked():
     assert req.kv_transfer_params["_p_side_truncated"] is True
     _, params = side.request_finished(req, [[11, 12, 13, 14], [21, 22, 23, 24]])
     assert params["num_tokens"] == 100
+
+
+class _NoWorker:
+    """The kvbridge worker behind a VLLMWorkerSide, with nothing of its own to report."""
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        pass
+
+    def get_finished(self) -> Any:
+        from kvbridge.connector.common.metadata import WorkerOutput
+
+        return WorkerOutput()
+
+
+def test_a_token_count_vllm_rounded_after_matching_fails_the_load_for_vllm_to_recompute(caplog):
+    """vLLM may round ``num_external_computed_tokens`` down to a block boundary between
+    ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` (its sliding-window
+    replay does). That must not raise into vLLM's schedule(): the load is refused with a
+    warning, prefill told to free, and every worker reports it finished and failed, which
+    vLLM's own scheduler turns into a recompute from the local prefix."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvbridge.connector.common.params import KVTransferParams
+    from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=8
+    )
+    config = KVTransferConfig.from_dict(
+        {"kv_role": "kv_consumer", "engine_id": "d", "failure_policy": "recompute"}
+    )
+    side = VLLMSchedulerSide(config, kv)
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="p",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_block_ids=[[3, 4, 5, 6]],
+        remote_block_size=32,
+        num_tokens=100,
+        resume_tokens=99,
+        remote_request_id="p-r1",
+    )
+    req = _vllm_request("r1", list(range(100)), params.to_dict())
+    req.status = RequestStatus.WAITING
+    assert side.get_num_new_matched_tokens(req, 0) == (99, True)
+
+    side.update_state_after_alloc(req, _Blocks([[0, 1, 2, 7]]), 96)  # rounded: no raise
+
+    assert "does not fit the load offered" in caplog.text
+    meta = side.build_connector_meta()
+    assert meta.meta.reqs_to_load == () and meta.refused == ("r1",)
+    assert [rid for rid, _ in meta.meta.reqs_to_release] == ["r1"]  # prefill frees
+    assert side.build_connector_meta().refused == ()  # reported once
+    assert side.stats().data.get("loads_recomputed") == 1
+
+    worker_side = object.__new__(VLLMWorkerSide)
+    worker_side.worker, worker_side._freed, worker_side._refused = _NoWorker(), set(), set()
+    worker_side.bind(meta)
+    _sending, recving, failed = worker_side.transfer_results()
+    assert "r1" in recving and "r1" in failed
+
+    # vLLM's own handling of failed_recving (kv_load_failure_policy=recompute)
+    req.status, req.num_computed_tokens = RequestStatus.WAITING_FOR_REMOTE_KVS, 96
+    vllm_sched = SimpleNamespace(
+        requests={"r1": req}, recompute_kv_load_failures=True, failed_recving_kv_req_ids=set()
+    )
+    assert Scheduler._handle_failed_recving(vllm_sched, failed) == set()  # type: ignore[arg-type]
+    assert req.num_computed_tokens == 0 and "r1" in vllm_sched.failed_recving_kv_req_ids

@@ -1,0 +1,96 @@
+"""Digests of one load's rows, per group, on either side of the plan.
+
+Decode and prefill name the rows of a load with the very same function
+(:func:`kvbridge.connector.worker.load_rows.group_rows`, on decode's plan): decode its own
+rows (the *reader* side, where the bytes land), prefill its rows (the *writer* side, what
+decode READs or prefill WRITEs). Each side digests its rows in its own memory
+(:mod:`kvbridge.layouts.digest`), in the plan's order, so equal digests mean decode holds,
+row for row, the bytes prefill had::
+
+    plan group g --group_rows--> per stream i: (reader rows, writer rows), pairwise
+    reader: row_sums(decode's units of stream i's local region,  local offsets,  rows)
+    writer: row_sums(prefill's units of stream i's remote region, remote offsets, rows)
+    digest of g = fold(concatenated row sums, stream by stream)
+
+Groups whose pages go through decode's staging slots (``GroupPlan.split_from``) are not
+digested: their bytes are split out of the slots round by round and are not rows of
+decode's blocks (``unverified`` names them).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvbridge.connector.common.notifications import GroupDigest
+from kvbridge.connector.worker.load_rows import GroupRows
+from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.digest import fold, row_sums
+
+
+class PlanSide(enum.Enum):
+    READER = "reader"  # decode: the plan's local side
+    WRITER = "writer"  # prefill: the plan's remote side
+
+
+@dataclass(frozen=True)
+class LoadDigests:
+    """The digests of one load's groups, and the groups left out (staged pages)."""
+
+    digests: tuple[GroupDigest, ...]
+    unverified: tuple[int, ...] = ()
+
+    def mismatches(self, theirs: Sequence[GroupDigest]) -> list[str]:
+        """Why ``theirs`` (the other side's digests) differ from ours, group by group
+        ([] when every group agrees)."""
+        want = {d.group_id: d for d in theirs}
+        out = []
+        for mine in self.digests:
+            other = want.pop(mine.group_id, None)
+            if other is None:
+                out.append(f"group {mine.group_id}: no digest from the other side")
+            elif (other.digest, other.num_rows) != (mine.digest, mine.num_rows):
+                out.append(
+                    f"group {mine.group_id}: {mine.num_rows} rows digest {mine.digest:#018x} "
+                    f"here, {other.num_rows} rows {other.digest:#018x} there"
+                )
+        out += [f"group {g}: digested there, not here" for g in sorted(want)]
+        return out
+
+
+def region_units(buffers: KVCacheBuffers) -> list[torch.Tensor]:
+    """The ``[blocks, bytes]`` memory of each region, in the order a description lists
+    the regions (``kvbridge.handshake.description.describe``)."""
+    return [s.units for g in buffers.config.groups for s in buffers.unit_slots(g.group_id)]
+
+
+def load_digests(
+    plan: TransferPlan,
+    side: PlanSide,
+    units: Sequence[torch.Tensor],
+    rows_of: Callable[[GroupPlan], GroupRows],
+) -> LoadDigests:
+    """Digest the rows ``rows_of(g)`` names for every group of ``plan``, on ``side``;
+    ``units``: that side's region memory (:func:`region_units`)."""
+    digests, unverified = [], []
+    for g in plan.groups:
+        found = rows_of(g)
+        if found.staged is not None:
+            unverified.append(g.group_id)
+            continue
+        sums = []
+        for i, reader_rows, writer_rows in found.rows:
+            stream = g.streams[i]
+            if side is PlanSide.READER:
+                region, offsets, rows = stream.local_region, g.local_offsets(stream), reader_rows
+            else:
+                region, offsets, rows = stream.remote_region, g.remote_offsets(stream), writer_rows
+            sums.append(row_sums(units[region], offsets, stream.length, rows))
+        flat = np.concatenate(sums) if sums else np.zeros(0, dtype=np.int64)
+        digests.append(GroupDigest(g.group_id, fold(flat), int(flat.size)))
+    return LoadDigests(tuple(digests), tuple(unverified))
