@@ -36,6 +36,7 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 # sparser ones are gathered first
 _DENSE = 2
 _LARGE_ROW = 64 << 10  # rows this long are reduced run by run; shorter ones gathered
+_GATHER_BYTES = 64 << 20  # gathered rows at a time (scratch memory, on the GPU too)
 
 
 def row_sums(units: torch.Tensor, offsets: np.ndarray, length: int, rows: np.ndarray) -> np.ndarray:
@@ -65,6 +66,7 @@ def row_sums(units: torch.Tensor, offsets: np.ndarray, length: int, rows: np.nda
     size, dtype = _word(units, offs, length)
     words = units.view(dtype) if size > 1 else units
     blocks, pieces = np.divmod(rows, m)
+    where, parts = [], []  # row positions, and their sums on the device (one copy at the end)
     for j in np.unique(pieces).tolist():
         at = np.flatnonzero(pieces == j)
         ids = blocks[at]
@@ -73,19 +75,26 @@ def row_sums(units: torch.Tensor, offsets: np.ndarray, length: int, rows: np.nda
         lo, hi = int(ids.min()), int(ids.max()) + 1
         if hi - lo <= _DENSE * ids.size:  # a dense run: reduce in place, pick the rows
             sums = piece[lo:hi].sum(dim=1, dtype=torch.int64)
-            picked = sums[torch.from_numpy(ids - lo).to(sums.device)].cpu().numpy()
+            parts.append(sums[torch.from_numpy(ids - lo).to(sums.device)])
+            where.append(at)
         elif length >= _LARGE_ROW and not units.is_cuda:  # large rows: run by run in place
-            picked = _by_runs(piece, ids)
-        else:  # many small rows (or a GPU, where a kernel per run costs more): gather once
-            index = torch.from_numpy(ids).to(units.device)
-            picked = piece.index_select(0, index).sum(dim=1, dtype=torch.int64).cpu().numpy()
-        out[at] = picked
+            order, sums = _by_runs(piece, ids)
+            parts.append(sums)
+            where.append(at[order])
+        else:  # many small rows (or a GPU, where a kernel per run costs more): gathered
+            step = max(1, _GATHER_BYTES // length)  # bounded scratch, however large the load
+            for k in range(0, ids.size, step):
+                index = torch.from_numpy(ids[k : k + step]).to(units.device)
+                parts.append(piece.index_select(0, index).sum(dim=1, dtype=torch.int64))
+                where.append(at[k : k + step])
+    out[np.concatenate(where)] = torch.cat(parts).cpu().numpy()
     return out
 
 
-def _by_runs(piece: torch.Tensor, ids: np.ndarray) -> np.ndarray:
+def _by_runs(piece: torch.Tensor, ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """Row sums of blocks ``ids`` of ``piece`` ([blocks, words]), one strided reduction
-    per run of consecutive block ids (no copy of the rows)."""
+    per run of consecutive block ids (no copy of the rows): (positions in ``ids``, sums
+    in that order)."""
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.diff(sorted_ids, prepend=sorted_ids[0] - 2) != 1)
@@ -94,10 +103,7 @@ def _by_runs(piece: torch.Tensor, ids: np.ndarray) -> np.ndarray:
         piece[int(sorted_ids[a]) : int(sorted_ids[e - 1]) + 1].sum(dim=1, dtype=torch.int64)
         for a, e in zip(starts.tolist(), ends.tolist(), strict=True)
     ]
-    sums = torch.cat(parts).cpu().numpy()
-    out = np.empty_like(sums)
-    out[order] = sums
-    return out
+    return order, torch.cat(parts)
 
 
 def fold(sums: np.ndarray) -> int:

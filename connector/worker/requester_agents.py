@@ -94,10 +94,14 @@ class RequesterAgents:
         agent = self._agents.pop(name, None)
         if agent is None:
             agent = _Agent(metadata=metadata, used=self._clock(), layout=layout)
-        else:
-            self._num_bytes -= 0 if agent.added else len(agent.metadata)
+        elif not agent.added:  # an added agent keeps what it was added with
+            self._num_bytes -= len(agent.metadata)
             agent.metadata, agent.used = metadata, self._clock()
-            agent.layout = layout or agent.layout
+            # an agent name is one process: the first description stays (a request that
+            # reuses a live agent's name cannot swap its layout without a secret)
+            agent.layout = agent.layout or layout
+        else:
+            agent.used = self._clock()
         self._agents[name] = agent
         self._num_bytes += 0 if agent.added else len(metadata)
         self._evict()

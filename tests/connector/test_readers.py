@@ -239,3 +239,40 @@ def test_a_duplicate_aborted_while_its_twin_loads_sends_no_done(clock, trio):
     late.land(prefill.step)
     run_until([slow, prefill], lambda: loaded(slow, "s1"), "the first request's load")
     run_until([prefill, slow], lambda: "p1" in prefill.freed, "prefill to free p1 on Done")
+
+
+def test_a_readers_second_load_ends_its_second_claim(clock, sender):
+    """Decode rank 0 loaded r and said Done, then loads it again (replayed params): its
+    second claim ends with its second Done, not when the claim's time is up."""
+    assert _claim(sender, "decode-r0", claim=1, rank=0)
+    assert sender.on_done(Done(request_id="r", readers=2, reader_rank=0, claims=[1]), "decode-r0")
+    assert _claim(sender, "decode-r0", claim=5, rank=0)  # the replay
+    assert _claim(sender, "decode-r1", claim=1, rank=1)
+    assert sender.on_done(Done(request_id="r", readers=2, reader_rank=1, claims=[1]), "decode-r1")
+    assert _finished(sender) == set()  # rank 0's second claim runs
+    assert sender.on_done(Done(request_id="r", readers=2, reader_rank=0, claims=[5]), "decode-r0")
+    assert _finished(sender) == {"r"}
+
+
+def test_a_reader_with_a_running_claim_still_sees_the_request_while_it_ends(clock, sender):
+    """B's Done makes r's hold end; A's claim still runs, so A's next push round finds the
+    blocks (``kept`` for A), a reader without a claim does not."""
+    assert _claim(sender, "decode-a", claim=0)
+    assert _claim(sender, "decode-b", claim=0)
+    assert sender.on_done(Done(request_id="r", claims=[0]), "decode-b")
+    assert sender.kept("r") is None and sender.has_ended("r")
+    assert sender.kept("r", ("decode-a", 0)) is not None
+    assert not sender.has_ended("r", ("decode-a", 0))
+    assert sender.kept("r", ("decode-c", 0)) is None
+
+
+def test_a_claim_sent_again_before_the_request_arrives_is_answered_once(clock, sender):
+    """Decode resends an unanswered claim every 2 s while prefill's engine has not handed
+    the request over: the request, once added, answers the latest claim only."""
+    for number in (1, 2, 3):
+        early = sender.on_prepare(
+            Prepare(request_id="late", rewrites=[], hold_s=60.0, claim=number), "decode-a"
+        )
+        assert early is None
+    sender.add(SendSpec(request_id="late", block_ids=((3,),), first_block=(0,), lease_s=30.0))
+    assert [(agent, p.claim) for agent, p in sender.take_replies()] == [("decode-a", 3)]

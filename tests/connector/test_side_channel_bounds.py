@@ -185,3 +185,16 @@ def test_added_agents_are_never_evicted_and_bytes_are_bounded(clock):
         agents.asked(f"probe-{i}", f"probe{i}".encode())  # 6 bytes each
     assert agents.num_kept_bytes == 6 and len(agents) == 2  # the live one and the newest
     assert engine.peers == {"live"}
+
+
+def test_a_request_reusing_a_live_agents_name_changes_nothing_it_was_added_with(clock):
+    """Without a secret anyone may send a handshake request naming a live decode's agent:
+    the metadata that agent was added with and the layout it described stay."""
+    engine = _Engine()
+    agents = RequesterAgents(engine, clock=clock)  # type: ignore[arg-type]
+    first = object()
+    agents.asked("decode-r0", b"decode-r0", first)  # type: ignore[arg-type]
+    agents.ensure("decode-r0")
+    agents.asked("decode-r0", b"forged", object())  # type: ignore[arg-type]
+    assert agents.layout("decode-r0") is first
+    assert engine.peers == {"decode-r0"} and agents.num_kept_bytes == 0

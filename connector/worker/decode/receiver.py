@@ -294,8 +294,13 @@ class Receiver:
             if peer.state is PeerState.READY:
                 continue
             # FAILED: unreachable, it frees by lease. INCOMPATIBLE: told Done(ok=False) at
-            # once, so it frees the request's blocks now
+            # once, so it frees the request's blocks now. REFUSED (over the quarantine
+            # cap): no new load starts from it; loads already reading from it go on
             for load in [ld for ld in self._loads.values() if ld.source(peer.key)]:
+                src = load.source(peer.key)
+                started = src is not None and src.state is not LoadState.WAITING_PEER
+                if peer.state is PeerState.REFUSED and started:
+                    continue
                 self._finish_failed(load, peer.reason)
         now = self._clock()
         for load in list(self._loads.values()):
@@ -473,8 +478,11 @@ class Receiver:
             self._finish_failed(load, str(exc))
 
     def _ready_peer(self, src: Source) -> Peer | None:
+        """The source's peer, connected (READY, or REFUSED: over the quarantine cap it
+        starts no new load, but the loads already under way from it go on)."""
         peer = self._peers.get(src.key)
-        return peer if peer is not None and peer.state is PeerState.READY else None
+        ready = peer is not None and peer.state in (PeerState.READY, PeerState.REFUSED)
+        return peer if ready else None
 
     def _post(self, load: Load, src: Source) -> None:
         peer = self._ready_peer(src)
@@ -566,8 +574,8 @@ class Receiver:
 
     def _notify_now(self, key: PeerKey, endpoint: tuple[str, int], msg: object) -> None:
         peer = self._peers.get(key)
-        if peer is not None and peer.state is PeerState.READY:
-            self._send(peer, msg)
+        if peer is not None and peer.state in (PeerState.READY, PeerState.REFUSED):
+            self._send(peer, msg)  # a refused peer still hears Done: it frees, or stops
 
     def _finish_failed(self, load: Load, reason: str, *, notify: bool = True) -> None:
         """Fail ``load``. Releasing a handle does not stop a READ in flight, nor can we

@@ -14,7 +14,10 @@ same way (:mod:`kvbridge.connector.worker.load_digests`, reader side) and compar
                                         peer and block ids
 
 A source without digests (prefill could not give them: it names why) fails the check
-too: a load that was to be verified is never reported loaded unverified.
+too: a load that was to be verified is never reported loaded unverified. Groups staged
+through decode's slots are not digested (``load_digests``): a load with one is reported
+loaded when its other groups match, counted in ``verify_unverified_groups``, not in
+``loads_verified``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.worker.decode.load_records import Load
 from kvbridge.connector.worker.load_digests import PlanSide, load_digests
 from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
 
 
 class Verifier:
@@ -62,7 +66,8 @@ class Verifier:
         """'' when every source's bytes are what prefill digested, else why not (with
         peer and block ids). Counts the outcome."""
         groups = self._landed.config.groups
-        problems = []
+        problems: list[str] = []
+        unverified = 0
         for src in load.sources:
             if src.plan is None:
                 problems.append(f"{src.key}: no plan recorded, nothing to digest by")
@@ -70,16 +75,22 @@ class Verifier:
             if src.digests is None:
                 problems.append(f"{src.key}: prefill sent no digests ({src.digest_reason})")
                 continue
-            mine = load_digests(
-                src.plan,
-                PlanSide.READER,
-                self._units,
-                lambda g: load.rows(g, groups[g.group_id].spec),
-            )
+            try:
+                mine = load_digests(
+                    src.plan,
+                    PlanSide.READER,
+                    self._units,
+                    lambda g: load.rows(g, groups[g.group_id].spec),
+                )
+            except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (memory)
+                problems.append(f"{src.key}: could not digest the landed rows: {exc}")
+                continue
             problems += [f"{src.key}: {m}" for m in mine.mismatches(src.digests)]
-            self._metrics.verify_unverified_groups += len(mine.unverified)
+            unverified += len(mine.unverified)
         if not problems:
-            self._metrics.loads_verified += 1
+            # a load with a staged group left out is not counted as verified
+            self._metrics.verify_unverified_groups += unverified
+            self._metrics.loads_verified += not unverified
             return ""
         self._metrics.load_verify_failures += 1
         p = load.spec.params

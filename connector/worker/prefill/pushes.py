@@ -141,7 +141,7 @@ class Pusher:
         if where in self._pushes:
             self._refuse(agent, msg, f"a push of {rid!r} from this decode is in flight")
             return
-        if self._sender.has_ended(rid) or len(self._pushes) >= MAX_PUSHES:
+        if self._sender.has_ended(rid, (agent, msg.reader_rank)) or len(self._pushes) >= MAX_PUSHES:
             self._refuse(
                 agent,
                 msg,
@@ -222,8 +222,9 @@ class Pusher:
             reason = peer.reason if peer is not None else "forgotten"
             self._fail(push, f"cannot push to decode {push.key}: {reason}")
             return
-        spec = self._sender.kept(push.msg.request_id)
-        if spec is None and self._sender.has_ended(push.msg.request_id):
+        reader = (push.agent, push.msg.reader_rank)
+        spec = self._sender.kept(push.msg.request_id, reader)
+        if spec is None and self._sender.has_ended(push.msg.request_id, reader):
             # freed by the engine before it reached this worker (abort), or its hold ended
             self._fail(push, f"request {push.msg.request_id!r} ended here before the push")
             return
@@ -256,7 +257,7 @@ class Pusher:
         if prepared is None or not prepared.ok:
             self._fail(push, prepared.reason if prepared else "request not kept here")
             return
-        spec = self._sender.kept(msg.request_id)
+        spec = self._sender.kept(msg.request_id, (push.agent, msg.reader_rank))
         assert spec is not None  # on_prepare just found it
         push.state = PushState.WRITING
         self._sender.pin(msg.request_id)
@@ -291,9 +292,12 @@ class Pusher:
             if self._digests is None:
                 raise KVBridgeError("this prefill gives no digests of what it writes")
             # the rows it is about to write, as they are (pinned and rewritten)
-            push.digests = self._digests.for_plan(
-                plan, layout, spec, msg.start_token, msg.end_token
-            )
+            try:
+                push.digests = self._digests.for_plan(
+                    plan, layout, spec, msg.start_token, msg.end_token
+                )
+            except RuntimeError as exc:  # torch (out of memory): this push only
+                raise KVBridgeError(f"could not digest the rows: {exc}") from None
         for g in plan.groups:
             first = spec.first_block[g.group_id] if spec.first_block else 0
             mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
@@ -383,7 +387,12 @@ class Pusher:
             )
 
     def _ended(self, handle: XferHandle) -> bool:
-        return release_if_ended(self._engine, handle)
+        """A WRITE that cannot touch our blocks any more. One released with its decode
+        forgotten (it restarted under a new agent) counts as ended: it only *reads* our
+        blocks, so what it may still carry lands in the old decode's memory, whose
+        quarantine keeps those blocks until it hears the round ended or is found gone; the
+        hold here must not wait for a peer that will never be polled again."""
+        return handle.released or release_if_ended(self._engine, handle)
 
     def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
         """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""

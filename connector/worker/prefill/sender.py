@@ -212,6 +212,9 @@ class Sender:
             _, waiting = self._early_prepares.setdefault(
                 msg.request_id, (self._clock() + self.early_wait_s, [])
             )
+            # a claim sent again replaces the reader's earlier one: answered once (and
+            # digested once), from the latest send, which decode counts its hold from
+            waiting[:] = [(a, p) for a, p in waiting if (a, p.reader_rank) != reader]
             waiting.append((agent, msg))
             return None
         if msg.rewrites and not self._rewrites_in_place:
@@ -278,7 +281,7 @@ class Sender:
             digests = self._digests.for_claim(
                 spec, agent, msg.plan_digest, msg.start_token, msg.end_token
             )
-        except KVBridgeError as exc:
+        except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (out of memory)
             logger.warning("no digests for %s to %s: %s", msg.request_id, agent or "?", exc)
             return [], f"no digests: {exc}"
         self._metrics.digests_sent += 1
@@ -324,12 +327,11 @@ class Sender:
             early.append((agent, msg))
             return True
         reader = (agent, msg.reader_rank)
-        if reader in pending.done_by:
-            return False
-        pending.done_by.add(reader)
         claim = pending.claims.get(reader)
-        if claim is not None and claim.numbers & set(msg.claims):
-            claim.ended = True
+        if claim is not None and not claim.ended and claim.numbers & set(msg.claims):
+            claim.ended = True  # also a reader's second load (a replay), Done before
+        elif reader in pending.done_by:
+            return False
         elif claim is not None and not claim.ended:
             logger.warning(
                 "Done for %s from %s rank %d names claims %s, not the claim it was granted "
@@ -340,6 +342,7 @@ class Sender:
                 msg.claims,
                 sorted(claim.numbers),
             )
+        pending.done_by.add(reader)
         pending.readers = max(1, msg.readers)
         if pending.ending:
             self._end(pending, pending.ending)  # maybe the claim it waited for
@@ -347,11 +350,14 @@ class Sender:
             self._end(pending, "done")
         return True
 
-    def kept(self, request_id: str) -> SendSpec | None:
+    def kept(self, request_id: str, reader: Reader | None = None) -> SendSpec | None:
         """The spec of a request whose blocks are kept here (None: not, not yet, or its
-        hold is ending)."""
+        hold is ending, unless ``reader`` holds a claim on it that still runs: a push's
+        later rounds go on for it)."""
         pending = self._pending.get(request_id)
-        return None if pending is None or pending.ending else pending.spec
+        if pending is None or (pending.ending and not (reader and self._extends(pending, reader))):
+            return None
+        return pending.spec
 
     def pin(self, request_id: str) -> None:
         """A push starts WRITEs from the request's blocks: its hold does not end (nor its
@@ -367,11 +373,13 @@ class Sender:
         if pending.ending:
             self._end(pending, pending.ending)
 
-    def has_ended(self, request_id: str) -> bool:
+    def has_ended(self, request_id: str, reader: Reader | None = None) -> bool:
         """The request was kept here and its hold ended or is ending (Done, lease,
-        abort): never again."""
+        abort): never again (for ``reader``: unless it holds a claim that still runs)."""
         pending = self._pending.get(request_id)
-        return request_id in self._ended or (pending is not None and bool(pending.ending))
+        if pending is None:
+            return request_id in self._ended
+        return bool(pending.ending) and not (reader and self._extends(pending, reader))
 
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Reader ranks that said Done for a held request (None: not held)."""
