@@ -149,8 +149,7 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     probability ``verify_rate``) or ``"all"``. A verified load asks prefill for digests of
     exactly the rows it moves and compares them with its own, on the landed bytes, before
     it rewrites them; a mismatch fails the load (recompute or fail, by the policy) and
-    counts ``kvbridge_load_verify_failures_total``. Groups staged through decode's slots
-    (engine-packed pages larger than decode's) are not digested. See docs/reliability.md.
+    counts ``kvbridge_load_verify_failures_total``. See docs/reliability.md.
     Read by: decode (prefill answers whoever asks)."""
 
     verify_rate: float = DEFAULT_VERIFY_RATE

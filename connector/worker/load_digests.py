@@ -12,9 +12,11 @@ row for row, the bytes prefill had::
     writer: row_sums(prefill's units of stream i's remote region, remote offsets, rows)
     digest of g = fold(concatenated row sums, stream by stream)
 
-Groups whose pages go through decode's staging slots (``GroupPlan.split_from``) are not
-digested: their bytes are split out of the slots round by round and are not rows of
-decode's blocks (``unverified`` names them).
+Groups whose pages go through decode's staging slots (``GroupPlan.split_from``) land
+whole pages in slots, round by round, and the engine repacks them into its blocks: the
+writer digests its whole pages (page ids by remote logical block), the reader the sums it
+took of each page as it landed, before the repack (``StagedReads.split``), both stream
+by stream in the order of the remote logical blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from kvbridge.connector.common.notifications import GroupDigest
 from kvbridge.connector.worker.load_rows import GroupRows
+from kvbridge.connector.worker.staging.staged_reads import Staged, StagedSums
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.digest import fold, row_sums
@@ -74,14 +77,21 @@ def load_digests(
     side: PlanSide,
     units: Sequence[torch.Tensor],
     rows_of: Callable[[GroupPlan], GroupRows],
+    staged_sums: StagedSums | None = None,
 ) -> LoadDigests:
     """Digest the rows ``rows_of(g)`` names for every group of ``plan``, on ``side``;
-    ``units``: that side's region memory (:func:`region_units`)."""
+    ``units``: that side's region memory (:func:`region_units`). Staged groups: the
+    writer digests its whole pages; the reader digests the sums it took of the pages as
+    they landed in its slots (``staged_sums``; none: the group is left ``unverified``)."""
     digests, unverified = [], []
     for g in plan.groups:
         found = rows_of(g)
         if found.staged is not None:
-            unverified.append(g.group_id)
+            flat = _staged(g, found.staged, side, units, staged_sums)
+            if flat is None:
+                unverified.append(g.group_id)
+            else:
+                digests.append(GroupDigest(g.group_id, fold(flat), int(flat.size)))
             continue
         sums = []
         for i, reader_rows, writer_rows in found.rows:
@@ -94,3 +104,33 @@ def load_digests(
         flat = np.concatenate(sums) if sums else np.zeros(0, dtype=np.int64)
         digests.append(GroupDigest(g.group_id, fold(flat), int(flat.size)))
     return LoadDigests(tuple(digests), tuple(unverified))
+
+
+def _staged(
+    g: GroupPlan,
+    staged: Staged,
+    side: PlanSide,
+    units: Sequence[torch.Tensor],
+    sums: StagedSums | None,
+) -> np.ndarray | None:
+    """Row sums of a staged group's whole pages, stream by stream, page by page (the
+    remote logical blocks in order): the writer's from its memory, the reader's as the
+    pages landed (None: not taken, or a page missing)."""
+    blocks = staged.remote_blocks
+    if side is PlanSide.WRITER:
+        rows = staged.remote_ids[blocks - staged.remote_first]
+        return np.concatenate(
+            [
+                row_sums(units[s.remote_region], g.remote_offsets(s), s.length, rows)
+                for s in g.streams
+            ]
+        )
+    if sums is None:
+        return None
+    out = []
+    for i in range(len(g.streams)):
+        landed = sums.get((g.group_id, i), {})
+        if any(b not in landed for b in blocks.tolist()):
+            return None
+        out.append(np.array([landed[b] for b in blocks.tolist()], dtype=np.int64))
+    return np.concatenate(out)

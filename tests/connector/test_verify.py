@@ -21,6 +21,7 @@ from kvbridge.connector.worker.worker_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.late_transport import LateTransport
+from tests.connector.packed_engine import PACKED, HndRepacker
 from tests.connector.pair_harness import (
     FakeClock,
     Request,
@@ -42,6 +43,9 @@ HND = CacheFormat(layout=KVLayout.HND, kernel_block_size=8)
 PAIRS = {
     "same": (16, NHD, NHD, "F"),
     "rewrite": (64, NHD, HND, "FSM"),
+    # engine-packed 128-token pages land whole in decode's staging slots and the engine
+    # repacks them into 32-token blocks (digested as they landed, before the repack)
+    "staged": (128, PACKED, PACKED, "F"),
 }
 
 
@@ -57,6 +61,7 @@ def _pair(mode: str, pair: str, late: str) -> Iterator[tuple[Side, Side, LateTra
 
     extra = {"transfer_mode": mode, "verify": "all"}
     engines = {late: {"engine_factory": factory}}
+    repack = {"repacker_for": HndRepacker} if pair == "staged" else {}
     prefill = make_side(
         "kv_producer",
         "prefill",
@@ -71,11 +76,12 @@ def _pair(mode: str, pair: str, late: str) -> Iterator[tuple[Side, Side, LateTra
         decode = make_side(
             "kv_consumer",
             "decode",
-            16,
+            32 if pair == "staged" else 16,
             dfmt,
             kinds,
             clock,
             extra=extra,
+            **repack,
             **engines.get("decode", {}),
         )
     except BaseException:
@@ -125,7 +131,8 @@ def test_a_verified_load_lands_and_is_counted(mode, pair):
         d, _ = _landed(prefill, decode, transport, mode)
         run_until([decode, prefill], lambda: loaded(decode, "d1"), "the verified load")
         m = decode.worker.metrics
-        assert (m.loads_verified, m.load_verify_failures) == (1, 0)
+        assert (m.loads_verified, m.load_verify_failures, m.verify_unverified_groups) == (1, 0, 0)
+        assert (m.staging_rounds > 0) == (pair == "staged")
         assert not failed(decode, d.request_id)
         if mode == "pull":
             assert prefill.worker.metrics.digests_sent >= 1
@@ -187,3 +194,19 @@ def test_an_unverified_load_is_not_checked():
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+def test_a_spoiled_staging_slot_fails_the_load(mode):
+    """Staged pages are digested as they landed in decode's slots, before the engine
+    repacks them: one byte changed in the slots fails the load."""
+    late = "decode" if mode == "pull" else "prefill"
+    with _pair(mode, "staged", late) as (prefill, decode, transport):
+        _landed(prefill, decode, transport, mode)
+        arena = decode.worker._receiver._staged._pools._arena  # the slots' memory
+        assert arena is not None
+        arena.buf[: arena.buf.numel() // 2] ^= 0x08  # the first slots hold this round
+        run_until([decode, prefill], lambda: bool(failed(decode, "d1")), "the load to fail")
+        [failure] = failed(decode, "d1")
+        assert "verify: the landed bytes are not what prefill" in failure.reason
+        assert "group 0: 4 rows digest" in failure.reason  # digested here too, and differs
+        assert decode.worker.metrics.load_verify_failures == 1

@@ -30,7 +30,7 @@ from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
 from kvbridge.connector.worker.load_rows import GroupRows, group_rows
 from kvbridge.connector.worker.peers import Peer, PeerKey
 from kvbridge.connector.worker.routing import Route
-from kvbridge.connector.worker.staging.staged_reads import StageBatch, Staged
+from kvbridge.connector.worker.staging.staged_reads import StageBatch, Staged, StagedSums
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.specs import KVCacheSpec
 
@@ -85,6 +85,7 @@ class Source:
     # or why prefill gave none
     digests: list[GroupDigest] | None = None
     digest_reason: str = "no answer carried them"
+    staged_sums: StagedSums = field(default_factory=dict)  # verified: pages as they landed
 
 
 @dataclass

@@ -63,7 +63,7 @@ class PullReads:
         batch = src.batch
         if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
             src.batch = None
-            self._staged.split(batch)
+            self._staged.split(batch, src.staged_sums if load.verify else None)
         if src.batch is None and src.staged:
             self._stage_next(load, src, peer)
         return not (pending or src.batch or src.staged)

@@ -174,7 +174,7 @@ class PushRounds:
         if msg.round == 0 and load.verify:
             src.digests = list(msg.digests)  # [] when prefill digested no group
         if batch is not None:
-            self._staged.split(batch)
+            self._staged.split(batch, src.staged_sums if load.verify else None)
         src.round += 1
         if src.staged:
             self.next_round(load, src, peer)

@@ -14,10 +14,9 @@ same way (:mod:`kvbridge.connector.worker.load_digests`, reader side) and compar
                                         peer and block ids
 
 A source without digests (prefill could not give them: it names why) fails the check
-too: a load that was to be verified is never reported loaded unverified. Groups staged
-through decode's slots are not digested (``load_digests``): a load with one is reported
-loaded when its other groups match, counted in ``verify_unverified_groups``, not in
-``loads_verified``.
+too: a load that was to be verified is never reported loaded unverified. A staged
+group whose landed pages were not all summed (``load_digests``) is counted in
+``verify_unverified_groups``, and its load not in ``loads_verified``.
 """
 
 from __future__ import annotations
@@ -81,6 +80,7 @@ class Verifier:
                     PlanSide.READER,
                     self._units,
                     lambda g: load.rows(g, groups[g.group_id].spec),
+                    src.staged_sums,
                 )
             except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (memory)
                 problems.append(f"{src.key}: could not digest the landed rows: {exc}")

@@ -24,6 +24,7 @@ from kvbridge.connector.worker.peers import Peer
 from kvbridge.connector.worker.staging.staging import StagingPool, StagingPools, slot_offsets
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.digest import row_sums
 from kvbridge.layouts.errors import KVBridgeError
 
 
@@ -63,6 +64,11 @@ class Staged:
     local_ids: np.ndarray  # local block ids by logical block
     remote_ids: np.ndarray  # remote block ids by logical block - remote_first
     remote_first: int
+
+
+# a verified load's staged pages as they landed: (group, stream) -> remote logical block ->
+# row sum (kvbridge.layouts.digest)
+StagedSums = dict[tuple[int, int], dict[int, int]]
 
 
 @dataclass
@@ -131,8 +137,10 @@ class StagedReads:
             self._metrics.descriptors_posted += handle.num_descs
         return batch, num_bytes
 
-    def split(self, batch: StageBatch) -> None:
-        """A round arrived: the engine writes its tokens into local blocks; slots return."""
+    def split(self, batch: StageBatch, sums: StagedSums | None = None) -> None:
+        """A round arrived: the engine writes its tokens into local blocks; slots return.
+        ``sums`` (a verified load): first the row sum of each page as it landed, per
+        stream and remote logical block (``kvbridge.layouts.digest.row_sums``)."""
         for h in batch.handles:
             self._engine.release(h)
         batch.handles.clear()
@@ -152,6 +160,15 @@ class StagedReads:
         for stream in g.streams:
             pages.append(batch.pool.pages(batch.slots, offset, stream.local_chunk_bytes))
             offset += stream.local_chunk_bytes
+        if sums is not None:  # before the engine repacks them: the bytes as they landed
+            every = np.arange(batch.slots.size)
+            for i, (stream, page) in enumerate(zip(g.streams, pages, strict=True)):
+                # the bytes moved: the stream's piece inside its part of the slot
+                at = np.array([stream.local_offsets[0]], dtype=np.int64)
+                got = row_sums(page, at, stream.length, every)
+                sums.setdefault((g.group_id, i), {}).update(
+                    zip(batch.remote_blocks.tolist(), got.tolist(), strict=True)
+                )
         batch.pool.give_back(batch.slots)
         assert self._repacker is not None  # negotiation needs one for split plans
         spec = self._buffers.config.groups[g.group_id].spec
