@@ -278,12 +278,16 @@ def run(args: argparse.Namespace) -> int:
     )
     transfers = int(metrics.get("kvbridge_transfers_total", 0))
     failures = int(metrics.get("kvbridge_transfer_failures_total", 0))
+    # loads that proved their bytes by prefill's digests (decode's extra.verify), and
+    # those whose bytes differed (failed, so recomputed: they count as loads short)
+    verified = int(metrics.get("kvbridge_loads_verified_total", 0))
+    verify_failures = int(metrics.get("kvbridge_load_verify_failures_total", 0))
     n = len(prompts)
     print(f"prompts matched: {matched}/{n}   max |logit diff|: {worst:.3g} (atol {args.atol})")
     print(
         f"transfers: {transfers} (failures {failures})   bytes moved: {bytes_read} "
         f"({bytes_read / 2**20:.2f} MiB)   transfer time: {seconds * 1e3:.1f} ms   "
-        f"descriptors: {descs}"
+        f"descriptors: {descs}   verified: {verified} (failures {verify_failures})"
     )
     if leaked:
         print("blocks in use after the run: " + ", ".join(f"{k} {v}" for k, v in leaked.items()))
@@ -297,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"SUMMARY matched={matched}/{n} loaded={loaded_total}/{expected_total} "
         f"bytes={bytes_read} transfer_ms={seconds * 1e3:.2f} "
-        f"descriptors={descs} transfers={transfers} max_diff={worst:.3g}"
+        f"descriptors={descs} transfers={transfers} max_diff={worst:.3g} "
+        f"verified={verified} verify_failures={verify_failures}"
     )
     return 0 if ok else 1
 

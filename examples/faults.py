@@ -39,16 +39,16 @@ def corrupt_first_loaded_block(engine: Engine) -> None:
 
 def drop_first_done(engine: Engine) -> None:
     outbox, dropped = engine.worker._outbox, threading.Event()
-    send = outbox.send_raw  # the one place the worker hands a notification to NIXL
+    deliver = outbox._deliver  # the one place the worker hands a notification to NIXL
 
-    def lossy(agent: str, msg: object) -> bool:
+    def lossy(agent: str, msg: object) -> None:
         if isinstance(msg, Done) and not dropped.is_set():
             dropped.set()
             logger.warning("fault injection: dropped %s to %s", msg, agent)
-            return True
-        return send(agent, msg)
+            return  # "sent": lost on the way
+        deliver(agent, msg)
 
-    outbox.send_raw = lossy
+    outbox._deliver = lossy  # type: ignore[method-assign]
 
 
 FAULTS: dict[str, Callable[[Engine], None]] = {

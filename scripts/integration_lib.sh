@@ -20,6 +20,7 @@ MAX_TOKENS="${MAX_TOKENS:-16}"
 ATOL="${ATOL:-1e-4}"
 FAULT_INJECT="${FAULT_INJECT:-}"
 TRANSFER_MODE="${TRANSFER_MODE:-pull}"
+VERIFY="${VERIFY:-}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-90}"
 SHOW_ANSWERS="${SHOW_ANSWERS:-0}"
 
@@ -27,12 +28,18 @@ case "$TRANSFER_MODE" in
     pull | push) ;;
     *) echo "TRANSFER_MODE=$TRANSFER_MODE: expected pull or push" >&2; exit 2 ;;
 esac
+case "$VERIFY" in
+    "" | off | sample | all) ;;
+    *) echo "VERIFY=$VERIFY: expected off, sample or all" >&2; exit 2 ;;
+esac
 case "$FAULT_INJECT" in
     "" | 0) FAULT_ARGS=() ;;
     1 | corrupt-block) FAULT_ARGS=(--fault-inject corrupt-block) ;;
     *) echo "FAULT_INJECT=$FAULT_INJECT: expected corrupt-block" >&2; exit 2 ;;
 esac
 EXTRA="\"extra\": {\"transfer_mode\": \"$TRANSFER_MODE\"}"
+# decode's: also extra.verify when VERIFY is set (prefill answers whoever asks)
+DECODE_EXTRA="\"extra\": {\"transfer_mode\": \"$TRANSFER_MODE\"${VERIFY:+, \"verify\": \"$VERIFY\"}}"
 SHOW=()
 [ "$SHOW_ANSWERS" = 1 ] && SHOW=(--show-answers)
 

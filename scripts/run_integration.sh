@@ -15,6 +15,8 @@
 #   NUM_BLOCKS [512]              NUM_PROMPTS [8]    MAX_TOKENS [16]    ATOL [1e-4]
 #   TRANSFER_MODE [pull]          pull: decode READs prefill's blocks; push: prefill WRITEs
 #                                 into decode's (both workers get extra.transfer_mode)
+#   VERIFY []                     decode's extra.verify: off | sample | all (all: every load
+#                                 proves its bytes by prefill's digests); unset: its default
 #   FAULT_INJECT []               "corrupt-block" (or 1): decode flips one loaded block
 #   STARTUP_TIMEOUT [90]          seconds to wait for /health
 #   SHOW_ANSWERS [0]              print each prompt's answer
@@ -53,7 +55,7 @@ PIDS+=($!)
 "$PY" -m kvbridge.examples.server --role decode --model "$MODEL" --port 0 --device "$DEVICE" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$$\", \"kv_port\": 0, $EXTRA}" \
+    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$$\", \"kv_port\": 0, $DECODE_EXTRA}" \
     --ready-file "$LOG_DIR/decode.ready.json" "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
 PIDS+=($!)
 P_URL=$(ready "$LOG_DIR/prefill.ready.json" "${PIDS[0]}")

@@ -9,8 +9,8 @@
 #   prefill  10.231.0.1  <== veth ==>  10.231.0.2  decode, router (127.0.0.1), check
 #
 # Environment, besides run_integration.sh's (MODEL, DEVICE, *_BLOCK_SIZE, *_KV_LAYOUT,
-# CROSS_LAYERS, NUM_BLOCKS, NUM_PROMPTS, MAX_TOKENS, ATOL, TRANSFER_MODE, FAULT_INJECT,
-# STARTUP_TIMEOUT, SHOW_ANSWERS, LOG_DIR):
+# CROSS_LAYERS, NUM_BLOCKS, NUM_PROMPTS, MAX_TOKENS, ATOL, TRANSFER_MODE, VERIFY,
+# FAULT_INJECT, STARTUP_TIMEOUT, SHOW_ANSWERS, LOG_DIR):
 #   RATE []            a tc rate ("1gbit", "200mbit"): a tbf limit on both ends of the link
 #   UCX_TLS [tcp]      the UCX transports; tcp makes the bytes cross the link (on one machine
 #                      UCX may otherwise pick shared memory even across namespaces)
@@ -103,7 +103,7 @@ UCX_NET_DEVICES="$VETH_D" in_d "$PY" -m kvbridge.examples.server --role decode \
     --host "$D_IP" --port 0 --model "$MODEL" --device "$DEVICE" \
     --block-size "$DECODE_BLOCK_SIZE" --kernel-block-size "$DECODE_KERNEL_BLOCK_SIZE" \
     --kv-layout "$DECODE_KV_LAYOUT" $(flag "$DECODE_CROSS_LAYERS") --num-blocks "$NUM_BLOCKS" \
-    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$$\", \"kv_ip\": \"$D_IP\", \"kv_port\": 0, $EXTRA}" \
+    --kv-transfer-config "{\"kv_role\": \"kv_consumer\", \"engine_id\": \"decode-$$\", \"kv_ip\": \"$D_IP\", \"kv_port\": 0, $DECODE_EXTRA}" \
     --ready-file "$LOG_DIR/decode.ready.json" "${FAULT_ARGS[@]}" >"$LOG_DIR/decode.log" 2>&1 &
 PIDS+=($!)
 P_URL=$(ready "$LOG_DIR/prefill.ready.json" "${PIDS[0]}")

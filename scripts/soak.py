@@ -4,7 +4,7 @@ block and no NIXL handle may be left, and memory must stay flat.
 
 ::
 
-    .venv/bin/python scripts/soak.py [--duration-s 600] [--concurrency 64]
+    .venv/bin/python scripts/soak.py [--duration-s 600] [--concurrency 64] [--verify all]
 
 Starts a prefill (block 32), a decode (block 16, drops its first Done) and the router as
 separate processes (tests/reliability/cluster.py). Client threads loop until the deadline:
@@ -164,6 +164,13 @@ def main() -> int:
     ap.add_argument("--fault-every-s", type=float, default=3.0)
     ap.add_argument("--rss-growth-limit", type=float, default=0.25, help="fraction, per process")
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument(
+        "--verify",
+        choices=["off", "sample", "all"],
+        default=None,
+        help="decode's extra.verify (all: every load proves its bytes by prefill's digests; "
+        "default: the connector's)",
+    )
     args = ap.parse_args()
 
     rng = random.Random(2026)
@@ -177,7 +184,10 @@ def main() -> int:
     cluster = Cluster(
         logs,
         prefill_kv={"lease_s": LEASE_S, "heartbeat_s": 1.0},
-        decode_kv={"transfer_timeout_s": 10.0},
+        decode_kv={
+            "transfer_timeout_s": 10.0,
+            **({"extra": {"verify": args.verify}} if args.verify else {}),
+        },
         decode_args=["--fault-inject", "drop-done", "--max-num-seqs", "32"],
     )
     try:
@@ -211,6 +221,9 @@ def main() -> int:
             n: int(cluster[n].metrics().get("kvbridge_live_transfer_handles", -1))
             for n in ("prefill", "decode")
         }
+        decode_metrics = cluster["decode"].metrics()
+        verified = int(decode_metrics.get("kvbridge_loads_verified_total", 0))
+        verify_failures = int(decode_metrics.get("kvbridge_load_verify_failures_total", 0))
         rss1 = {n: rss_kib(cluster[n]) for n in ("prefill", "decode")}
         growth = {n: (rss1[n] - rss0[n]) / max(1, rss0[n]) for n in rss0}
         c = soak.counts
@@ -224,6 +237,7 @@ def main() -> int:
             f"foreign ids {c['fault_foreign_ids']}, dropped Done 1) "
             f"tokens_loaded={c['tokens_loaded']} hung_threads={hung} "
             f"leaked_blocks={leaks} live_handles={handles} "
+            f"verified={verified} verify_failures={verify_failures} "
             f"rss_kib={rss0}->{rss1}"
         )
         for note in soak.mismatches[:10]:
@@ -234,6 +248,7 @@ def main() -> int:
             and hung == 0
             and not any(leaks.values())
             and not any(handles.values())
+            and verify_failures == 0
             and all(g <= args.rss_growth_limit for g in growth.values())
         )
         print("RESULT: PASS" if ok else "RESULT: FAIL")

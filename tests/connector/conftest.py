@@ -38,6 +38,7 @@ from kvbridge.layouts.specs import AttentionSpec, KVCacheKind, MLASpec, SlidingW
 from tests.connector.packed_engine import HndRepacker
 from tests.handshake.plan_harness import make_groups
 from tests.ports import dead_port as held_dead_port
+from tests.verified_loads import is_decode, verifying
 
 MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)
 NUM_BLOCKS = 64
@@ -109,7 +110,11 @@ def make_buffers(
 
 
 def transfer_config(role: str, engine_id: str, **overrides) -> KVTransferConfig:
+    """A worker's config; a decode verifies every load unless ``overrides`` say otherwise
+    (``tests/verified_loads.py``)."""
     raw = {"kv_role": role, "engine_id": engine_id, "kv_port": 0, **overrides}
+    if is_decode(role):
+        raw = verifying(raw)
     return KVTransferConfig.from_dict(raw)
 
 

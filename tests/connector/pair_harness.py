@@ -26,6 +26,7 @@ from kvbridge.examples.block_pool import BlockPool
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig
 from tests.handshake.plan_harness import make_groups
+from tests.verified_loads import is_decode, verifying
 
 MODEL = ModelInfo(model_name="m", dtype="float16", num_kv_heads=2, head_size=4)
 
@@ -95,11 +96,15 @@ def make_side(
 ) -> Side:
     """``device``: where the cache lives; ``host_staging``: see ``KVBridgeWorker``;
     ``repacker_for``: builds the engine's repacker on the side's buffers;
-    ``engine_factory``: the worker's transfer engine (default: NIXL)."""
+    ``engine_factory``: the worker's transfer engine (default: NIXL); ``extra_config``:
+    KVTransferConfig fields (a decode verifies every load unless its ``extra`` says
+    otherwise: ``tests/verified_loads.py``)."""
     kv = KVCacheConfig.uniform(make_groups(block_size, kinds), num_blocks)
     buffers = KVCacheBuffers(kv, fmt, device)
     for t in buffers.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    if is_decode(role):
+        extra_config = verifying(extra_config)
     config = KVTransferConfig.from_dict(
         {
             "kv_role": role,

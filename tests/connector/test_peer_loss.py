@@ -102,8 +102,10 @@ def test_1400_waiting_requests_keep_their_prefill_and_their_leases(clock, pair):
         m = decode.worker.metrics
         run_until(
             [decode, prefill],
-            lambda m=m: m.notifications_sent == m.heartbeats_sent
-            and prefill.worker.metrics.notifications_received == m.heartbeats_sent,
+            lambda m=m: (
+                m.notifications_sent == m.heartbeats_sent
+                and prefill.worker.metrics.notifications_received == m.heartbeats_sent
+            ),
             "every heartbeat to reach prefill",
             timeout_s=5.0,
         )

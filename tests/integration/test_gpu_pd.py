@@ -21,6 +21,7 @@ from kvbridge.examples.device import parse_device
 from kvbridge.examples.launch import Cluster
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.verified_loads import verifying
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ def run_pair(row: Row, device: str, logs: Path) -> None:
     cluster = Cluster(
         logs,
         prefill_kv=extra,
-        decode_kv={"handshake_timeout_s": 10.0, **extra},
+        decode_kv=verifying({"handshake_timeout_s": 10.0, **extra}),
         prefill_args=list(row.prefill_args),
         decode_args=list(row.decode_args),
         model=row.model,

@@ -43,6 +43,7 @@ def run_script(**env: str) -> tuple[int, str]:
         "NUM_PROMPTS": "6",
         "MAX_TOKENS": "8",
         "NUM_BLOCKS": "256",
+        "VERIFY": "all",  # every load proves its bytes (tests/verified_loads.py)
         **env,
     }
     proc = subprocess.Popen(
@@ -126,6 +127,9 @@ def test_pair_matches_the_reference(env):
     # from decode's own prefix cache: none left behind
     assert loaded == expected > 0, out
     assert num_bytes > 0 and transfers > 0, out
+    # each load proved, by prefill's digests, that decode holds what prefill sent
+    verified = re.search(r"verified=(\d+) verify_failures=(\d+)", out)
+    assert verified and (int(verified[1]), int(verified[2])) == (transfers, 0), out
 
 
 def test_a_corrupted_block_fails_the_check():

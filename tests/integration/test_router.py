@@ -34,6 +34,7 @@ from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.router import start_router
 from kvbridge.examples.tokenizer import ByteTokenizer
 from tests.ports import dead_port
+from tests.verified_loads import verifying
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 6
@@ -47,6 +48,8 @@ def _worker(logs: Path, role: str, block_size: int, i: int) -> Proc:
         "kv_port": 0,
         "secret": SECRET,  # prefill signs its params: the router passes them on unchanged
     }
+    if role == "decode":
+        kv = verifying(kv)  # every load proves its bytes (tests/verified_loads.py)
     argv = [sys.executable, "-m", "kvbridge.examples.server", "--port", "0"]
     return Proc(f"{role}{i}", [*argv, *worker_args(role, kv, block_size)], logs / f"{role}{i}.log")
 
@@ -97,10 +100,6 @@ def _want(model, prompt: str | list[int]) -> tuple[list[int], np.ndarray]:
     return out.token_ids, out.logits
 
 
-def _loads(proc: Proc) -> float:
-    return scrape(proc.url)["kvbridge_transfers_total"]
-
-
 def test_the_router_sees_healthy_workers_and_the_model(fleet):
     for name in ("r11", "r22"):
         status, raw = http_get(fleet[name].url + "/health")
@@ -111,7 +110,7 @@ def test_the_router_sees_healthy_workers_and_the_model(fleet):
 
 def test_1p1d_completions_match_the_reference_and_load_every_prompt_token(fleet, model):
     prompts = make_prompts(8)
-    before = _loads(fleet["decode0"])
+    before = scrape(fleet["decode0"].url)
 
     def one(i: int) -> dict:
         body = {
@@ -131,8 +130,17 @@ def test_1p1d_completions_match_the_reference_and_load_every_prompt_token(fleet,
         assert verdict.ok, verdict.reason
         usage = out["usage"]
         assert usage["loaded_tokens"] + usage["cached_tokens"] == usage["prompt_tokens"] - 1
+    after = scrape(fleet["decode0"].url)
+
+    def grew(metric: str) -> float:
+        return after.get(metric, 0.0) - before.get(metric, 0.0)
+
     # 8 requests, each one load from prefill0 (a prompt decode cached whole loads nothing)
-    assert _loads(fleet["decode0"]) - before == sum(o["usage"]["loaded_tokens"] > 0 for o in outs)
+    loads = sum(o["usage"]["loaded_tokens"] > 0 for o in outs)
+    assert grew("kvbridge_transfers_total") == loads
+    # and each load proved, by prefill's digests, that decode holds what prefill sent
+    assert grew("kvbridge_loads_verified_total") == loads > 0
+    assert after.get("kvbridge_load_verify_failures_total", 0.0) == 0
 
 
 def _chat(url: str, content: str, stream: bool) -> dict:

@@ -42,6 +42,7 @@ from kvbridge.examples.vllm.metrics import kvbridge_delta, kvbridge_deltas, scra
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from tests.verified_loads import verify_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -104,8 +105,9 @@ def _spec(name: str, model_dir, block: int, mode: str | None, role: str | None) 
         block_size=block,
         connector="kvbridge" if role else None,
         role=role,
-        # defaults only: what a user's command line would carry
-        kv_extra=_extra(mode) if role else None,
+        # defaults only: what a user's command line would carry, but for decode's
+        # verify "all": every load proves its bytes (tests/verified_loads.py)
+        kv_extra=_extra(mode, role) if role else None,
         failure_policy="recompute" if role else None,
         max_model_len=2048,
         enforce_eager=not COMPILE,  # no torch.compile at startup: ~3x faster on CPU
@@ -113,8 +115,10 @@ def _spec(name: str, model_dir, block: int, mode: str | None, role: str | None) 
     )
 
 
-def _extra(mode: str | None) -> dict | None:
+def _extra(mode: str | None, role: str) -> dict | None:
     extra = {**({"transfer_mode": mode} if mode == "push" else {}), **EXTRA}
+    if role == "decode":
+        extra = verify_all(extra)
     return {"extra": extra} if extra else None
 
 

@@ -42,6 +42,7 @@ from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, router_service, vllm_service
+from tests.verified_loads import verifying
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -149,11 +150,14 @@ def _spec(
         block_size=block_size,
         connector="kvbridge",
         role="both",
-        kv_extra={
-            **LEASE,
-            **({"lease_s": lease_s} if lease_s else {}),
-            "extra": {"transfer_mode": mode},
-        },
+        # kv_both: as decode it verifies every load (tests/verified_loads.py)
+        kv_extra=verifying(
+            {
+                **LEASE,
+                **({"lease_s": lease_s} if lease_s else {}),
+                "extra": {"transfer_mode": mode},
+            }
+        ),
         failure_policy=policy,
         max_model_len=2048,
         enforce_eager=True,  # no torch.compile warm-up: starts ~3x faster on CPU
@@ -234,6 +238,9 @@ def test_pd_equals_single_server(cluster, prefill, decode, reference):
     moved = cluster.moved(decode, before, after, prefill)
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_recomputed") == 0, moved
+    # each load proved, by prefill's digests, that decode holds what prefill sent
+    assert _delta(before, after, "loads_verified") == len(prompts), moved
+    assert _delta(before, after, "load_verify_failures") == 0, moved
     # every prompt token but the last (decode computes it), in whole prefill pages: one
     # descriptor per (prefill page, layer)
     loaded = [len(p) - 1 for p in prompts]

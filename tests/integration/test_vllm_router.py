@@ -30,6 +30,7 @@ from kvbridge.examples.vllm.client import Completion, compare, complete, make_pr
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, http_get, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from tests.verified_loads import verifying
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -40,7 +41,10 @@ MODES = {"pull": (64, 32), "push": (128, 32)}
 
 
 def _spec(name: str, model: Path, block: int, role: str | None, mode: str = "pull") -> ServerSpec:
-    kv = {"kv_extra": {"extra": {"transfer_mode": mode}}, "failure_policy": "fail"}
+    kv_extra = {"extra": {"transfer_mode": mode}}
+    if role == "decode":
+        kv_extra = verifying(kv_extra)  # every load proves its bytes (tests/verified_loads.py)
+    kv = {"kv_extra": kv_extra, "failure_policy": "fail"}
     return ServerSpec(
         name,
         model,

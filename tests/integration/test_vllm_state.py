@@ -32,6 +32,7 @@ from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from tests.verified_loads import verifying
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -52,7 +53,8 @@ def _spec(name: str, block_size: int, mode: str, prefix_caching: bool = False) -
         block_size=block_size,
         connector="kvbridge",
         role="both",
-        kv_extra={"lease_s": 30, "heartbeat_s": 3, "extra": {"transfer_mode": mode}},
+        # kv_both: as decode it verifies every load (tests/verified_loads.py)
+        kv_extra=verifying({"lease_s": 30, "heartbeat_s": 3, "extra": {"transfer_mode": mode}}),
         failure_policy="fail",
         max_model_len=2048,
         enforce_eager=True,

@@ -50,6 +50,7 @@ from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
+from tests.verified_loads import verifying
 
 WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP", "1") != "0"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in
@@ -147,7 +148,8 @@ def _spec(name: str, model_dir: Path, kv_extra: dict[str, Any] | None) -> Server
         cpus=cpus,
         connector="kvbridge",
         role="both",
-        kv_extra=kv_extra,
+        # kv_both: as decode it verifies every load (tests/verified_loads.py)
+        kv_extra=verifying(kv_extra or {}),
         failure_policy="recompute",
         max_model_len=2048,
         enforce_eager=True,  # no torch.compile warm-up: starts ~3x faster on CPU

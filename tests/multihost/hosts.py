@@ -21,6 +21,7 @@ from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples.check import complete
 from kvbridge.examples.launch import Cluster, Proc, worker_args
 from tests.multihost.netns import Link
+from tests.verified_loads import verifying
 
 SIDE = {"prefill": "p", "decode": "d", "router": "d"}
 
@@ -67,7 +68,8 @@ class HostCluster(Cluster):
     def __post_init__(self) -> None:
         assert self.link is not None
         self.prefill_kv = {"kv_ip": self.link.ip["p"], **self.prefill_kv}
-        self.decode_kv = {"kv_ip": self.link.ip["d"], **self.decode_kv}
+        # decode verifies every load unless the test chose (tests/verified_loads.py)
+        self.decode_kv = verifying({"kv_ip": self.link.ip["d"], **self.decode_kv})
         super().__post_init__()
         for name, p in list(self.procs.items()):
             values = {f.name: getattr(p, f.name) for f in fields(Proc)}

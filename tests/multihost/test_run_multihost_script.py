@@ -26,7 +26,8 @@ def run(
     proc = subprocess.Popen(
         [*(user or []), "bash", str(SCRIPT)],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHON": sys.executable, **env},
+        # every load proves its bytes (tests/verified_loads.py)
+        env={**os.environ, "PYTHON": sys.executable, "VERIFY": "all", **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -49,6 +50,7 @@ def test_push_across_a_rate_limited_link_is_exact_and_crosses_it():
     rc, out = run(env)
     assert rc == 0, out
     assert "prompts matched: 2/2" in out and "RESULT: PASS" in out, out
+    assert re.search(r"verified=[1-9]\d* verify_failures=0", out), out
     m = re.search(r"link: prefill's end sent (\d+) bytes; the connector moved (\d+) KV bytes", out)
     assert m and int(m[1]) >= int(m[2]) > 0, out
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

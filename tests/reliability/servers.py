@@ -16,6 +16,7 @@ from kvbridge.examples.engine_loop import EngineLoop
 from kvbridge.examples.launch import MODEL, worker_args
 from kvbridge.examples.server import WorkerHTTPServer
 from kvbridge.examples.worker_setup import build, make_parser
+from tests.verified_loads import verifying
 
 SECRET = "reliability-test-secret-0123456789"
 __all__ = ["MODEL", "SECRET", "Worker", "post", "worker_pair"]
@@ -69,7 +70,9 @@ def _stop(w: Worker) -> None:
 def worker_pair(
     *, secret: str | None = SECRET, lease_s: float = 30.0, **decode_extra
 ) -> Iterator[tuple[Worker, Worker]]:
-    """(prefill block 32, decode block 16) with the same ``secret`` (None: none)."""
+    """(prefill block 32, decode block 16) with the same ``secret`` (None: none);
+    ``decode_extra``: decode's config keys (it verifies every load unless its ``extra``
+    says otherwise: ``tests/verified_loads.py``)."""
     common = {"secret": secret} if secret else {}
     prefill = _start(
         "prefill",
@@ -85,13 +88,15 @@ def worker_pair(
     try:
         decode = _start(
             "decode",
-            {
-                "kv_role": "kv_consumer",
-                "engine_id": f"decode-{uuid.uuid4().hex[:8]}",
-                "kv_port": 0,
-                **common,
-                **decode_extra,
-            },
+            verifying(
+                {
+                    "kv_role": "kv_consumer",
+                    "engine_id": f"decode-{uuid.uuid4().hex[:8]}",
+                    "kv_port": 0,
+                    **common,
+                    **decode_extra,
+                }
+            ),
             16,
         )
     except BaseException:

@@ -19,6 +19,7 @@ from kvbridge.examples.check import make_prompts
 from kvbridge.examples.launch import MODEL, Cluster
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.verified_loads import verifying
 
 LEASE_S = 3.0
 MAX_TOKENS = 4
@@ -55,7 +56,7 @@ def cluster(tmp_path_factory):
     c = Cluster(
         tmp_path_factory.mktemp("faults"),
         prefill_kv={"lease_s": LEASE_S, "heartbeat_s": 1.0},
-        decode_kv={"transfer_timeout_s": 3.0},
+        decode_kv=verifying({"transfer_timeout_s": 3.0}),
         decode_args=["--fault-inject", "drop-done"],
     )
     try:
@@ -132,7 +133,7 @@ def test_fail_policy_gives_the_client_an_error_never_wrong_tokens(tmp_path, mode
     c = Cluster(
         tmp_path,
         prefill_kv={"lease_s": LEASE_S, "heartbeat_s": 1.0},
-        decode_kv={"failure_policy": "fail"},
+        decode_kv=verifying({"failure_policy": "fail"}),
     )
     try:
         c.start()

@@ -14,6 +14,7 @@ from kvbridge.examples.check import make_prompts
 from kvbridge.examples.launch import MODEL, Cluster
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.verified_loads import verifying
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,11 @@ def test_a_restarted_peer_is_handshaken_again_before_the_first_load(tmp_path, mo
     model = load_model(MODEL)
     extra = {"extra": {"transfer_mode": mode}}
     restarted = "prefill" if mode == "pull" else "decode"
-    c = Cluster(tmp_path, prefill_kv={"lease_s": 5.0, "heartbeat_s": 1.0, **extra}, decode_kv=extra)
+    c = Cluster(
+        tmp_path,
+        prefill_kv={"lease_s": 5.0, "heartbeat_s": 1.0, **extra},
+        decode_kv=verifying(extra),
+    )
     try:
         c.start()
         for i, prompt in enumerate(make_prompts(4)[:2]):

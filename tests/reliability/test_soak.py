@@ -24,6 +24,8 @@ def test_a_short_soak_passes_with_faults_and_aborts(tmp_path):
             "2",
             "--log-dir",
             str(tmp_path),
+            "--verify",
+            "all",  # every load proves its bytes (tests/verified_loads.py)
         ],
         cwd=ROOT,
         capture_output=True,
@@ -41,3 +43,5 @@ def test_a_short_soak_passes_with_faults_and_aborts(tmp_path):
     assert mismatched == 0 and errors == 0
     assert "leaked_blocks={'prefill': 0, 'decode': 0}" in out
     assert "live_handles={'prefill': 0, 'decode': 0}" in out
+    verified = re.search(r"verified=(\d+) verify_failures=(\d+)", out)
+    assert verified and int(verified[1]) > 0 and int(verified[2]) == 0, out[-4000:]

@@ -78,7 +78,14 @@ class Servers:
     def __init__(self, link: Link, logs: Path) -> None:
         self.link = link
         prefill = {"kv_role": "kv_producer", "engine_id": "prefill-2r", "lease_s": LEASE_S}
-        decode = {"kv_role": "kv_consumer", "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+        # verify off: a verified load would turn the wrong bytes this test is about into a
+        # recompute (tests/connector/test_verify.py shows that); here the reader rule alone
+        # must keep the slow decode's bytes exact
+        decode = {
+            "kv_role": "kv_consumer",
+            "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+            "extra": {"verify": "off"},
+        }
         self.procs = {
             "prefill": self._proc(logs, "prefill", "p", prefill, 32, "128"),
             "fast": self._proc(logs, "fast", "p", {**decode, "engine_id": "decode-fast"}, 16),

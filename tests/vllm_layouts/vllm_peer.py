@@ -21,6 +21,7 @@ from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 from kvbridge.handshake.tp import rank_heads
+from tests.verified_loads import is_decode, verify_all
 from tests.vllm_layouts.vllm_alloc import Allocation, KVCacheLayout, Model, allocate
 
 NUM_BLOCKS = 12
@@ -80,7 +81,11 @@ def fill(a: Allocation, seed: int) -> None:
 
 
 def worker_side(spec: SideSpec, a: Allocation, role: str, engine_id: str, mode: str):
-    """The adapter's worker side, as ``KVBridgeConnector.__init__`` builds it."""
+    """The adapter's worker side, as ``KVBridgeConnector.__init__`` builds it; a decode
+    verifies every load (``tests/verified_loads.py``)."""
+    extra = {"transfer_mode": mode}
+    if is_decode(role):
+        extra = verify_all(extra)
     vcfg = VLLMTransferConfig(
         kv_connector="KVBridgeConnector",
         kv_role=role,
@@ -89,7 +94,7 @@ def worker_side(spec: SideSpec, a: Allocation, role: str, engine_id: str, mode: 
         kv_connector_extra_config={
             "kv_ip": "127.0.0.1",
             "handshake_timeout_s": 5.0,
-            "extra": {"transfer_mode": mode},
+            "extra": extra,
         },
     )
     layout, _ = translate.kv_layout(a.kv_cache_config)

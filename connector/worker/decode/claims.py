@@ -127,10 +127,10 @@ class Claims:
         sent = src.claims.get(msg.claim, src.claim_sent)
         src.held_until = max(src.held_until, sent + msg.held_s)
         src.held_s = msg.held_s
-        if msg.digests and src.digests is None:  # a verified load: what prefill digested
-            src.digests = list(msg.digests)
-        elif msg.reason and src.digests is None:
+        if src.digests is None and msg.reason:  # prefill could not digest: why
             src.digest_reason = msg.reason
+        elif src.digests is None:  # what prefill digested (a verified load's first answer)
+            src.digests = list(msg.digests)
         self.settle(src, ended=False, answered=msg.claim)
         return ""
 

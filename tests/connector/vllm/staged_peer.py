@@ -22,6 +22,7 @@ from vllm.config.kv_transfer import KVTransferConfig as VLLMTransferConfig
 from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 from tests.connector.vllm.vllm_copy_ops import RecordingCopyOp, vllm_copy_kv_blocks
+from tests.verified_loads import is_decode, verifying
 from tests.vllm_layouts.vllm_alloc import Allocation
 from tests.vllm_layouts.vllm_peer import SideSpec, build_allocation, fill
 
@@ -97,8 +98,11 @@ def staged_side(
 ) -> tuple[VLLMWorkerSide, RecordingCopyOp]:
     """The adapter's worker side over ``cache``, staged through host memory (None: as
     ``kv_buffer_device`` says), given vLLM's copy operation (recorded) as vLLM's model
-    runner gives it: after registration (``hand_op=False``: the test hands it over)."""
+    runner gives it: after registration (``hand_op=False``: the test hands it over). A
+    decode verifies every load (``tests/verified_loads.py``)."""
     extra = {"kv_ip": "127.0.0.1", "handshake_timeout_s": 5.0, "extra": {"transfer_mode": mode}}
+    if is_decode(role):
+        extra = verifying(extra)
     vllm_config = VLLMTransferConfig(
         kv_connector="KVBridgeConnector",
         kv_role=role,
