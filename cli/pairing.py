@@ -82,9 +82,9 @@ def request_cost(pairing: Pairing, prompt_tokens: int) -> list[GroupCost]:
         if g.kind is KVCacheKind.STATE:
             chunks, note = (1 if tokens else 0), "one state per request"
         elif isinstance(spec, SlidingWindowSpec):
-            start = max(0, tokens - spec.sliding_window)
+            start = spec.window_start(tokens)
             chunks = len(g.chunks_for_tokens(start, tokens))
-            note = f"the last {spec.sliding_window} tokens"
+            note = f"the last {tokens - start} tokens"
         else:
             chunks, note = math.ceil(tokens / g.wire_tokens), f"{tokens} tokens"
         out.append(

@@ -14,6 +14,8 @@ engine's state, read at scrape time. Each server has its own registry.
 ``kvbridge_requests_finished_total{reason}``   counter  finished requests by reason
 ``kvbridge_load_outcomes_total{outcome}``      counter  decode loads by outcome
 ``kvbridge_send_outcomes_total{outcome}``      counter  prefill holds by outcome
+``kvbridge_loads_unserved_total``              counter  decode loads the params could not
+                                                        serve (computed locally)
 =============================================  =======  =====================================
 """
 
@@ -25,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvbridge.connector.common.metrics import metric_families
+from kvbridge.connector.common.metrics import HELP, metric_families
 from kvbridge.examples.engine_loop import EngineLoop
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -77,6 +79,11 @@ class WorkerCollector(Collector):
                 "Prefill holds by outcome (done: read and released).",
                 "outcome",
                 sends,
+            )
+            yield CounterMetricFamily(
+                "kvbridge_loads_unserved",
+                HELP["loads_unserved"],
+                value=sched.num_unserved_loads,
             )
 
 

@@ -126,7 +126,8 @@ class FullAttentionSpec(AttentionSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
-    """Attention over the last ``sliding_window`` tokens only."""
+    """Attention over the last ``sliding_window`` tokens only: a token sees itself and
+    the ``sliding_window - 1`` tokens before it."""
 
     sliding_window: int
     kind = KVCacheKind.SLIDING_WINDOW
@@ -134,6 +135,15 @@ class SlidingWindowSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("SlidingWindowSpec", sliding_window=self.sliding_window)
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first token whose KV the token after ``num_tokens`` computed ones reads:
+        every earlier token is out of its window. vLLM's rule
+        (``SlidingWindowManager.get_num_skipped_tokens``)::
+
+            window 4, 7 tokens computed:  0 1 2 3 [4 5 6] 7   -> window_start(7) == 4
+        """
+        return max(0, num_tokens - self.sliding_window + 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -174,6 +174,7 @@ HELP = {
     "loads_failed": "Decode requests failed after a failed load.",
     "loads_aborted": "Decode requests aborted while loading.",
     "loads_released": "Decode loads released to prefill without reading.",
+    "loads_unserved": "Decode loads prefill's params could not serve (blocks not kept).",
     "bad_params": "Requests whose kv_transfer_params could not be used.",
 }
 GAUGE_HELP = {

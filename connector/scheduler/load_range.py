@@ -3,9 +3,11 @@
 Pure functions of the group specs and the params (the scheduler keeps the state)::
 
     tokens [num_computed, end)   end = prefill's resume point (every prompt token but the
-                                 last), 0 when the load cannot be used: a prompt shorter
-                                 than prefill's with a state group, or a sliding window
-                                 reaching below the first block prefill kept
+                                 last), 0 when the load cannot be served (with the
+                                 reason): a prompt shorter than prefill's with a state
+                                 group, or a sliding window reaching below the first
+                                 block prefill kept (token end attends to the
+                                 window - 1 tokens before it)
     blocks per group             the first ceil(end / block_size) allocated ids (the block
                                  of the last loaded token too; for a state group the
                                  block that holds the state after it)
@@ -13,14 +15,11 @@ Pure functions of the group specs and the params (the scheduler keeps the state)
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LifecycleError
 from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec, SlidingWindowSpec
-
-logger = logging.getLogger(__name__)
 
 
 def load_end(
@@ -28,40 +27,43 @@ def load_end(
     params: KVTransferParams,
     num_prompt_tokens: int,
     num_computed_tokens: int,
-    request_id: str = "",
-) -> int:
+) -> tuple[int, str]:
     """Tokens ``[0, end)`` the load fills: prefill's resume point, any block sizes; 0 when
-    decode must compute the request itself."""
+    decode must compute the request itself, with why the params cannot serve the load
+    ('' when they can, or when nothing is left to load)."""
     end = params.resume_tokens
     last = num_prompt_tokens - 1
     if end > last:
         # a prompt shorter than prefill's: attention KV is a prefix of it, a state is not
-        has_state = any(s.kind is KVCacheKind.STATE for s in specs)
-        end = 0 if has_state else max(0, last)
-    if not windows_covered(specs, params, end, num_computed_tokens):
-        logger.info(
-            "request %s: the sliding window ending at token %d starts before prefill's "
-            "first kept block; computing it locally",
-            request_id,
-            end,
-        )
-        return 0
-    return end
+        if any(s.kind is KVCacheKind.STATE for s in specs):
+            return 0, (
+                f"the prompt has {num_prompt_tokens} tokens, prefill's state is the one "
+                f"after {end}: a state of a longer prompt"
+            )
+        end = max(0, last)
+    why = uncovered_window(specs, params, end, num_computed_tokens)
+    return (0, why) if why else (end, "")
 
 
-def windows_covered(
+def uncovered_window(
     specs: Sequence[KVCacheSpec], params: KVTransferParams, end: int, start: int
-) -> bool:
-    """Whether prefill kept every block a sliding-window group needs to load
-    ``[start, end)`` (it sends such groups from their first in-window block)."""
+) -> str:
+    """Why prefill did not keep every block a sliding-window group needs to load
+    ``[start, end)`` ('' when it did; it sends such groups from their first kept block)."""
     if not params.remote_first_block or end <= start:
-        return True
-    for spec, first in zip(specs, params.remote_first_block, strict=True):
-        if isinstance(spec, SlidingWindowSpec):
-            lo = max(start, end - spec.sliding_window)
-            if lo // params.remote_block_size < first:
-                return False
-    return True
+        return ""
+    bs = params.remote_block_size
+    for g, (spec, first) in enumerate(zip(specs, params.remote_first_block, strict=True)):
+        if not isinstance(spec, SlidingWindowSpec):
+            continue
+        lo = max(start, spec.window_start(end))
+        if lo < end and lo // bs < first:
+            return (
+                f"group {g} (sliding window {spec.sliding_window}): tokens [{lo}, {end}) "
+                f"for token {end} need prefill's block {lo // bs} of {bs} tokens, but "
+                f"prefill kept the window from block {first}"
+            )
+    return ""
 
 
 def load_block_ids(
@@ -69,9 +71,13 @@ def load_block_ids(
     request_id: str,
     block_ids_per_group: Sequence[Sequence[int]],
     num_load_tokens: int,
+    num_computed_tokens: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
-    """The allocated blocks a load of ``num_load_tokens`` writes, per group; raises
-    :class:`LifecycleError` when the engine allocated too few."""
+    """The allocated blocks of a load of tokens ``[num_computed_tokens, num_load_tokens)``,
+    per group, from block 0 (placeholders, -1, stand where the engine gave a group no
+    block: vLLM's sliding-window blocks before the window). Raises
+    :class:`LifecycleError` when the engine allocated too few, or a placeholder where the
+    load writes."""
     if len(block_ids_per_group) != len(specs):
         raise LifecycleError(
             f"request {request_id!r}: {len(block_ids_per_group)} block lists for "
@@ -85,5 +91,21 @@ def load_block_ids(
                 f"request {request_id!r}, group {g}: {len(ids)} blocks allocated, the load of "
                 f"{num_load_tokens} tokens needs {need} of {spec.block_size} tokens"
             )
+        written = ids[_first_written(spec, num_computed_tokens, num_load_tokens) : need]
+        if any(b < 0 for b in written):
+            raise LifecycleError(
+                f"request {request_id!r}, group {g}: the load of tokens "
+                f"[{num_computed_tokens}, {num_load_tokens}) writes blocks {list(written)} "
+                f"of {spec.block_size} tokens; the engine gave no block (-1) for some"
+            )
         out.append(tuple(map(int, ids[:need])))
     return tuple(out)
+
+
+def _first_written(spec: KVCacheSpec, start: int, end: int) -> int:
+    """The first logical block a load of tokens ``[start, end)`` writes in ``spec``'s group."""
+    if spec.kind is KVCacheKind.STATE:
+        return max(0, end - 1) // spec.block_size
+    if isinstance(spec, SlidingWindowSpec):
+        start = max(start, spec.window_start(end))
+    return start // spec.block_size

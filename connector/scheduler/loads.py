@@ -11,6 +11,7 @@ engine's calls.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,8 @@ from kvbridge.connector.scheduler.load_range import load_block_ids, load_end
 from kvbridge.layouts.specs import KVCacheSpec
 
 Queued = tuple[tuple[str, KVTransferParams], ...]
+
+logger = logging.getLogger(__name__)
 
 
 class Loads:
@@ -56,6 +59,7 @@ class Loads:
         self._waiting: dict[str, KVTransferParams] = {}
         self._to_free: set[str] = set()  # aborted while loading; the load has ended now
         self.outcomes: Counter[LoadState] = Counter()
+        self.num_unserved = 0  # loads the params could not serve: decode computed them
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._records
@@ -84,6 +88,7 @@ class Loads:
         if num_computed_tokens < 0:
             raise LifecycleError(f"request {rid!r}: num_computed_tokens={num_computed_tokens}")
         record = self._records.get(rid)
+        first_ask = record is None
         if record is None:
             params.validate_for_load(len(self._specs))
             self._signer.verify(params)  # once: later, heartbeats keep the lease alive
@@ -93,9 +98,16 @@ class Loads:
                 f"request {rid!r} is {record.state.name}; get_num_new_matched_tokens is only "
                 f"asked before its blocks are allocated"
             )
-        record.num_load_tokens = load_end(
-            self._specs, params, len(request.prompt_token_ids), num_computed_tokens, rid
-        )
+        end, why = load_end(self._specs, params, len(request.prompt_token_ids), num_computed_tokens)
+        if why and first_ask:  # once per request, not each step it waits for blocks
+            self.num_unserved += 1
+            logger.warning(
+                "request %s: prefill %s cannot serve its load (%s); computing the prompt locally",
+                rid,
+                params.remote_engine_id,
+                why,
+            )
+        record.num_load_tokens = end
         record.num_computed_tokens = num_computed_tokens
         self._records[rid] = record
         if record.num_load_tokens > num_computed_tokens:
@@ -138,7 +150,11 @@ class Loads:
                 f"(state {record.state.name})"
             )
         local_block_ids = load_block_ids(
-            self._specs, rid, block_ids_per_group, record.num_load_tokens
+            self._specs,
+            rid,
+            block_ids_per_group,
+            record.num_load_tokens,
+            record.num_computed_tokens,
         )
         record.advance(LoadState.ALLOCATED)
         self._waiting.pop(rid, None)

@@ -10,14 +10,21 @@ that state in an extra *resume block* when ``E`` is not a block boundary (it pas
 ``bs``-token blocks::
 
     full / MLA        blocks covering [0, E)
-    sliding window w  blocks covering [max(0, E - w), E)
+    sliding window w  blocks covering [max(0, E - w + 1), E): token E, which decode
+                      computes first, attends to itself and the w - 1 before it (vLLM's
+                      ``get_num_skipped_tokens``; later tokens need only later ones)
     state             the resume block (state after E), else block E/bs - 1
 
     e.g. N = 101, E = 100, bs = 16, w = 24, a resume block R:
     block        0   1   2   3   4   5   6
     full         K   K   K   K   K   K   K       K = kept for the decode
-    window       f   f   f   f   f   K   K       f = freed at request_finished
+    window       f   f   f   f   K   K   K       f = freed at request_finished
     state        f   f   f   f   f   f   f   + R (state after token 100)
+
+vLLM itself frees a sliding-window group's blocks wholly before token ``n - w + 1`` when
+a request of ``n`` computed tokens finishes, before the connector sees them; its prefill
+therefore computes ``N - 1`` tokens (``kvbridge.connector.vllm.scheduler_side``), so the
+block of token ``E - w + 1 = N - w`` is still there.
 
 How long. One clock decides, the prefill worker's (``kvbridge.connector.worker.prefill
 .sender``): a hold ends when its last reader said Done, when its lease ran out (extended
@@ -30,7 +37,7 @@ frees kept blocks only when every worker rank reported the request in
 from __future__ import annotations
 
 from kvbridge.connector.scheduler.lifecycle import SEND_TRANSITIONS, SendState, check_transition
-from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec
+from kvbridge.layouts.specs import KVCacheKind, KVCacheSpec, SlidingWindowSpec
 
 
 def resume_point(num_tokens: int, block_size: int, *, resume_state: bool) -> int:
@@ -48,7 +55,9 @@ def retained_block_range(spec: KVCacheSpec, end: int) -> tuple[int, int]:
         case KVCacheKind.FULL_ATTENTION | KVCacheKind.MLA:
             return 0, stop
         case KVCacheKind.SLIDING_WINDOW:
-            return max(0, end - spec.sliding_window) // bs, stop
+            assert isinstance(spec, SlidingWindowSpec)
+            start = spec.window_start(end)
+            return (start // bs if start < end else stop), stop
         case KVCacheKind.STATE:
             if end == 0 or end % bs:
                 return stop, stop

@@ -262,6 +262,13 @@ class KVBridgeScheduler:
         return self._sends.book.num_kept_blocks
 
     @property
+    def num_unserved_loads(self) -> int:
+        """Decode requests whose params could not serve a load (a sliding window or a state
+        prefill did not keep), each logged as a warning with its reason; decode computed
+        them."""
+        return self._loads.num_unserved
+
+    @property
     def num_live_loads(self) -> int:
         """Decode requests not yet loaded, recomputed, failed, released or aborted."""
         return len(self._loads)

@@ -74,8 +74,14 @@ class VLLMSchedulerSide:
         self.counters: Counter[str] = Counter()
         self._delta = CounterDelta()
         # state (Mamba) groups: vLLM keeps one running state per request, so a prefill
-        # must stop one token short (decode resumes from the state after N - 1 tokens)
+        # must stop one token short (decode resumes from the state after N - 1 tokens);
+        # sliding-window groups: vLLM frees the out-of-window blocks of the computed
+        # tokens at finish, so a prefill of all N would free the block of token N - w,
+        # which decode's window for token N - 1 reads
         self._state_groups = [g.group_id for g in kv_config.groups if g.kind is KVCacheKind.STATE]
+        self._withholds = any(
+            g.kind in (KVCacheKind.STATE, KVCacheKind.SLIDING_WINDOW) for g in kv_config.groups
+        )
         self._withheld: dict[str, list[int]] = {}  # prompt tokens a prefill did not compute
         self._refused: list[str] = []  # loads refused since the last metadata
 
@@ -97,15 +103,25 @@ class VLLMSchedulerSide:
         return RequestView(request, params)
 
     def on_new_request(self, request: Any) -> None:
-        """A request reached the engine. A prefill of a model with state groups withholds
-        the prompt's last token: vLLM keeps one running state per request, and decode,
-        which computes the last token itself, needs the state after the ones before it.
-        The request then computes ``N - 1`` tokens and stops after one output token
-        (vLLM's own NixlConnector does the same, and both mark the params
-        ``_p_side_truncated``); its kvbridge params still describe ``N``. A prompt that
-        cannot be shortened this way is computed whole and handed over to no decode
-        (see :meth:`_not_withheld`)."""
-        if not self._state_groups or not self.sched.config.is_producer:
+        """A request reached the engine. A prefill of a model with state or sliding-window
+        groups withholds the prompt's last token, which decode computes itself:
+
+        - state: vLLM keeps one running state per request, and decode needs the state
+          after the tokens before the last one (vLLM's own NixlConnector does the same);
+        - sliding window ``w``: when a request of ``n`` computed tokens finishes, vLLM
+          frees the blocks wholly before token ``n - w + 1`` before the connector sees
+          them (``Scheduler._connector_finished`` calls ``remove_skipped_blocks``). Decode
+          computes token ``N - 1``, which attends to tokens ``N - w ..``: with ``n = N``
+          the block of token ``N - w`` is gone whenever ``N - w + 1`` starts a block; with
+          ``n = N - 1`` it never is.
+
+        The request then computes ``N - 1`` tokens and stops after one output token, its
+        params marked ``_p_side_truncated`` as vLLM's NixlConnector marks them; its
+        kvbridge params still describe ``N``. A prompt that cannot be shortened this way
+        (see :meth:`_not_withheld`) is computed whole: a state model's is handed over to
+        no decode; a sliding-window model's is, and a decode whose window prefill could
+        not keep computes it (a counted warning there)."""
+        if not self._withholds or not self.sched.config.is_producer:
             return
         view = self._view(request)
         params = None if view is None else view.kv_transfer_params
@@ -324,6 +340,7 @@ class VLLMSchedulerSide:
             LoadState.RELEASED,
         ):
             current[f"loads_{state.name.lower()}"] = s.load_outcomes[state]
+        current["loads_unserved"] = s.num_unserved_loads
         data: dict[str, float] = self._delta.take(current)
         data["held_requests"] = s.num_held_sends
         data["held_blocks"] = s.num_held_blocks

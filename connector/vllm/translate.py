@@ -44,8 +44,8 @@ _VLLM_LAYOUTS: dict[str, tuple[KVLayout, bool]] = {
 
 # Keys vLLM itself adds to kv_transfer_params on the way out (its scheduler reports the
 # prefill's prefix hit to the frontend); they are vLLM's, not kvbridge's, and are dropped.
-# (``_p_side_truncated``: a prefill of a state model shortened the prompt by one token; vLLM's
-# NixlConnector and kvbridge both mark it.)
+# (``_p_side_truncated``: a prefill of a state or sliding-window model shortened the prompt
+# by one token; vLLM's NixlConnector and kvbridge both mark it.)
 _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens", "_p_side_truncated"})
 
 # vLLM calls the connector only while it has work: an idle prefill must still answer the

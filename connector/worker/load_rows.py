@@ -1,10 +1,12 @@
 """Which descriptor rows move one load of one group: a pure function of the plan.
 
 Decode uses it to READ (pull); prefill uses the very same function, on decode's plan and
-decode's group spec, to WRITE into decode's blocks (push). ``reader_*`` is always decode's
-side of the plan (its blocks and rows), ``writer_*`` prefill's::
+decode's group spec, to WRITE into decode's blocks (push), and both sides digest a
+verified load by it. ``reader_*`` is always decode's side of the plan (its blocks and
+rows), ``writer_*`` prefill's::
 
-    tokens [lo, end) of the load   (a sliding window starts at end - window)
+    tokens [lo, end) of the load   (a sliding window: lo >= end - window + 1, what
+                                    token end, the first decode computes, attends to)
       -> wire chunks of the plan   (g.chunks_for_tokens)
       -> per piece stream: reader rows and writer rows, pairwise equal lengths
 
@@ -70,7 +72,7 @@ def group_rows(
         return GroupRows(rows=tuple(rows), touched=lids[lblock : lblock + 1])
     lo = start
     if isinstance(reader_spec, SlidingWindowSpec):
-        lo = max(start, end - reader_spec.sliding_window)
+        lo = max(start, reader_spec.window_start(end))
     if g.split_from:
         blocks = g.chunks_for_tokens(lo, end)  # one chunk per remote block
         if blocks.size and (blocks[0] < writer_first or blocks[-1] - writer_first >= rids.size):

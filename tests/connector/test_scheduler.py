@@ -208,6 +208,22 @@ def test_prefill_blocks_past_the_prompt_are_freed_at_once() -> None:
     eng.assert_clean()
 
 
+def test_a_load_into_a_placeholder_block_is_refused() -> None:
+    """vLLM gives a decode's window group null blocks (-1 here) before the window of the
+    loaded tokens: the load of [0, 99) writes window blocks from token 99 - 23 = 76 on
+    (block 4), never a placeholder."""
+    eng = Engine(KVRole.CONSUMER, kinds=(FULL, SW))  # 16-token blocks, window 24
+    req = Req("d", prompt(100), remote_params(100, num_groups=2))
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (99, True)
+    full = list(range(10, 17))
+    with pytest.raises(LifecycleError, match=r"group 1: the load of tokens \[0, 99\) writes"):
+        eng.sched.update_state_after_alloc(req, [full, [-1] * 5 + [25, 26]], 99)
+    eng.sched.update_state_after_alloc(req, [full, [-1] * 4 + [24, 25, 26]], 99)
+    meta, _ = eng.step()
+    [load] = meta.reqs_to_load
+    assert load.local_block_ids == (tuple(full), (-1, -1, -1, -1, 24, 25, 26))
+
+
 HYBRID = (FULL, SW, STATE)
 
 
@@ -220,7 +236,7 @@ def test_hybrid_keeps_the_window_and_the_state_where_decode_resumes() -> None:
     delay, params = eng.sched.request_finished(req, blocks, resume_state_block_ids={2: resume})
     assert delay
     full, window, _ = blocks
-    # window 24 before token 100: tokens [76, 100) -> blocks 4..6
+    # window 24 for token 100: tokens [77, 100) -> blocks 4..6
     assert params.resume_tokens == 100
     assert params.remote_first_block == [0, 4, 6]
     assert params.remote_block_ids == [full, window[4:7], [resume]]
@@ -432,7 +448,9 @@ def test_retained_blocks_are_exactly_what_the_resume_point_needs(
     window_spec = SlidingWindowSpec(**attn, sliding_window=window)
     first, stop = retained_block_range(window_spec, end)
     blocks = set(range(first, stop))
-    tokens = range(max(0, end - window), end)  # the window before the resume point
+    # the tokens the resume point attends to besides itself: vLLM's window of w holds the
+    # token and the w - 1 before it (SlidingWindowManager.get_num_skipped_tokens)
+    tokens = range(max(0, end - window + 1), end)
     assert blocks == {t // prefill_bs for t in tokens}
     full_spec = FullAttentionSpec(**attn)
     assert retained_block_range(full_spec, end) == (0, -(-end // prefill_bs))
@@ -910,12 +928,13 @@ def test_window_before_prefills_first_kept_block_is_computed_locally() -> None:
     """vLLM frees out-of-window blocks during prefill: the params start the window group
     at its first kept block. A prompt shorter than prefill's can need older blocks."""
     eng = Engine(KVRole.CONSUMER, kinds=(FULL, SW), block_size=64)  # window 24
-    n = 178  # prefill 32-token blocks keep window blocks from (177 - 24) // 32 = 4
+    n = 178  # prefill 32-token blocks keep window blocks from (177 - 23) // 32 = 4
     params = remote_params(n, num_groups=2, block_size=32)
     params = msgspec.structs.replace(params, remote_first_block=[0, 4])
     req = Req("w", prompt(129), params)
-    # resume at 128: the window needs tokens 104..127, in prefill block 3
+    # resume at 128: the window needs tokens 105..127, in prefill block 3
     assert admit(eng, req) == 0
     assert eng.sched.load_state("w") is LoadState.RELEASING  # prefill is told to free
+    assert eng.sched.num_unserved_loads == 1  # and a warning says why
     ok = Req("v", prompt(129), msgspec.structs.replace(params, remote_first_block=[0, 3]))
     assert admit(eng, ok) == 128

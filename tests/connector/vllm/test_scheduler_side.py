@@ -86,11 +86,11 @@ def test_tp_ranks_reports_count_apart_and_one_failed_rank_recomputes_the_load():
     )
     req = _Request("r1", params.to_dict())
     assert side.get_num_new_matched_tokens(req, 0) == (99, True)
-    side.update_state_after_alloc(req, _Blocks([[0, 1, 2, 7]]), 99)
+    side.update_state_after_alloc(req, _Blocks([[3, 1, 2, 7]]), 99)  # 0: vLLM's null block
     [spec_out] = side.build_connector_meta().meta.reqs_to_load
     assert spec_out.request_id == "r1"
     failure = LoadFailure(
-        request_id="r1", reason="timed out", invalid_block_ids=((0, 1, 2, 7),), num_valid_tokens=0
+        request_id="r1", reason="timed out", invalid_block_ids=((3, 1, 2, 7),), num_valid_tokens=0
     )
     rank0 = KVBridgeWorkerMetadata(WorkerOutput(finished_recving=frozenset({"r1"})))
     rank1 = KVBridgeWorkerMetadata(WorkerOutput(failed_loads=(failure,)))
