@@ -792,6 +792,9 @@ def main() -> None:
         )
         return
     indices_s = time_indices()
+    # before any NIXL agent lives in this process: UCX's threads would take the cores the
+    # digest's and the copy's own threads need on a small machine
+    digest = measure_digest(args.device, args.iterations) if args.verify == "compare" else []
     mib = shape.request_bytes / 2**20
     print(
         f"shape: {shape.layers} layers x {shape.heads} KV heads x {shape.head_size} fp16, "
@@ -906,9 +909,7 @@ def main() -> None:
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
         "Pushed (the child polls every ~1 ms between its steps)."
     )
-    digest = []
-    if args.verify == "compare":
-        digest = measure_digest(args.device, args.iterations)
+    if digest:
         print_digest(digest, args.device)
     write_json(
         args.json,
