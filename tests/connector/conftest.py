@@ -263,7 +263,7 @@ def plan_request(
         if isinstance(spec, StateSpec):
             first = last = end // pb - 1
         elif isinstance(spec, SlidingWindowSpec):
-            first = max(0, end - spec.sliding_window) // pb
+            first = spec.window_start(end) // pb
         else:
             first = 0
         ids = block_ids_for(rng, last - first + 1, exclude=taken_p)
@@ -289,7 +289,7 @@ def moved_range(decode: Node, req: Request, group_id: int) -> tuple[int, int]:
     spec = decode.buffers.config.groups[group_id].spec
     lo = req.start
     if isinstance(spec, SlidingWindowSpec):
-        lo = max(lo, req.end - spec.sliding_window)
+        lo = max(lo, spec.window_start(req.end))
     return lo, req.end
 
 

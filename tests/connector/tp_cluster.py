@@ -189,8 +189,9 @@ def held(child: Child, request_id: str) -> list[int] | None:
 
 
 def window_lo(kind: str) -> int:
-    """First token a load moves for a group kind: a sliding window (24) only its tail."""
-    return TOKENS - 24 if kind == "S" else 0
+    """First token a load moves for a group kind: a sliding window (24) only its tail, the
+    23 tokens before the next one (``SlidingWindowSpec.window_start``)."""
+    return TOKENS - 24 + 1 if kind == "S" else 0
 
 
 @dataclass(frozen=True)

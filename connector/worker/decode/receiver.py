@@ -519,7 +519,9 @@ class Receiver:
     def _complete(self, load: Load) -> None:
         """Every source's transfers ended: finish the blocks (landing) by the plans the
         sources were posted with, report; a load landing cannot finish fails."""
-        if load.verify:  # before any rewrite of ours touches the landed bytes
+        # verified before any rewrite of ours touches the landed bytes (a source without
+        # a plan is landing's to refuse, below)
+        if load.verify and all(src.plan is not None for src in load.sources):
             assert self._verifier is not None
             mismatch = self._verifier.check(load)
             if mismatch:

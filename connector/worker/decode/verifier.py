@@ -22,6 +22,7 @@ group whose landed pages were not all summed (``load_digests``) is counted in
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -96,6 +97,18 @@ class Verifier:
         p = load.spec.params
         return (
             f"verify: the landed bytes are not what prefill {p.remote_engine_id} sent for "
-            f"its request {p.remote_request_id} (its blocks {list(p.remote_block_ids)}, ours "
-            f"{list(load.spec.local_block_ids)}): " + "; ".join(problems)
+            f"its request {p.remote_request_id} (its blocks {_ids(p.remote_block_ids)}, ours "
+            f"{_ids(load.spec.local_block_ids)}): " + "; ".join(problems)
         )
+
+
+def _ids(per_group: Sequence[Sequence[int]], most: int = 16) -> str:
+    """Block ids per group for a log line, each list cut after ``most``."""
+    return (
+        "["
+        + ", ".join(
+            str(list(ids)) if len(ids) <= most else f"[{', '.join(map(str, ids[:most]))}, ...]"
+            for ids in per_group
+        )
+        + "]"
+    )
