@@ -6,8 +6,9 @@ attempt can never be mistaken for the answer to the next one::
     attempt 1: connect, send, poll(timeout_s) ... nothing -> close, sleep backoff
     attempt 2: connect, send, poll(timeout_s) ... reply   -> verify, decode, return
 
-Only timeouts are retried: a refused, malformed or unauthenticated reply comes from a live
-peer that will answer the same way again, so it raises at once.
+Only timeouts and ``busy`` refusals (the peer's request queue was full: a live peer that
+will answer once it has drained it) are retried: a refused, malformed or unauthenticated
+reply comes from a live peer that will answer the same way again, so it raises at once.
 """
 
 from __future__ import annotations
@@ -121,18 +122,28 @@ class HandshakeClient:
             self._cache.pop((engine_id, rank), None)
 
     def fetch(self, host: str, port: int) -> WorkerDescription:
-        """Handshake with host:port now (no cache); retries only on timeouts."""
+        """Handshake with host:port now (no cache); retries only on timeouts and busy
+        refusals (the last refusal is raised when every attempt was refused)."""
         ctx = self._ctx
         if ctx is None:
             raise HandshakeError(f"{self!r}: fetch({host}:{port}) after close()")
         cfg = self.config
         started = time.monotonic()
+        busy: PeerError | None = None
         for attempt in range(cfg.retries + 1):
             if attempt:
                 time.sleep(cfg.backoff_s * 2 ** (attempt - 1))
             reply = self._attempt(ctx, host, port)
-            if reply is not None:
+            if reply is None:
+                continue
+            try:
                 return self._accept(reply, f"{host}:{port}")
+            except PeerError as exc:
+                if exc.code is not ErrorCode.BUSY:
+                    raise
+                busy = exc  # its queue was full: it answers once it drained it
+        if busy is not None:
+            raise busy
         elapsed = time.monotonic() - started
         raise HandshakeTimeoutError(
             f"no handshake reply from {host}:{port} after {cfg.retries + 1} attempt(s) in "

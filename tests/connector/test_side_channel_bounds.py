@@ -198,3 +198,40 @@ def test_a_request_reusing_a_live_agents_name_changes_nothing_it_was_added_with(
     agents.asked("decode-r0", b"forged", object())  # type: ignore[arg-type]
     assert agents.layout("decode-r0") is first
     assert engine.peers == {"decode-r0"} and agents.num_kept_bytes == 0
+
+
+def test_a_busy_listener_is_asked_again_until_it_drained_its_queue(engine, clock, monkeypatch):
+    """The requester retries a ``busy`` refusal (with its backoff) instead of failing the
+    peer: once the worker took the queued requests, the handshake goes through."""
+    import threading
+    import time
+
+    monkeypatch.setattr("kvbridge.handshake.listener.MAX_QUEUED_REQUESTS", 1)
+    side = _side_channel(engine, clock)
+    try:
+        _ask(side, "decode-0")  # the queue is full now
+        request = MetadataRequest(
+            protocol_version=PROTOCOL_VERSION,
+            requester_engine_id="decode",
+            requester_agent_name="decode-1",
+            requester_nixl_metadata=b"m",
+        )
+        client = HandshakeClient(
+            ClientConfig(timeout_s=2.0, retries=6, backoff_s=0.1), request=request
+        )
+        result: dict[str, object] = {}
+        asking = threading.Thread(
+            target=lambda: result.update(desc=client.fetch("127.0.0.1", side.port))
+        )
+        asking.start()
+        deadline = time.monotonic() + 10.0
+        while side.listener.stats().errors.get(ErrorCode.BUSY, 0) < 1:
+            assert time.monotonic() < deadline, "timed out waiting for the busy refusal"
+            time.sleep(0.01)  # polling the listener's counter, not synchronising on time
+        side.add_requesters()  # the worker steps: the queue empties
+        asking.join(timeout=15.0)
+        assert not asking.is_alive(), "the handshake did not end after the queue drained"
+        client.close()
+        assert result["desc"] == side.description
+    finally:
+        side.close()
