@@ -16,7 +16,8 @@ site_dir="$(mktemp -d)"  # the built site stays out of the repository
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
 rm -rf "$site_dir"
 set +e
-.venv/bin/python -m pytest "$@"
+# the 30 slowest tests close the report: CI's time (target under 30 minutes) is read there
+.venv/bin/python -m pytest --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
