@@ -8,7 +8,9 @@ through vLLM's own registry). Names follow Prometheus' conventions: every counte
 ``_total`` (``kvbridge_transfers_total``, ``kvbridge_transfer_seconds_total``), and each
 decode load's phases are one histogram, ``kvbridge_load_phase_seconds{phase=...}``.
 Decode's quarantine is also shown per prefill agent as gauges
-(``kvbridge_quarantined_blocks{peer=...}``, ``kvbridge_quarantined_bytes{peer=...}``).
+(``kvbridge_quarantined_blocks{peer=...}``, ``kvbridge_quarantined_bytes{peer=...}``), and
+the time the engine's calls spend in the connector as a histogram per hook,
+``kvbridge_engine_call_seconds{hook=...}`` (``kvbridge.connector.common.engine_calls``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from kvbridge.connector.common.engine_calls import (
+    ENGINE_CALL_BUCKETS,
+    ENGINE_CALL_HELP,
+    EngineCallTimes,
+)
 
 # the phases of a decode load (kvbridge.connector.worker.decode.load_timeline)
 LOAD_PHASES = ("peer", "prepare", "data", "finish")
@@ -102,6 +110,8 @@ class ConnectorMetrics:
         default_factory=lambda: {p: [0] * (len(LOAD_PHASE_BUCKETS) + 1) for p in LOAD_PHASES},
         repr=False,
     )
+    # every engine call into this worker's connector, per hook (engine_calls)
+    engine_calls: EngineCallTimes = field(default_factory=EngineCallTimes, repr=False)
 
     def observe_load(self, phases: dict[str, float]) -> None:
         """One finished load's seconds per phase: into the sums and the histogram."""
@@ -203,6 +213,7 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
         buckets = list(zip(bounds, cumulative, strict=True))
         hist.add_metric([phase], buckets, getattr(metrics, f"load_{phase}_seconds"))
     yield hist
+    yield engine_call_family(metrics.engine_calls, prefix)
     blocks = GaugeMetricFamily(
         f"{prefix}_quarantined_blocks",
         "Decode block rows of failed loads whose READs from this prefill may still land.",
@@ -218,6 +229,18 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
         num_bytes.add_metric([peer], n_bytes)
     yield blocks
     yield num_bytes
+
+
+def engine_call_family(times: EngineCallTimes, prefix: str = "kvbridge") -> Metric:
+    """``<prefix>_engine_call_seconds{hook=...}``: the histogram of ``times``."""
+    family = HistogramMetricFamily(
+        f"{prefix}_engine_call_seconds", ENGINE_CALL_HELP, labels=["hook"]
+    )
+    bounds = [str(b) for b in ENGINE_CALL_BUCKETS] + ["+Inf"]
+    for hook, (counts, total) in sorted(times.histogram().items()):
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        family.add_metric([hook], list(zip(bounds, cumulative, strict=True)), total)
+    return family
 
 
 def parse_metrics(text: str) -> dict[str, float]:

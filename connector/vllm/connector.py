@@ -17,8 +17,11 @@ own block list end to end.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -52,6 +55,27 @@ def _log_through_vllm() -> None:
         log.handlers = list(handlers)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _scheduler_hook(method: Callable[P, R]) -> Callable[P, R]:
+    """A scheduler hook of vLLM's engine core, timed into the scheduler side's
+    ``engine_calls`` (the worker's hooks are timed by the worker, ``engine_call``)."""
+    hook = method.__name__
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        self: Any = args[0]  # a KVBridgeConnector on the scheduler side
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self.scheduler_side.engine_calls.observe(hook, time.perf_counter() - start)
+
+    return call
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -167,26 +191,33 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.scheduler_side.set_handshake_metadata(metadata)
 
+    @_scheduler_hook
     def on_new_request(self, request: Any) -> None:
         self.scheduler_side.on_new_request(request)
 
+    @_scheduler_hook
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_scheduler_hook
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_scheduler_hook
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta()
 
+    @_scheduler_hook
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler_side.update_connector_output(connector_output.kv_connector_worker_meta)
 
+    @_scheduler_hook
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.scheduler_side.request_finished(request, [block_ids])
 
+    @_scheduler_hook
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:

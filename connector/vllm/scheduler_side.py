@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
+from kvbridge.connector.common.engine_calls import EngineCallTimes
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LoadState, SendState
@@ -24,7 +25,7 @@ from kvbridge.connector.vllm.metadata import (
     KVBridgeMetadata,
     KVBridgeWorkerMetadata,
 )
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
 from kvbridge.connector.vllm.translate import (
     engine_block_ids,
     parse_params,
@@ -72,6 +73,8 @@ class VLLMSchedulerSide:
         self._views: dict[str, RequestView] = {}  # requests kvbridge may still load for
         self._bad_params: set[str] = set()
         self.counters: Counter[str] = Counter()
+        # the engine core's calls into this side, per hook (KVBridgeConnector times them)
+        self.engine_calls = EngineCallTimes()
         self._delta = CounterDelta()
         # state (Mamba) groups: vLLM keeps one running state per request, so a prefill
         # must stop one token short (decode resumes from the state after N - 1 tokens);
@@ -345,4 +348,4 @@ class VLLMSchedulerSide:
         data["held_requests"] = s.num_held_sends
         data["held_blocks"] = s.num_held_blocks
         data["loading_requests"] = s.num_live_loads
-        return KVBridgeStats(data=data)
+        return KVBridgeStats(data={**data, **engine_call_data(self.engine_calls)})

@@ -6,7 +6,10 @@ hands them to :class:`KVBridgePromMetrics`, which exports ``vllm:kvbridge_<name>
 (counters get Prometheus' ``_total`` suffix) with the HELP text of
 ``kvbridge.connector.common.metrics``, the catalogue the example servers export from too.
 The load phases' sums are counters here (``vllm:kvbridge_load_data_seconds_total``):
-vLLM's stats pipeline carries increases from the workers, not observations.
+vLLM's stats pipeline carries increases from the workers, not observations. The engine's
+calls into the connector are the exception: each report carries the (hook, seconds) of the
+calls since the last one under :data:`ENGINE_CALLS`, and they are observed into a real
+histogram, ``vllm:kvbridge_engine_call_seconds{hook=...}``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvbridge.connector.common.engine_calls import (
+    ENGINE_CALL_BUCKETS,
+    ENGINE_CALL_HELP,
+    EngineCallTimes,
+)
 from kvbridge.connector.common.metrics import GAUGE_HELP, HELP
 
 # Every counter the worker side (ConnectorMetrics.counters()) and the scheduler side
 # report, and the scheduler's gauges, each with its HELP text.
 GAUGES = tuple(GAUGE_HELP)
 COUNTERS = tuple(HELP)
+ENGINE_CALLS = "engine_calls"  # [(hook, seconds), ...] observed since the last report
+
+
+def engine_call_data(times: EngineCallTimes) -> dict[str, Any]:
+    """The report's entry for the calls ``times`` saw since its last report (or none)."""
+    calls = times.take()
+    return {ENGINE_CALLS: [[hook, seconds] for hook, seconds in calls]} if calls else {}
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -35,14 +50,21 @@ class KVBridgeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
         merged = dict(self.data)
         for name, value in other.data.items():
-            if name in GAUGES:
+            if name == ENGINE_CALLS:
+                merged[name] = list(merged.get(name, [])) + list(value)
+            elif name in GAUGES:
                 merged[name] = value
             else:
                 merged[name] = merged.get(name, 0) + value
         return KVBridgeStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: v for k, v in self.data.items() if v}
+        out: dict[str, int | float] = {
+            k: v for k, v in self.data.items() if v and k != ENGINE_CALLS
+        }
+        calls = self.data.get(ENGINE_CALLS)
+        if calls:
+            out["engine_call_max_ms"] = round(1000 * max(s for _, s in calls), 3)
         seconds, transfers = self.data.get("transfer_seconds", 0.0), self.data.get("transfers", 0)
         if transfers:
             out["avg_transfer_ms"] = round(1000 * seconds / transfers, 3)
@@ -88,9 +110,19 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = {
                 idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._engine_calls = self._histogram_cls(
+            name="vllm:kvbridge_engine_call_seconds",
+            documentation=ENGINE_CALL_HELP,
+            labelnames=[*labelnames, "hook"],
+            buckets=list(ENGINE_CALL_BUCKETS),
+        )
+        self._engine_labels = dict(per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if name == ENGINE_CALLS:
+                self._observe_calls(value, engine_idx)
+                continue
             per_engine = self._metrics.get(name)
             if per_engine is None or engine_idx not in per_engine:
                 continue
@@ -98,3 +130,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].set(value)
             elif value > 0:
                 per_engine[engine_idx].inc(value)
+
+    def _observe_calls(self, calls: list[list[Any]], engine_idx: int) -> None:
+        labels = self._engine_labels.get(engine_idx)
+        if labels is None:
+            return
+        for hook, seconds in calls:
+            self._engine_calls.labels(*labels, str(hook)).observe(float(seconds))

@@ -24,7 +24,7 @@ from kvbridge.connector.vllm.metadata import (
     KVBridgeWorkerMetadata,
 )
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
 from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, engine_copies_for
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
@@ -166,7 +166,10 @@ class VLLMWorkerSide:
 
     def stats(self) -> KVBridgeStats | None:
         metrics = self.worker.metrics
-        data = self._delta.take(metrics.counters())
+        data: dict[str, Any] = {
+            **self._delta.take(metrics.counters()),
+            **engine_call_data(metrics.engine_calls),
+        }
         return KVBridgeStats(data=data) if data else None
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ settings it reads from ``extra`` are typed fields of
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -17,15 +18,21 @@ R = TypeVar("R")
 
 
 def engine_call(method: Callable[P, R]) -> Callable[P, R]:
-    """An engine-facing call: one at a time with the idle-progress thread."""
+    """An engine-facing call: one at a time with the idle-progress thread, timed from entry
+    (the lock's wait included) into ``metrics.engine_calls`` under the method's name."""
+    hook = method.__name__
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        self: Any = args[0]  # a KVBridgeWorker: _lock, _idle
-        with self._lock:
-            if self._idle is not None:
-                self._idle.touch()
-            return method(*args, **kwargs)
+        self: Any = args[0]  # a KVBridgeWorker: _lock, _idle, metrics
+        start = time.perf_counter()
+        try:
+            with self._lock:
+                if self._idle is not None:
+                    self._idle.touch()
+                return method(*args, **kwargs)
+        finally:
+            self.metrics.engine_calls.observe(hook, time.perf_counter() - start)
 
     return call
 

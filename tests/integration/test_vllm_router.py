@@ -102,10 +102,12 @@ def pair(request, model, reference, tmp_path_factory) -> Iterator[dict]:
 
 
 def _counts(service: Service) -> dict[str, float]:
-    """Decode's prompt tokens from a KV transfer and kvbridge's completed loads."""
+    """Decode's prompt tokens from a KV transfer, kvbridge's completed loads, and the
+    engine's calls into kvbridge that vLLM's histogram counted, per hook."""
     status, raw = http_get(service.url + "/metrics", timeout_s=5.0)
     assert status == 200, raw
     out = {"external": 0.0, "loaded": 0.0}
+    calls = "vllm:kvbridge_engine_call_seconds_count"
     for family in text_string_to_metric_families(raw.decode()):
         for sample in family.samples:
             if (
@@ -115,6 +117,9 @@ def _counts(service: Service) -> dict[str, float]:
                 out["external"] += sample.value
             elif sample.name == "vllm:kvbridge_loads_loaded_total":
                 out["loaded"] += sample.value
+            elif sample.name == calls:
+                hook = sample.labels["hook"]
+                out[hook] = out.get(hook, 0.0) + sample.value
     return out
 
 
@@ -167,6 +172,10 @@ def test_router_answers_equal_a_single_server_and_decode_loads_the_prompt(pair, 
     after = _counts(pair["decode"])
     assert after["external"] - before["external"] == sum(len(p) - 1 for p in prompts), after
     assert after["loaded"] - before["loaded"] == len(prompts), (before, after)
+    # both sides of decode's engine timed their calls into kvbridge: the scheduler's hooks
+    # (one match per request at least) and the worker's (one start_load_kv per step)
+    for hook in ("get_num_new_matched_tokens", "build_connector_meta", "start_load_kv"):
+        assert after.get(hook, 0.0) - before.get(hook, 0.0) >= len(prompts), (hook, after)
     streamed = _stream(pair["url"], model.name, prompts[0])
     assert streamed.text == want[0].text
     assert (

@@ -19,6 +19,7 @@ from kvbridge.examples.check import make_prompts
 from kvbridge.examples.launch import MODEL, Cluster
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
 from tests.verified_loads import verifying
 
 LEASE_S = 3.0
@@ -104,6 +105,7 @@ def test_a_frozen_prefill_times_the_load_out_then_frees_when_it_thaws(cluster, m
     recomputes (right tokens) and tells prefill, which frees once it runs again."""
     prompt = make_prompts(6)[4]
     params = _prefill(cluster, prompt)
+    calls_before = cluster["decode"].metrics()
     cluster["prefill"].signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -116,6 +118,9 @@ def test_a_frozen_prefill_times_the_load_out_then_frees_when_it_thaws(cluster, m
     cluster["prefill"].wait_all_free(LEASE_S + 5)
     out = cluster.complete("router", _body(make_prompts(6)[5]))
     assert _all_but_last(out)
+    # decode's engine kept stepping: no call into kvbridge waited on the frozen peer
+    slowest = slowest_engine_calls(calls_before, cluster["decode"].metrics())
+    assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, slowest
 
 
 def test_zz_decode_killed_prefill_frees_by_lease_and_keeps_serving(cluster):
