@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.connector.vllm import spin_wait, translate
+from kvbridge.connector.vllm import parallelism, spin_wait, translate
 from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 
 if TYPE_CHECKING:
@@ -82,7 +82,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
-        config = translate.transfer_config(vllm_config.kv_transfer_config)
+        config = parallelism.for_this_rank(
+            translate.transfer_config(vllm_config.kv_transfer_config),
+            vllm_config.parallel_config,
+        )
         from vllm.platforms import current_platform
 
         spin_wait.apply(config.extra.engine_step_wait, cpu_platform=current_platform.is_cpu())
