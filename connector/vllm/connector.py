@@ -118,6 +118,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 layout_hint=layout,
                 rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),
+                cache_dtype=str(vllm_config.cache_config.cache_dtype),
             )
 
     @property

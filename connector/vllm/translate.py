@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
@@ -22,6 +24,7 @@ from kvbridge.layouts.specs import (
     SlidingWindowSpec,
     StateSharding,
     StateSpec,
+    dtype_name,
 )
 
 # vLLM's --kv-transfer-config keys that kvbridge reads from the top level (vLLM 0.32 has
@@ -176,6 +179,23 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
             num_kv_heads=vspec.num_kv_heads, sliding_window=vspec.sliding_window, **common
         )
     return MLASpec(**common)
+
+
+# vLLM --kv-cache-dtype values that store one-byte fp8 elements (as torch.uint8), by format
+_FP8_FORMATS = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def kv_element_format(cache_dtype: str, storage: torch.dtype) -> str:
+    """What one KV element is, for the handshake to compare: the storage dtype's name, or
+    for an fp8 cache its format. vLLM stores every fp8 variant as ``torch.uint8``, so
+    prefill in e4m3 and decode in e5m2 would pass a dtype check and decode would read the
+    bytes in the wrong format; ``"fp8"`` is vLLM's name for e4m3. Per-tensor scales are the
+    checkpoint's (or 1.0), the same on both sides of one model."""
+    if cache_dtype in _FP8_FORMATS:
+        return _FP8_FORMATS[cache_dtype]
+    if cache_dtype in ("auto", "") or storage != torch.uint8:
+        return dtype_name(storage)
+    return cache_dtype  # another one-byte format vLLM names (quantised: refused per group)
 
 
 def single_block_groups(vllm_kv_cache_config: Any) -> frozenset[int]:

@@ -25,13 +25,14 @@ from kvbridge.connector.vllm.metadata import (
 )
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
 from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
+from kvbridge.connector.vllm.translate import kv_element_format
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
 from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, engine_copies_for
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
 from kvbridge.layouts.external import adopt_kv_caches
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.layout import KVLayout
-from kvbridge.layouts.specs import AttentionSpec, dtype_name
+from kvbridge.layouts.specs import AttentionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class VLLMWorkerSide:
         tp_size: int,
         cpu_attention: bool | None = None,
         host_staging: bool | None = None,
+        cache_dtype: str = "auto",
     ) -> None:
         """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
         ephemeral port, reported by :meth:`handshake_metadata`) and its
@@ -57,7 +59,9 @@ class VLLMWorkerSide:
         caches; None asks vLLM's platform (its CPU build runs CPU attention). False reads
         CPU-memory caches as a GPU backend's views describe them (the GPU tier on CPU).
         ``host_staging``: see :class:`KVBridgeWorker` (True stages a cache in host memory
-        through a host mirror: the ``kv_buffer_device: "cpu"`` GPU path, tested on CPU)."""
+        through a host mirror: the ``kv_buffer_device: "cpu"`` GPU path, tested on CPU).
+        ``cache_dtype``: vLLM's ``--kv-cache-dtype``; its element format is what the
+        handshake compares (:func:`~kvbridge.connector.vllm.translate.kv_element_format`)."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
         self._cpu_attention = cpu_attention
@@ -72,7 +76,7 @@ class VLLMWorkerSide:
             config,
             ModelInfo(
                 model_name=model_name,
-                dtype=dtype_name(spec.dtype),
+                dtype=kv_element_format(cache_dtype, spec.dtype),
                 num_kv_heads=total_kv_heads,
                 head_size=spec.head_size,
             ),

@@ -193,3 +193,33 @@ def test_params_drop_vllm_proxy_placeholders_and_name_bad_fields():
 
 def test_null_block_becomes_placeholder():
     assert translate.engine_block_ids([[0, 0, 5], [7]]) == [[-1, -1, 5], [7]]
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "storage", "want"),
+    [
+        ("auto", torch.bfloat16, "bfloat16"),
+        ("auto", torch.float32, "float32"),
+        ("fp8", torch.uint8, "fp8_e4m3"),  # vLLM's "fp8" is e4m3
+        ("fp8_e4m3", torch.uint8, "fp8_e4m3"),
+        ("fp8_e5m2", torch.uint8, "fp8_e5m2"),
+        ("bfloat16", torch.bfloat16, "bfloat16"),
+    ],
+)
+def test_the_kv_element_format_names_the_fp8_variant(cache_dtype, storage, want):
+    assert translate.kv_element_format(cache_dtype, storage) == want
+
+
+def test_fp8_e4m3_and_e5m2_caches_are_refused_at_the_handshake_by_name():
+    """vLLM stores both as uint8: the storage dtype alone let prefill in e4m3 and decode in
+    e5m2 pair, and decode read the bytes in the wrong format."""
+    from kvbridge.handshake.compat import check_compatible
+    from kvbridge.handshake.errors import IncompatiblePeerError
+    from tests.handshake.descriptions import make_description
+
+    e4m3 = translate.kv_element_format("fp8", torch.uint8)
+    e5m2 = translate.kv_element_format("fp8_e5m2", torch.uint8)
+    with pytest.raises(IncompatiblePeerError, match="fp8_e4m3") as err:
+        check_compatible(make_description(dtype=e5m2), make_description(dtype=e4m3))
+    assert err.value.differences == [("dtype", "fp8_e5m2", "fp8_e4m3")]
+    check_compatible(make_description(dtype=e4m3), make_description(dtype=e4m3))
