@@ -170,7 +170,11 @@ def _spec(group_id: int, layer_names: Sequence[str], vspec: Any) -> KVCacheSpec:
     # fp8 with per-tensor scales: the page holds plain one-byte elements (the scales are
     # the layer's, equal on both sides); per-token/head scales live in the page: refused
     if quant is not None and getattr(quant, "name", "NONE") not in _PLAIN_QUANT_MODES:
-        raise ConfigError(f"{where}: quantised KV caches ({quant}) are not supported")
+        raise ConfigError(
+            f"{where}: quantised KV caches ({getattr(quant, 'name', quant)}: scales kept "
+            f"inside the page) are not supported; start vLLM with --kv-cache-dtype auto, "
+            f"or an fp8 dtype with per-tensor scales (fp8, fp8_e4m3, fp8_e5m2)"
+        )
     common = {"block_size": vspec.block_size, "head_size": vspec.head_size, "dtype": vspec.dtype}
     if kind == "FullAttentionSpec":
         return FullAttentionSpec(num_kv_heads=vspec.num_kv_heads, **common)

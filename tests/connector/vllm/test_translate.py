@@ -223,3 +223,23 @@ def test_fp8_e4m3_and_e5m2_caches_are_refused_at_the_handshake_by_name():
         check_compatible(make_description(dtype=e5m2), make_description(dtype=e4m3))
     assert err.value.differences == [("dtype", "fp8_e5m2", "fp8_e4m3")]
     check_compatible(make_description(dtype=e4m3), make_description(dtype=e4m3))
+
+
+@pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4"])
+def test_caches_with_scales_inside_the_page_are_refused_by_name(mode):
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    spec = replace(_full(), dtype=torch.uint8, kv_quant_mode=KVQuantMode[mode])
+    vcfg = VKVCacheConfig(
+        num_blocks=10,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=spec)],
+    )
+    with pytest.raises(
+        ConfigError, match=f"quantised KV caches \\({mode}: .* --kv-cache-dtype auto"
+    ):
+        translate.kv_cache_config(vcfg)
+    plain = replace(spec, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    vcfg.kv_cache_groups[0] = KVCacheGroupSpec(layer_names=["m"], kv_cache_spec=plain)
+    (group,) = translate.kv_cache_config(vcfg).groups  # per-tensor fp8: plain bytes
+    assert group.spec.dtype == torch.uint8
