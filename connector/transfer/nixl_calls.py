@@ -1,13 +1,15 @@
 """How kvbridge calls NIXL's Python API: exceptions and status strings mapped to ours in
 one place each, NIXL's names for memory kinds and operations, the progress-thread delay
 the wrapper does not expose (NIXL_NOTES.md: its zero delay spins a core per agent), the
-agent built from our config, and a transfer request by index or by runs.
-Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
+agent built from our config (with UCX's TCP connects made non-blocking unless the
+environment says otherwise: :data:`UCX_DEFAULTS`), and a transfer request by index or by
+runs. Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -34,6 +36,14 @@ _HINTS: dict[str, str] = {
     "nixlRemoteDisconnectError": "the peer process is gone",
 }
 logger = logging.getLogger(__name__)
+
+# UCX settings kvbridge's agents get unless the process environment sets them (read by UCX
+# when an agent's backend starts). UCX_TCP_CONN_NB: UCX's default (n) connects a TCP
+# endpoint with a blocking connect() inside add_remote_agent, under NIXL's agent lock; a
+# peer whose address drops packets held that call 134 s (the kernel's SYN retries), and
+# every other NIXL call of the agent with it. With y the add returns in milliseconds and
+# an unreachable peer fails its first transfer instead (docs/nixl-holds.md).
+UCX_DEFAULTS = {"UCX_TCP_CONN_NB": "y"}
 
 NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 NIXL_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
@@ -127,6 +137,8 @@ def new_agent(config: NixlEngineConfig) -> nixl_agent:
     delay_us = (
         config.progress_delay_us if config.progress is ProgressMode.PROGRESS_THREAD_DELAY else 0
     )
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     with nixl_call(f"agent {name!r}: create", slow_s=None), progress_delay(delay_us):
         agent = nixl_agent(name, nixl_config)
     missing = set(config.backends) - set(agent.backends)
