@@ -28,6 +28,7 @@ import pytest
 from kvbridge.examples.check import make_prompts
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
 from tests.multihost.hosts import HostCluster
 from tests.multihost.netns import Link
 
@@ -153,6 +154,7 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
     link, decode = hosts.link, hosts["decode"]
     log = decode.tail(10**7)
     before, failures_logged = decode.metrics(), log.count("failed with")
+    prefill_before = hosts["prefill"].metrics()
     recomputes_logged = log.count("recomputing from token 0")
     prompt = big_prompt(f"cut-{hosts.mode}")
     link.set_rate(CUT_RATE)
@@ -220,6 +222,11 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
             break
     assert loaded_all_but_last(outs[-1]), [o["usage"] for o in outs]
     all_free(hosts, LEASE_S + 5)
+    # neither engine waited on the partition: no call into kvbridge took longer than the
+    # bound, cut, heal and the new endpoints after it included
+    for name, calls_before in (("decode", before), ("prefill", prefill_before)):
+        slowest = slowest_engine_calls(calls_before, hosts[name].metrics())
+        assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, (name, slowest)
 
 
 def test_a_peer_restarted_in_place_is_handshaken_again(hosts, model):
