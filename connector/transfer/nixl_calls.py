@@ -1,15 +1,14 @@
 """How kvbridge calls NIXL's Python API: exceptions and status strings mapped to ours in
 one place each, NIXL's names for memory kinds and operations, the progress-thread delay
 the wrapper does not expose (NIXL_NOTES.md: its zero delay spins a core per agent), the
-agent built from our config (with UCX's TCP connects made non-blocking unless the
-environment says otherwise: :data:`UCX_DEFAULTS`), and a transfer request by index or by
-runs. Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
+agent built from our config (its UCX backend with TCP connects made non-blocking unless
+the environment says otherwise: :data:`UCX_ENGINE_CONFIG`), and a transfer request by
+index or by runs. Only ``kvbridge.connector.transfer.nixl_engine`` uses this module."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -37,13 +36,16 @@ _HINTS: dict[str, str] = {
 }
 logger = logging.getLogger(__name__)
 
-# UCX settings kvbridge's agents get unless the process environment sets them (read by UCX
-# when an agent's backend starts). UCX_TCP_CONN_NB: UCX's default (n) connects a TCP
-# endpoint with a blocking connect() inside add_remote_agent, under NIXL's agent lock; a
-# peer whose address drops packets held that call 134 s (the kernel's SYN retries), and
-# every other NIXL call of the agent with it. With y the add returns in milliseconds and
-# an unreachable peer fails its first transfer instead (docs/nixl-holds.md).
-UCX_DEFAULTS = {"UCX_TCP_CONN_NB": "y"}
+# UCX settings of kvbridge's own UCX backends (NIXL's "engine_config": KEY=VALUE pairs
+# without the UCX_ prefix, each skipped when the environment sets UCX_<KEY>; nothing else
+# in the process sees them). TCP_CONN_NB: UCX's default (n) connects a TCP endpoint with a
+# blocking connect() inside add_remote_agent, under NIXL's agent lock; a peer whose
+# address drops packets held that call 134 s (the kernel's SYN retries), and every other
+# NIXL call of the agent with it. With y the add returns in milliseconds and an unreachable
+# peer fails its first transfer instead (docs/nixl-holds.md). Only TCP connects this way:
+# RDMA and cuda_ipc lanes wire up without a blocking connect.
+UCX_ENGINE_CONFIG = "TCP_CONN_NB=y"
+_BACKEND_PARAMS = {"UCX": {"engine_config": UCX_ENGINE_CONFIG}}
 
 NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 NIXL_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
@@ -129,7 +131,7 @@ def new_agent(config: NixlEngineConfig) -> nixl_agent:
     nixl_config = nixl_agent_config(
         enable_prog_thread=threaded,
         capture_telemetry=config.capture_telemetry,
-        backends=list(config.backends),
+        backends=[],  # created below, each with kvbridge's parameters
         # NIXL's own progress thread (or another of ours) runs beside the owner's calls:
         # lock the API
         sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if threaded or config.shared else None,
@@ -137,10 +139,11 @@ def new_agent(config: NixlEngineConfig) -> nixl_agent:
     delay_us = (
         config.progress_delay_us if config.progress is ProgressMode.PROGRESS_THREAD_DELAY else 0
     )
-    for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
     with nixl_call(f"agent {name!r}: create", slow_s=None), progress_delay(delay_us):
         agent = nixl_agent(name, nixl_config)
+        for backend in config.backends:
+            if backend in agent.plugin_list:
+                agent.create_backend(backend, dict(_BACKEND_PARAMS.get(backend, {})))
     missing = set(config.backends) - set(agent.backends)
     if missing:
         raise TransferError(

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.connector.vllm import parallelism, spin_wait, translate
-from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats, own_stats_data
 
 if TYPE_CHECKING:
     import torch
@@ -239,7 +239,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
-        return KVBridgeStats(data=dict(data or {}))
+        return KVBridgeStats(data=own_stats_data(data))
 
     @classmethod
     def build_prom_metrics(

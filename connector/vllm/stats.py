@@ -33,6 +33,9 @@ from kvbridge.connector.common.metrics import GAUGE_HELP, HELP
 GAUGES = tuple(GAUGE_HELP)
 COUNTERS = tuple(HELP)
 ENGINE_CALLS = "engine_calls"  # [(hook, seconds), ...] observed since the last report
+# a merged report keeps at most this many calls; past it (only vLLM's log accumulator, which
+# merges every step of its interval, gets there) each hook keeps its slowest call
+MERGED_CALLS_KEPT = 65536
 
 
 def engine_call_data(times: EngineCallTimes) -> dict[str, Any]:
@@ -51,7 +54,7 @@ class KVBridgeStats(KVConnectorStats):
         merged = dict(self.data)
         for name, value in other.data.items():
             if name == ENGINE_CALLS:
-                merged[name] = list(merged.get(name, [])) + list(value)
+                merged[name] = _merge_calls(self.data.get(name), value)
             elif name in GAUGES:
                 merged[name] = value
             else:
@@ -72,6 +75,29 @@ class KVBridgeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values()) and not any(name in self.data for name in GAUGES)
+
+
+def _merge_calls(mine: list[Any] | None, theirs: list[Any]) -> list[Any]:
+    """``theirs`` appended to ``mine`` in place (no copy per merge: vLLM's log accumulator
+    merges every step's report into one; the list it extends is its own,
+    :meth:`KVBridgeConnector.build_kv_connector_stats` copies it)."""
+    out = mine if mine is not None else []
+    out.extend(theirs)
+    if len(out) > MERGED_CALLS_KEPT:
+        slowest: dict[str, float] = {}
+        for hook, seconds in out:
+            slowest[hook] = max(float(seconds), slowest.get(hook, 0.0))
+        out[:] = [[hook, seconds] for hook, seconds in slowest.items()]
+    return out
+
+
+def own_stats_data(data: dict[str, Any] | None) -> dict[str, Any]:
+    """A report's data with its own list of calls, so that merging into it never changes
+    the report it came from."""
+    out = dict(data or {})
+    if ENGINE_CALLS in out:
+        out[ENGINE_CALLS] = [list(call) for call in out[ENGINE_CALLS]]
+    return out
 
 
 class CounterDelta:
@@ -117,6 +143,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             buckets=list(ENGINE_CALL_BUCKETS),
         )
         self._engine_labels = dict(per_engine_labelvalues)
+        self._engine_call_children: dict[tuple[int, str], Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
@@ -136,4 +163,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         if labels is None:
             return
         for hook, seconds in calls:
-            self._engine_calls.labels(*labels, str(hook)).observe(float(seconds))
+            child = self._engine_call_children.get((engine_idx, hook))
+            if child is None:
+                child = self._engine_calls.labels(*labels, str(hook))
+                self._engine_call_children[(engine_idx, hook)] = child
+            child.observe(float(seconds))

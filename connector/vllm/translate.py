@@ -199,7 +199,10 @@ def kv_element_format(cache_dtype: str, storage: torch.dtype) -> str:
         return _FP8_FORMATS[cache_dtype]
     if cache_dtype in ("auto", "") or storage != torch.uint8:
         return dtype_name(storage)
-    return cache_dtype  # another one-byte format vLLM names (quantised: refused per group)
+    # another one-byte format under its own name; the group refuses the ones whose pages
+    # hold more than elements (fp8_ds_mla: state_content_bytes; int8/int4/nvfp4 caches:
+    # kv_quant_mode), so what passes is compared by name here
+    return cache_dtype
 
 
 def single_block_groups(vllm_kv_cache_config: Any) -> frozenset[int]:

@@ -16,8 +16,9 @@ from tests.reliability.servers import worker_pair
 
 @pytest.fixture(scope="module")
 def pair():
-    # no secret: what an unsigned deployment must still survive
-    with worker_pair(secret=None, handshake_timeout_s=0.5) as workers:
+    # no secret: what an unsigned deployment must still survive; a load of a request
+    # prefill never kept (a fuzzed id) costs decode its transfer timeout
+    with worker_pair(secret=None, handshake_timeout_s=0.5, transfer_timeout_s=10.0) as workers:
         yield workers
 
 

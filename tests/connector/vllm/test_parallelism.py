@@ -34,6 +34,9 @@ def test_data_parallel_ranks_on_one_host_bind_disjoint_ports(tp):
         parallel = ParallelConfig(
             data_parallel_size=3, data_parallel_rank=dp, tensor_parallel_size=tp
         )
+        # a dense model's DP ranks run as independent engines: vLLM then sets their
+        # data_parallel_rank to 0 and keeps data_parallel_index (engine/core.py)
+        object.__setattr__(parallel, "data_parallel_rank", 0)
         cfg = _config(5600, parallel)
         ports = AdvertisedPorts(cfg.kv_port, tp)
         port, every = ports.advertise("r")

@@ -56,3 +56,26 @@ def test_observations_land_in_the_engines_histogram_per_hook():
     assert samples[f'{name}_count{{engine="1",hook="request_finished"}}'] == 1
     assert samples['vllm:kvbridge_transfers_total{engine="1"}'] == 2
     assert not any('engine="0",hook' in key for key in samples)
+
+
+def test_the_log_accumulator_merges_in_place_and_stays_bounded():
+    """vLLM's log accumulator merges every step's report into one: the merge extends its
+    own list (no copy per step), the report it was built from stays as it was, and past
+    MERGED_CALLS_KEPT each hook keeps its slowest call."""
+    from kvbridge.connector.vllm.connector import KVBridgeConnector
+    from kvbridge.connector.vllm.stats import MERGED_CALLS_KEPT
+
+    first = {ENGINE_CALLS: [["start_load_kv", 0.001]]}
+    acc = KVBridgeConnector.build_kv_connector_stats(data=first)
+    step = KVBridgeStats(data={ENGINE_CALLS: [["get_finished", 0.002]] * 1000})
+    for _ in range(2 * MERGED_CALLS_KEPT // 1000):
+        acc = acc.aggregate(step)
+        assert len(acc.data[ENGINE_CALLS]) <= MERGED_CALLS_KEPT
+    acc = acc.aggregate(KVBridgeStats(data={ENGINE_CALLS: [["get_finished", 0.5]]}))
+    assert first == {ENGINE_CALLS: [["start_load_kv", 0.001]]}  # its source untouched
+    assert len(step.data[ENGINE_CALLS]) == 1000
+    slowest: dict[str, float] = {}
+    for hook, seconds in acc.data[ENGINE_CALLS]:
+        slowest[hook] = max(seconds, slowest.get(hook, 0.0))
+    assert slowest == {"start_load_kv": 0.001, "get_finished": 0.5}
+    assert acc.reduce()["engine_call_max_ms"] == 500.0
