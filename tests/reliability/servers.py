@@ -19,7 +19,7 @@ from kvbridge.examples.worker_setup import build, make_parser
 from tests.verified_loads import verifying
 
 SECRET = "reliability-test-secret-0123456789"
-__all__ = ["MODEL", "SECRET", "Worker", "post", "worker_pair"]
+__all__ = ["MODEL", "SECRET", "Worker", "decodes", "post", "worker_pair"]
 
 
 def post(url: str, body: dict | bytes, path: str = "/v1/completions") -> tuple[int, dict]:
@@ -107,3 +107,27 @@ def worker_pair(
     finally:
         _stop(decode)
         _stop(prefill)
+
+
+@contextmanager
+def decodes(
+    num_decodes: int, *, secret: str | None = SECRET, **decode_extra
+) -> Iterator[list[Worker]]:
+    """``num_decodes`` decodes (block 16) in this process, each its own engine id and NIXL
+    agent, configured as :func:`worker_pair`'s decode."""
+    common = {"secret": secret} if secret else {}
+    started: list[Worker] = []
+    try:
+        for _ in range(num_decodes):
+            kv = {
+                "kv_role": "kv_consumer",
+                "engine_id": f"decode-{uuid.uuid4().hex[:8]}",
+                "kv_port": 0,
+                **common,
+                **decode_extra,
+            }
+            started.append(_start("decode", verifying(kv), 16))
+        yield started
+    finally:
+        for w in reversed(started):
+            _stop(w)
