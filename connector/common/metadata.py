@@ -70,5 +70,9 @@ class WorkerOutput:
     finished_sending: frozenset[str] = frozenset()  # prefill: blocks may be freed
     finished_recving: frozenset[str] = frozenset()  # decode: KV loaded, request may run
     failed_loads: tuple[LoadFailure, ...] = ()
+    # decode, ``failure_policy: fail``: loads that failed while transfers of theirs may
+    # still land in their blocks: the engine may end the request now, but keeps its blocks
+    # until the same load's ``failed_loads`` report (every transfer ended)
+    failing_loads: tuple[LoadFailure, ...] = ()
     expired_leases: frozenset[str] = frozenset()  # prefill: subset of finished_sending
     notes: dict[str, str] = field(default_factory=dict)  # request id -> why (logs, metrics)

@@ -78,7 +78,7 @@ LOAD_TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     _LS.ALLOCATED: frozenset({_LS.LOADING, _LS.ABORTED}),
     _LS.RELEASING: frozenset({_LS.RELEASED, _LS.RECOMPUTED, _LS.FAILED}),  # refused: failed
     _LS.LOADING: frozenset({_LS.LOADED, _LS.RECOMPUTED, _LS.FAILED, _LS.ABORTING}),
-    _LS.ABORTING: frozenset({_LS.ABORTED}),
+    _LS.ABORTING: frozenset({_LS.ABORTED, _LS.FAILED}),  # failed: the engine was told early
     _LS.LOADED: frozenset(),
     _LS.RECOMPUTED: frozenset(),
     _LS.FAILED: frozenset(),
@@ -118,6 +118,7 @@ class LoadRecord:
         "ranks_reported",
         "request_id",
         "state",
+        "told",
     )
 
     def __init__(self, request_id: str, params: KVTransferParams) -> None:
@@ -126,6 +127,7 @@ class LoadRecord:
         self.state = LoadState.MATCHED
         self.ranks_reported = 0  # worker ranks whose load of it ended (tensor parallelism)
         self.failure: LoadFailure | None = None  # the first rank's failure, if any
+        self.told = False  # the engine heard it failed while transfers of it still ran
         self.num_computed_tokens = 0  # the engine's local prefix hit
         self.num_load_tokens = 0  # tokens valid after the load (lcm-aligned)
         self.last_heartbeat = float("-inf")

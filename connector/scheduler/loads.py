@@ -250,10 +250,24 @@ class Loads:
 
     def fold(self, output: WorkerOutput) -> tuple[list[str], list[LoadFailure], list[LoadFailure]]:
         """One worker rank's load reports: (loaded ids, failures to recompute, failed
-        loads), each for loads every rank has now reported."""
+        loads), each for loads every rank has now reported; and, ``failure_policy:
+        fail``, a load one rank reports failing (transfers of it may still land) fails at
+        once: the engine ends the request and keeps its blocks (``busy``) until every rank
+        reported the load ended (then ``take_freed``, if the engine aborted it meanwhile)."""
         recompute: list[LoadFailure] = []
         failed: list[LoadFailure] = []
         loaded: list[str] = []
+        for failure in output.failing_loads:
+            record = self._records.get(failure.request_id)
+            if (
+                record is not None
+                and record.state is LoadState.LOADING
+                and not record.told
+                and self.config.failure_policy is FailurePolicy.FAIL
+            ):
+                record.told = True
+                record.failure = record.failure or failure
+                failed.append(failure)
         reports = [(f.request_id, f) for f in output.failed_loads]
         reports += [(rid, None) for rid in output.finished_recving]
         for rid, failure in reports:
@@ -292,14 +306,15 @@ class Loads:
         if record.ranks_reported < self.tp_size:
             return None  # another rank may still write into the request's blocks
         if record.state is LoadState.ABORTING:
-            outcome = LoadState.ABORTED
+            # told early: the engine ended the request on the failure (an abort to us)
+            outcome = LoadState.FAILED if record.told else LoadState.ABORTED
             self._to_free.add(rid)
         elif record.failure is None:
             outcome = LoadState.LOADED
         else:
             outcome = self._failed_outcome()
         self._finish(rid, outcome)
-        return outcome, record.failure
+        return outcome, None if record.told else record.failure
 
     def _failed_outcome(self) -> LoadState:
         if self.config.failure_policy is FailurePolicy.RECOMPUTE:

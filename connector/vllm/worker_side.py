@@ -153,18 +153,27 @@ class VLLMWorkerSide:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for vLLM; failed loads (and
         those the scheduler side refused) are also 'finished receiving' so vLLM releases
-        them from the wait state."""
+        them from the wait state. A failing load (``failure_policy: fail``, transfers of
+        it may still land) is failed only: vLLM ends the request with an error and keeps
+        its blocks until the load's own failed report, which finishes it. (With several
+        ranks vLLM's ``KVOutputAggregator`` holds a failed id back until every rank
+        reported it finished: the error then waits for the transfers.)"""
         out = self.worker.get_finished()
         self._output = out
         failed = {f.request_id for f in out.failed_loads} | self._refused
+        failing = {f.request_id for f in out.failing_loads}
         sending = set(out.finished_sending) | self._freed
         self._freed, self._refused = set(), set()
-        return sending, set(out.finished_recving) | failed, failed
+        return sending, set(out.finished_recving) | failed, failed | failing
 
     def worker_meta(self) -> KVBridgeWorkerMetadata | None:
         out, self._output = self._output, WorkerOutput()
         empty = not (
-            out.finished_sending or out.finished_recving or out.failed_loads or out.expired_leases
+            out.finished_sending
+            or out.finished_recving
+            or out.failed_loads
+            or out.failing_loads
+            or out.expired_leases
         )
         return None if empty else KVBridgeWorkerMetadata(out)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.config import FailurePolicy, KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.params import KVTransferParams
@@ -294,6 +294,7 @@ class KVBridgeWorker:
             if self.config.is_consumer
             else None,
             max_quarantined_bytes=extra.max_quarantined_bytes,
+            fail_early=self.config.failure_policy is FailurePolicy.FAIL,
         )
         self._inbox = Inbox(
             engine,
@@ -365,12 +366,13 @@ class KVBridgeWorker:
         sender.expire()
         assert self._inbox is not None
         self._inbox.send_replies()
-        done, failed = receiver.take_results()
+        done, failed, failing = receiver.take_results()
         finished, expired = sender.take_results()
         return WorkerOutput(
             finished_sending=frozenset(finished),
             finished_recving=frozenset(done),
             failed_loads=tuple(failed),
+            failing_loads=tuple(failing),
             expired_leases=frozenset(expired),
         )
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.scheduler.lifecycle import LoadState
 from kvbridge.connector.worker.worker_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
@@ -109,6 +110,34 @@ def test_a_read_past_its_deadline_holds_its_blocks_until_it_lands(clock, pair):
         decode.step()
     assert torch.equal(_blocks(decode, d), given_back)
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1 on Done")
+
+
+def test_under_policy_fail_the_request_fails_at_its_deadline_and_its_blocks_wait(clock):
+    """``failure_policy: fail``: the engine hears at the deadline (the client gets its
+    error then), but the blocks stay the load's until the READ that may still land ended."""
+    decode_kw = {"transfer_timeout_s": TIMEOUT_S, "failure_policy": "fail"}
+    prefill, decode, late = next(
+        fail_pair := _late_pair(clock, "decode", {"lease_s": 120.0}, decode_kw)
+    )
+    try:
+        _start_load(prefill, decode, late)
+        clock.now += TIMEOUT_S + 1
+        events = decode.step()
+        assert [f.request_id for f in events.failed] == ["d1"], "not failed at the deadline"
+        assert decode.worker.metrics.loads_held == 1
+        decode.sched.request_aborted("d1")  # the engine ends the request with the error
+        assert decode.sched.defers_free("d1"), "its blocks were given back with a READ out"
+        for _ in range(3):
+            decode.step()
+        assert "d1" not in decode.freed
+        late.land(prefill.step)  # the abandoned READ arrives after all
+        run_until([decode, prefill], lambda: "d1" in decode.freed, "the blocks given back")
+        assert len(failed(decode, "d1")) == 1, "the failure was reported twice"
+        assert decode.sched.load_outcomes[LoadState.FAILED] == 1
+        assert not decode.sched.defers_free("d1")
+        run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1 on Done")
+    finally:
+        fail_pair.close()
 
 
 def test_a_read_that_runs_on_keeps_its_load_held_however_long(clock, pair):

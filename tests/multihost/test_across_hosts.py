@@ -18,10 +18,13 @@ NHD, cross-layer; decode 16-token blocks, HND). Each transfer mode gets one clus
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -91,22 +94,27 @@ def big_prompt(tag: str) -> str:
     return (tag + " " + text * (BIG_PROMPT_TOKENS // len(text) + 1))[:BIG_PROMPT_TOKENS]
 
 
-@pytest.fixture(scope="module", params=["pull", "push"])
-def hosts(request, tmp_path_factory):
-    mode = request.param
+@contextlib.contextmanager
+def started(logs: Path, mode: str, policy: str = "recompute") -> Iterator[HostCluster]:
+    """A prefill and a decode host in ``mode``, decode failing loads by ``policy``."""
     link = Link(ucx_env=UCX_ENV)
     extra = {"extra": {"transfer_mode": mode}}
     c = None
     try:  # the namespaces go even when the cluster cannot be built or started
         c = HostCluster(
-            tmp_path_factory.mktemp(f"multihost-{mode}"),
+            logs,
             link=link,
             model=MODEL,
             prefill_block_size=64,
             prefill_args=["--kv-layout", "NHD", "--cross-layers", "--num-blocks", "256"],
             decode_args=["--kv-layout", "HND", "--num-blocks", "512"],
             prefill_kv={"engine_id": "prefill-mh", "lease_s": LEASE_S, "heartbeat_s": 1.0, **extra},
-            decode_kv={"engine_id": "decode-mh", "transfer_timeout_s": TRANSFER_TIMEOUT_S, **extra},
+            decode_kv={
+                "engine_id": "decode-mh",
+                "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                "failure_policy": policy,
+                **extra,
+            },
         )
         c.start()
         c.mode = mode  # type: ignore[attr-defined]
@@ -115,6 +123,13 @@ def hosts(request, tmp_path_factory):
         if c is not None:
             c.close()
         link.close()
+
+
+@pytest.fixture(scope="module", params=["pull", "push"])
+def hosts(request, tmp_path_factory):
+    mode = request.param
+    with started(tmp_path_factory.mktemp(f"multihost-{mode}"), mode) as c:
+        yield c
 
 
 def all_free(c: HostCluster, timeout_s: float) -> None:
@@ -227,6 +242,73 @@ def test_a_partition_mid_transfer_fails_the_load_in_time_and_heals_without_a_res
     for name, calls_before in (("decode", before), ("prefill", prefill_before)):
         slowest = slowest_engine_calls(calls_before, hosts[name].metrics())
         assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, (name, slowest)
+
+
+def cut_mid_transfer(c: HostCluster, tx0: int, sending: threading.Thread) -> float:
+    """Once prefill's end sent 100 KB more than ``tx0`` (the load is under way: prefill's
+    answer to the front door is a few hundred bytes), cut the link; the time of the cut."""
+    deadline = time.monotonic() + 60
+    while c.link.tx_bytes("p") - tx0 < 100_000:
+        assert time.monotonic() < deadline, "the load never started sending"
+        assert sending.is_alive(), "the request ended before its load started"
+        time.sleep(0.02)
+    c.link.cut()
+    return time.monotonic()
+
+
+def test_under_policy_fail_a_partition_costs_the_client_only_the_deadline(tmp_path, model):
+    """``failure_policy: fail``: a partition mid-READ gives the client its error at
+    decode's deadline, the link still cut; the request's blocks stay out of use until the
+    READ ended (the heal), then everything is freed and loads go on, exactly."""
+    with started(tmp_path, "pull", policy="fail") as c:
+        decode, link = c["decode"], c.link
+        prompt = big_prompt("cut-fail")
+        kept = c.complete(
+            "prefill", body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        )
+        before = decode.metrics()
+        link.set_rate(CUT_RATE)
+        result: dict = {}
+
+        def send() -> None:
+            try:
+                result["out"] = c.complete(
+                    "decode", body(prompt, kv_transfer_params=kept["kv_transfer_params"])
+                )
+            except Exception as exc:  # handed to the test thread
+                result["error"] = exc
+            result["at"] = time.monotonic()
+
+        sender = threading.Thread(target=send)
+        tx0 = link.tx_bytes("p")
+        sender.start()
+        try:
+            t_cut = cut_mid_transfer(c, tx0, sender)
+            sender.join(TRANSFER_TIMEOUT_S + 5)
+            assert not sender.is_alive(), "no answer by the deadline while the link is cut"
+            assert "HTTP 502: KV load failed" in str(result.get("error")), result
+            assert result["at"] - t_cut < TRANSFER_TIMEOUT_S + 1.0
+            after = decode.metrics()
+            held = after["kvbridge_loads_held_total"] - before["kvbridge_loads_held_total"]
+            assert held == 1, "the load failed with no transfer in flight: not mid-READ"
+            free, total = decode.free_blocks()
+            assert free < total, "the blocks were given back while the READ may land"
+            local = "fail while cut " + make_prompts(6)[5]
+            assert c.complete("decode", body(local))["token_ids"] == want(model, local)
+        finally:
+            link.heal()
+            link.set_rate("10gbit")
+        all_free(c, HEALED_END_S + LEASE_S)
+        outs = []
+        for i, p in enumerate(make_prompts(8)[4:]):
+            p = f"fail healed {i} {p}"
+            outs.append(c.complete("router", body(p)))
+            assert outs[-1]["token_ids"] == want(model, p)
+            if loaded_all_but_last(outs[-1]):
+                break
+        assert loaded_all_but_last(outs[-1]), [o["usage"] for o in outs]
+        slowest = slowest_engine_calls(before, decode.metrics())
+        assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, slowest
 
 
 def test_a_peer_restarted_in_place_is_handshaken_again(hosts, model):

@@ -133,10 +133,10 @@ class Quarantine:
         batches: list[StageBatch],
         on_end: Callable[[], None],
         rounds: set[Round] | None = None,
-    ) -> None:
+    ) -> bool:
         """Take a failed load's handles, staging rounds and unanswered push rounds; call
         ``on_end`` once none of them can still run (at once when none is running now,
-        else from ``step`` or ``answered``)."""
+        else from ``step`` or ``answered``). True: held (some may still run)."""
         held = Held(
             request_id=request_id,
             remote_request_id=remote_request_id,
@@ -150,7 +150,7 @@ class Quarantine:
         if held.num_handles == 0:
             self._give_back(held)
             on_end()
-            return
+            return False
         self._held.append(held)
         self._metrics.loads_held += 1
         self._account()
@@ -159,6 +159,7 @@ class Quarantine:
             request_id,
             held.num_handles,
         )
+        return True
 
     def answered(self, round_: Round) -> bool:
         """Prefill answered a push round of a failed load: its WRITEs ended. False: no

@@ -98,13 +98,17 @@ class Receiver:
         order: DeviceOrder | None = None,
         verifier: Verifier | None = None,
         max_quarantined_bytes: int = DEFAULT_MAX_QUARANTINED_MIB << 20,
+        fail_early: bool = False,
     ) -> None:
         """``staging``: the slots larger remote pages land in (default: a pool of
         ``DEFAULT_STAGING_MIB`` registered on first use). ``push``: ask prefill to write
         (push mode) instead of reading (pull). ``stage``: reads land in this host mirror
         of ``buffers`` (host staging) and are copied into ``buffers`` once the load is
         complete. ``verifier``: picks the loads that prove what they moved and checks them
-        (``extra.verify``); ``max_quarantined_bytes``: ``extra.max_quarantined_mib``."""
+        (``extra.verify``); ``max_quarantined_bytes``: ``extra.max_quarantined_mib``.
+        ``fail_early`` (``failure_policy: fail``): a load that fails while transfers of
+        its may still land is also reported at once, as failing (the engine ends the
+        request and keeps its blocks until the failure itself is reported)."""
         self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker)
@@ -141,6 +145,8 @@ class Receiver:
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
         self._failed: list[LoadFailure] = []
+        self._fail_early = fail_early
+        self._failing: list[LoadFailure] = []
 
     @property
     def num_inflight(self) -> int:
@@ -203,7 +209,7 @@ class Receiver:
         load = self._loads.get(request_id)
         if load is None:
             return self._quarantine.holds(request_id)
-        self._finish_failed(load, "aborted by the engine")
+        self._finish_failed(load, "aborted by the engine", early=False)
         return True
 
     def _awaiting(
@@ -342,10 +348,13 @@ class Receiver:
         self._quarantine.step()
         self._writers.probe(self._loads.values(), now)
 
-    def take_results(self) -> tuple[set[str], list[LoadFailure]]:
-        done, failed = self._done, self._failed
-        self._done, self._failed = set(), []
-        return done, failed
+    def take_results(self) -> tuple[set[str], list[LoadFailure], list[LoadFailure]]:
+        """Loads (done, failed, failing) since the last call: failed loads have nothing
+        left that can write their blocks; failing ones (``fail_early``) may, and are
+        reported failed once nothing can."""
+        done, failed, failing = self._done, self._failed, self._failing
+        self._done, self._failed, self._failing = set(), [], []
+        return done, failed, failing
 
     # -- internals ----------------------------------------------------------------------
 
@@ -579,13 +588,18 @@ class Receiver:
         if peer is not None and peer.state in (PeerState.READY, PeerState.REFUSED):
             self._send(peer, msg)  # a refused peer still hears Done: it frees, or stops
 
-    def _finish_failed(self, load: Load, reason: str, *, notify: bool = True) -> None:
+    def _finish_failed(
+        self, load: Load, reason: str, *, notify: bool = True, early: bool = True
+    ) -> None:
         """Fail ``load``. Releasing a handle does not stop a READ in flight, nor can we
         stop prefill's WRITEs of a Push round it has not answered; so the READs, staging
         rounds and unanswered push rounds go to the quarantine, and the engine hears of
         the failure only when none of them can still land. Prefill gets ``Done(ok=False)``
         then too (pull: it keeps the blocks until our READs ended), or at once when a push
-        round is unanswered (it stops writing, answers once its WRITEs ended)."""
+        round is unanswered (it stops writing, answers once its WRITEs ended). With
+        ``fail_early`` (and ``early``: not the engine's own abort) the engine also hears at
+        once that the load is failing, so it can end the request while it keeps the
+        blocks."""
         handles: dict[PeerKey, list[XferHandle]] = {}
         batches: list[StageBatch] = []
         rounds: set[Round] = set()
@@ -611,7 +625,9 @@ class Receiver:
                 self._notify_done(load, ok=False)
             self._failed.append(failure(load.spec, reason))
 
-        self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
+        held = self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
+        if held and early and self._fail_early:
+            self._failing.append(failure(load.spec, reason))
 
     def _forget(self, load: Load) -> None:
         for src in load.sources:

@@ -331,3 +331,47 @@ def test_a_token_count_vllm_rounded_after_matching_fails_the_load_for_vllm_to_re
     )
     assert Scheduler._handle_failed_recving(vllm_sched, failed) == set()  # type: ignore[arg-type]
     assert req.num_computed_tokens == 0 and "r1" in vllm_sched.failed_recving_kv_req_ids
+
+
+class _Reports:
+    """The kvbridge worker behind a VLLMWorkerSide, reporting the given outputs in turn."""
+
+    def __init__(self, *outputs: Any) -> None:
+        self._outputs = list(outputs)
+
+    def get_finished(self) -> Any:
+        return self._outputs.pop(0)
+
+
+def test_a_failing_load_is_failed_for_vllm_at_once_and_finished_when_it_ended():
+    """``failure_policy: fail``: a load failed at its deadline with a READ still out goes to
+    vLLM as failed only (vLLM ends the request with an error and, not finished receiving,
+    keeps its blocks); its later failed report finishes it (vLLM frees the blocks)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvbridge.connector.common.metadata import LoadFailure, WorkerOutput
+    from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
+
+    lost = LoadFailure(
+        request_id="r1", reason="load timed out", invalid_block_ids=((0, 1),), num_valid_tokens=0
+    )
+    worker_side = object.__new__(VLLMWorkerSide)
+    worker_side._freed, worker_side._refused = set(), set()
+    worker_side.worker = _Reports(
+        WorkerOutput(failing_loads=(lost,)), WorkerOutput(failed_loads=(lost,))
+    )
+    _sending, recving, failed = worker_side.transfer_results()
+    assert failed == {"r1"} and recving == set()
+    assert worker_side.worker_meta() is not None  # the scheduler side hears it too
+
+    req = SimpleNamespace(request_id="r1", status=RequestStatus.WAITING_FOR_REMOTE_KVS)
+    vllm_sched = SimpleNamespace(
+        requests={"r1": req}, recompute_kv_load_failures=False, failed_recving_kv_req_ids=set()
+    )
+    assert Scheduler._handle_failed_recving(vllm_sched, failed) == {"r1"}  # type: ignore[arg-type]
+
+    _sending, recving, failed = worker_side.transfer_results()
+    assert recving == {"r1"}  # vLLM frees the finished request's blocks now
