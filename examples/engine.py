@@ -138,6 +138,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.loading or self.running)
 
+    @property
+    def has_runnable(self) -> bool:
+        """Requests a step may compute now (not those only waiting for their KV)."""
+        return bool(self.waiting or self.running)
+
     def counts_by_status(self) -> dict[str, int]:
         return {
             RequestStatus.WAITING.value: len(self.waiting),

@@ -96,8 +96,11 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished
-            self._drain(block=not busy)
+            # Requests only waiting for their KV need no step before the next wait: a loop
+            # that stepped them back to back would hold the GIL, and the HTTP handlers of
+            # every other request would wait for it (a frozen prefill slowed decode's
+            # local requests' first token 10-50x; tests/reliability/test_frozen_points.py)
+            self._drain(block=not self.engine.has_runnable)
             # an abort's last output comes out of the next step, even with nothing else to do
             aborted, self._aborted = self._aborted, False
             if not (self.engine.has_unfinished or self.worker is not None or aborted):

@@ -53,22 +53,34 @@ def _links(fd_dir: Path) -> set[str]:
     return links
 
 
+def _holders(inodes: set[int], proc: Path) -> list[int]:
+    """The pids of the processes holding one of ``inodes``."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    return sorted(
+        int(entry.name)
+        for entry in proc.iterdir()
+        if entry.name.isdigit() and _links(entry / "fd") & wanted
+    )
+
+
 def _owners(inodes: set[int], proc: Path) -> list[str]:
     """``pid N (command line)`` of every process holding one of ``inodes``."""
-    wanted = {f"socket:[{i}]" for i in inodes}
     found = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        if _links(entry / "fd") & wanted:
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                words = " ".join(a.decode(errors="replace") for a in argv if a).split()
-                cmd = " ".join(words)[:200]
-            except OSError:
-                cmd = "?"
-            found.append(f"pid {entry.name} ({cmd})")
+    for pid in _holders(inodes, proc):
+        try:
+            argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+            words = " ".join(a.decode(errors="replace") for a in argv if a).split()
+            cmd = " ".join(words)[:200]
+        except OSError:
+            cmd = "?"
+        found.append(f"pid {pid} ({cmd})")
     return found
+
+
+def listening_pids(port: int, *, proc: Path = _PROC) -> list[int]:
+    """The pids of this user's processes listening on TCP ``port`` (empty: none visible)."""
+    listening, _ = _socket_inodes(port, proc)
+    return _holders(set(listening), proc) if listening else []
 
 
 def port_holder(port: int, *, proc: Path = _PROC) -> str:

@@ -14,7 +14,7 @@ import pytest
 from kvbridge.examples import router
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.handshake.listener import HandshakeListener, ListenerConfig
-from kvbridge.handshake.port_holder import bind_error_text, port_holder
+from kvbridge.handshake.port_holder import bind_error_text, listening_pids, port_holder
 from tests.handshake.descriptions import make_description
 
 # listens on an ephemeral port, says which, and holds it until the test closes stdin
@@ -49,6 +49,12 @@ def test_port_holder_names_the_listening_process(held) -> None:
     port, pid = held
     assert port_holder(port).startswith(f"held by pid {pid} (")
     assert "port-holder-marker" in port_holder(port)
+
+
+def test_listening_pids_names_the_listening_process_only(held) -> None:
+    port, pid = held
+    assert listening_pids(port) == [pid]
+    assert listening_pids(0) == []
 
 
 def test_listener_bind_error_names_address_and_holder(held) -> None:

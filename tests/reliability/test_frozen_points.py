@@ -1,0 +1,165 @@
+"""A prefill frozen at any point of the protocol costs decode's other requests nothing.
+
+Real processes (prefill, decode, vllm-router; real NIXL over UCX, real HTTP). Decode stops
+its prefill (SIGSTOP, ``--fault-inject freeze-peer-at-<point>``, ``examples/faults.py``)
+the first time it reaches one point of a load: asking for the description (handshake),
+adding its NIXL agent (endpoint creation), sending the claim, posting the READ, sending
+``Done``. While the prefill stays frozen and the load waits on it, the same local
+requests that ran before on decode run again, streamed: their median time to first token
+and median gap between tokens stay within 1.5x of the run with no bad peer, and no call
+of decode's engine into kvbridge took longer than ``ENGINE_CALL_BOUND_S``. Then the
+prefill runs again and the load ends exactly (every prompt token but the last loaded).
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import signal
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvbridge.examples.check import make_prompts
+from kvbridge.examples.faults import FREEZE_POINTS
+from kvbridge.examples.launch import MODEL, Cluster
+from kvbridge.examples.reference import load_model, reference_generate
+from kvbridge.examples.tokenizer import ByteTokenizer
+from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
+from tests.verified_loads import verifying
+
+RATIO = 1.5  # the most a frozen peer may slow decode's other requests
+LOCAL_REQUESTS = 6
+LOCAL_TOKENS = 8
+MAX_TOKENS = 4
+WAIT_S = 30.0  # decode's handshake and load deadlines: the load outlives the measurement
+STOP_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL)
+
+
+@dataclass
+class Latency:
+    ttft_s: list[float]
+    gaps_s: list[float]
+
+    @property
+    def ttft(self) -> float:
+        return statistics.median(self.ttft_s)
+
+    @property
+    def gap(self) -> float:
+        return statistics.median(self.gaps_s)
+
+    def __str__(self) -> str:
+        return (
+            f"TTFT p50 {self.ttft * 1e3:.1f} ms (max {max(self.ttft_s) * 1e3:.1f}), "
+            f"gap p50 {self.gap * 1e3:.1f} ms (max {max(self.gaps_s) * 1e3:.1f})"
+        )
+
+
+def _streamed(url: str, prompt: str, timeout_s: float = 60.0) -> tuple[float, list[float]]:
+    """One streamed completion: its time to first token and the gaps between its tokens."""
+    host, port = url.removeprefix("http://").split(":")
+    body = {"prompt": prompt, "max_tokens": LOCAL_TOKENS, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        t0 = time.monotonic()
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:200]
+        times = []
+        while line := resp.readline():
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                times += [time.monotonic()] * len(chunk["token_ids"])
+    finally:
+        conn.close()
+    assert len(times) == LOCAL_TOKENS, f"{len(times)} tokens streamed"
+    return times[0] - t0, [b - a for a, b in itertools.pairwise(times)]
+
+
+def _latency(url: str, prompts: list[str]) -> Latency:
+    ttft, gaps = [], []
+    for p in prompts:
+        first, between = _streamed(url, p)
+        ttft.append(first)
+        gaps += between
+    return Latency(ttft, gaps)
+
+
+def _stopped(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _wait_stopped(pid: int, what: str) -> None:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while not _stopped(pid):
+        assert time.monotonic() < deadline, f"timed out after {STOP_TIMEOUT_S} s: {what}"
+        time.sleep(0.05)
+
+
+def _body(prompt: str, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, **extra}
+
+
+@pytest.mark.parametrize("point", FREEZE_POINTS)
+def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_path, model, point):
+    cluster = Cluster(
+        tmp_path,
+        prefill_kv={"lease_s": 2 * WAIT_S, "heartbeat_s": 1.0},
+        decode_kv=verifying({"transfer_timeout_s": WAIT_S, "handshake_timeout_s": WAIT_S}),
+        decode_args=["--fault-inject", f"freeze-peer-at-{point}"],
+    )
+    try:
+        cluster.start()
+        prefill, decode = cluster["prefill"], cluster["decode"]
+        assert prefill.proc is not None
+        prompts = make_prompts(LOCAL_REQUESTS + 2)
+        local, prompt = [p[:24] for p in prompts[:LOCAL_REQUESTS]], prompts[-1]
+        _streamed(decode.url, prompts[-2][:24])  # decode's first request of all, not measured
+        calm = _latency(decode.url, local)
+        first = cluster.complete(
+            "prefill", _body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        )
+        calls_before = decode.metrics()
+        with ThreadPoolExecutor(1) as pool:
+            load = pool.submit(
+                cluster.complete,
+                "decode",
+                _body(prompt, kv_transfer_params=first["kv_transfer_params"]),
+                3 * WAIT_S,
+            )
+            try:
+                _wait_stopped(prefill.proc.pid, f"decode freezing its prefill at {point}")
+                frozen = _latency(decode.url, local)
+                waiting = not load.done()
+                calls_after = decode.metrics()
+            finally:
+                prefill.signal(signal.SIGCONT)
+            out = load.result(timeout=3 * WAIT_S)
+    finally:
+        cluster.close()
+    # the frozen peer was met where meant: the load still waited on it (but at Done, sent
+    # once the load ended), and it ended exactly once the peer ran again
+    assert waiting or point == "done"
+    want = reference_generate(model, ByteTokenizer().encode(prompt), MAX_TOKENS, eos_id=None)
+    assert out["token_ids"] == want.token_ids
+    usage = out["usage"]
+    assert usage["loaded_tokens"] + usage["cached_tokens"] == usage["prompt_tokens"] - 1, usage
+    # decode's engine kept stepping for its other requests
+    slowest = slowest_engine_calls(calls_before, calls_after)
+    assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, slowest
+    assert frozen.ttft <= RATIO * calm.ttft, f"frozen at {point}: {frozen}; calm: {calm}"
+    assert frozen.gap <= RATIO * calm.gap, f"frozen at {point}: {frozen}; calm: {calm}"
