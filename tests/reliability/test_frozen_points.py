@@ -6,9 +6,10 @@ the first time it reaches one point of a load: asking for the description (hands
 adding its NIXL agent (endpoint creation), sending the claim, posting the READ, sending
 ``Done``. While the prefill stays frozen and the load waits on it, the same local
 requests that ran before on decode run again, streamed: their median time to first token
-and median gap between tokens stay within 1.5x of the run with no bad peer, and no call
-of decode's engine into kvbridge took longer than ``ENGINE_CALL_BOUND_S``. Then the
-prefill runs again and the load ends exactly (every prompt token but the last loaded).
+and median gap between tokens stay within 1.5x of the runs with no bad peer (before the
+fault, and after it cleared), and no call of decode's engine into kvbridge took longer
+than ``ENGINE_CALL_BOUND_S``. Then the prefill runs again and the load ends exactly
+(every prompt token but the last loaded).
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ from kvbridge.examples.tokenizer import ByteTokenizer
 from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
 from tests.verified_loads import verifying
 
-RATIO = 1.5  # the most a frozen peer may slow decode's other requests
-LOCAL_REQUESTS = 6
+# The most a frozen peer may slow decode's other requests, against the slower of the runs
+# with no bad peer just before and just after: this machine's own speed moves between two
+# modes ~1.7x apart for seconds at a time (8-request rounds, median gap 2.8-6.4 ms over 50
+# rounds, with or without pinning the processes to cores), and the test measures the
+# peer's cost, not the machine's mode (the defect it found cost 10-50x)
+RATIO = 1.5
+LOCAL_REQUESTS = 24  # medians of 24 first tokens and 168 gaps
 LOCAL_TOKENS = 8
 MAX_TOKENS = 4
 WAIT_S = 30.0  # decode's handshake and load deadlines: the load outlives the measurement
@@ -126,10 +132,15 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
         cluster.start()
         prefill, decode = cluster["prefill"], cluster["decode"]
         assert prefill.proc is not None
-        prompts = make_prompts(LOCAL_REQUESTS + 2)
-        local, prompt = [p[:24] for p in prompts[:LOCAL_REQUESTS]], prompts[-1]
-        _streamed(decode.url, prompts[-2][:24])  # decode's first request of all, not measured
-        calm = _latency(decode.url, local)
+        texts = make_prompts(LOCAL_REQUESTS)
+        prompt = make_prompts(LOCAL_REQUESTS + 1)[-1]
+
+        def local(tag: str) -> Latency:
+            # 24-token prompts, none a prefix-cache hit of another (16-token blocks)
+            return _latency(decode.url, [f"{tag} {i:02d} {t}"[:24] for i, t in enumerate(texts)])
+
+        _streamed(decode.url, "first of all, not measured")
+        calm = [local("calm")]
         first = cluster.complete(
             "prefill", _body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         )
@@ -143,23 +154,28 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
             )
             try:
                 _wait_stopped(prefill.proc.pid, f"decode freezing its prefill at {point}")
-                frozen = _latency(decode.url, local)
+                if point == "done":  # the load ended: its request runs its last steps
+                    load.result(timeout=3 * WAIT_S)
+                frozen = local("frozen")
                 waiting = not load.done()
                 calls_after = decode.metrics()
             finally:
                 prefill.signal(signal.SIGCONT)
             out = load.result(timeout=3 * WAIT_S)
+        calm.append(local("after"))
     finally:
         cluster.close()
     # the frozen peer was met where meant: the load still waited on it (but at Done, sent
     # once the load ended), and it ended exactly once the peer ran again
-    assert waiting or point == "done"
+    assert waiting != (point == "done")
     want = reference_generate(model, ByteTokenizer().encode(prompt), MAX_TOKENS, eos_id=None)
     assert out["token_ids"] == want.token_ids
     usage = out["usage"]
     assert usage["loaded_tokens"] + usage["cached_tokens"] == usage["prompt_tokens"] - 1, usage
     # decode's engine kept stepping for its other requests
     slowest = slowest_engine_calls(calls_before, calls_after)
+    figures = f"frozen at {point}: {frozen}; no bad peer, before and after: {calm[0]}; {calm[1]}"
+    print(f"{figures}; slowest engine calls {slowest}")
     assert slowest and max(slowest.values()) <= ENGINE_CALL_BOUND_S, slowest
-    assert frozen.ttft <= RATIO * calm.ttft, f"frozen at {point}: {frozen}; calm: {calm}"
-    assert frozen.gap <= RATIO * calm.gap, f"frozen at {point}: {frozen}; calm: {calm}"
+    assert frozen.ttft <= RATIO * max(c.ttft for c in calm), figures
+    assert frozen.gap <= RATIO * max(c.gap for c in calm), figures
