@@ -71,7 +71,7 @@ FREEZE_POINTS = ("handshake", "endpoints", "claim", "read", "done")
 STOPPED_TIMEOUT_S = 5.0
 
 
-def _stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
     """``pid`` is stopped by a signal (state T in /proc/<pid>/stat)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -103,7 +103,7 @@ class _PeerFreezer:
             return
         os.kill(self._pid, signal.SIGSTOP)
         deadline = time.monotonic() + STOPPED_TIMEOUT_S
-        while not _stopped(self._pid):  # SIGSTOP is delivered asynchronously
+        while not is_stopped(self._pid):  # SIGSTOP is delivered asynchronously
             if time.monotonic() > deadline:
                 logger.error("fault injection: peer pid %d did not stop", self._pid)
                 return
