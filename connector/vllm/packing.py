@@ -29,23 +29,52 @@ from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.groups import KVCacheConfig
 
 _DIGIT_BASE = 64  # small integers are exact in every float dtype the kernel accepts
+# vLLM keeps every fp8 cache format in uint8 pages; the map is probed through e4m3, where
+# the integers 1..16 are exact (scale 1.0), with float32 K and V (its kernel's "vec" path)
+_FP8_DIGIT_BASE = 16
+_FP8_PROBE = "fp8_e4m3"
 
 
-def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+def _isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(dtype, block_size, head_size)
+    return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
 
 
-def _write(key_cache_of: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -> None:
-    """``cpu_attn_reshape_and_cache`` on one layer's ``[blocks, H, B, 2D]`` tensor."""
+def _kernel_write(
+    key_cache_of: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """``cpu_attn_reshape_and_cache`` on one layer's ``[blocks, H, B, 2D]`` tensor (K and
+    V in ``key``'s dtype; ``kv_cache_dtype``: the cache's fp8 format, if any)."""
     import vllm._custom_ops as ops
 
     nb, heads, block_size, width = key_cache_of.shape
     d = width // 2
     key_cache, value_cache = key_cache_of.view(nb, heads, 2 * block_size, d).chunk(2, dim=2)
-    isa = _isa(key_cache_of.dtype, block_size, d)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    isa = _isa(key.dtype, block_size, d, kv_cache_dtype)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_cache_dtype
+    )
+
+
+def _write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -> None:
+    """K and V (``[tokens, H, D]``, the cache's dtype) of tokens ``slots`` into their
+    places in one layer ``[blocks, H, B, 2D]``: vLLM's kernel for float pages; for fp8
+    (uint8) pages, whose elements are already quantized, the bytes go where the element
+    map says (requantizing would need the scale and could change them)."""
+    if cache.dtype != torch.uint8:
+        _kernel_write(cache, key, value, slots)
+        return
+    _, heads, block_size, width = cache.shape
+    dst = page_map(cache.dtype, block_size, heads, width // 2)  # [2, B, H, D]
+    by_token = torch.from_numpy(np.ascontiguousarray(dst.transpose(1, 0, 2, 3)))
+    page_elems = heads * block_size * width
+    where = (slots // block_size).view(-1, 1, 1, 1) * page_elems + by_token[slots % block_size]
+    cache.view(-1)[where.reshape(-1)] = torch.stack([key, value], dim=1).reshape(-1)
 
 
 @lru_cache(maxsize=32)
@@ -53,8 +82,12 @@ def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int
     """Element offset inside one page of every ``(K/V, token, head, dim)`` element.
 
     Runs vLLM's kernel a few times on a scratch page whose values are the base-64 digits
-    of each element's index (exact in fp32, fp16 and bf16), then inverts what it wrote.
+    of each element's index (exact in fp32, fp16 and bf16), then inverts what it wrote. A
+    uint8 page is an fp8 cache: base-16 digits, written and read as e4m3.
     """
+    fp8 = dtype == torch.uint8
+    base = _FP8_DIGIT_BASE if fp8 else _DIGIT_BASE
+    source = torch.float32 if fp8 else dtype
     n = 2 * block_size * num_heads * head_size
     index = torch.arange(n, dtype=torch.int64).view(2, block_size, num_heads, head_size)
     found = torch.zeros(n, dtype=torch.int64)
@@ -62,17 +95,19 @@ def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int
     slots = torch.arange(block_size, dtype=torch.int64)
     scale, passes = 1, 0
     while scale < n:
-        digit = (index // scale) % _DIGIT_BASE + 1  # 0 marks an element never written
+        digit = (index // scale) % base + 1  # 0 marks an element never written
         page.zero_()
-        _write(page, digit[0].to(dtype), digit[1].to(dtype), slots)
-        got = page.reshape(-1).to(torch.float64).round().to(torch.int64)
-        if got.min() < 1 or got.max() > _DIGIT_BASE:
+        k, v = digit[0].to(source), digit[1].to(source)
+        _kernel_write(page, k, v, slots, _FP8_PROBE if fp8 else "auto")
+        written = page.view(torch.float8_e4m3fn) if fp8 else page
+        got = written.reshape(-1).to(torch.float64).round().to(torch.int64)
+        if got.min() < 1 or got.max() > base:
             raise KVBridgeError(
                 f"vLLM's CPU attention kernel left elements unwritten or changed values in a "
                 f"{block_size}-token {dtype} page; kvbridge cannot map its element order"
             )
         found += (got - 1) * scale
-        scale *= _DIGIT_BASE
+        scale *= base
         passes += 1
     offsets = np.empty(n, dtype=np.int64)
     offsets[found.numpy()] = np.arange(n)

@@ -75,15 +75,47 @@ def _isa_name() -> str:
     return _get_attn_isa(torch.float32, BS, D)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
-def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(dtype, small, large):
-    from kvbridge.connector.vllm.packing import _write, repack_layer
+def _fp8_supported() -> bool:
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
+
+# an fp8 cache (uint8 pages) is written by vLLM's kernel from float32 K and V, quantized
+FP8 = pytest.param(
+    "fp8",
+    marks=pytest.mark.skipif(not _fp8_supported(), reason="fp8 KV needs AVX-512 or AMX"),
+)
+
+
+def _writer(kind):
+    """(the cache's dtype, K/V dtype, write) for ``kind``: a float dtype, or "fp8"."""
+    from kvbridge.connector.vllm.packing import _kernel_write, _write
+
+    if kind == "fp8":
+        return torch.uint8, torch.float32, lambda c, k, v, s: _kernel_write(c, k, v, s, "fp8")
+    return kind, kind, _write
+
+
+def test_an_fp8_page_keeps_the_element_order_of_a_float_page():
+    """vLLM stores fp8 (e4m3, e5m2) pages as uint8; their map is probed through e4m3."""
+    from kvbridge.connector.vllm.packing import page_map
+
+    if not _fp8_supported():
+        pytest.skip("fp8 KV needs AVX-512 or AMX")
+    fp8 = page_map(torch.uint8, BS, H, D)
+    assert sorted(fp8.reshape(-1).tolist()) == list(range(2 * BS * H * D))
+    assert np.array_equal(fp8, page_map(torch.float32, BS, H, D))
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
+def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(kind, small, large):
+    from kvbridge.connector.vllm.packing import repack_layer
+
+    dtype, source, _write = _writer(kind)
     g = torch.Generator().manual_seed(small + large)
     tokens = 2 * large
-    key = torch.randn(tokens, H, D, generator=g).to(dtype)
-    value = torch.randn(tokens, H, D, generator=g).to(dtype)
+    key = torch.randn(tokens, H, D, generator=g).to(source)
+    value = torch.randn(tokens, H, D, generator=g).to(source)
     src = torch.zeros(2 * large // small + 1, H, small, 2 * D, dtype=dtype)
     src_ids = torch.arange(1, 1 + tokens // small)  # prefill blocks 1.. hold the tokens
     _write(src, key, value, (src_ids.view(-1, 1) * small + torch.arange(small)).reshape(-1))
@@ -107,22 +139,21 @@ def pages_side_by_side(src, src_ids, dst_ids, r):
     ).view(len(dst_ids), *src.shape[1:-2], -1, src.shape[-1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, FP8])
 @pytest.mark.parametrize(
     "small,large", [(32, 64), (32, 128), (64, 128), (64, 96), (96, 64), (32, 160)]
 )
-def test_split_of_staged_pages_equals_writing_the_decode_blocks(dtype, small, large):
+def test_split_of_staged_pages_equals_writing_the_decode_blocks(kind, small, large):
     """Prefill pages ``large`` tokens long (larger than decode's or not dividing them),
     staged whole: split writes tokens ``[start, end)`` into decode's ``small``-token
     blocks, byte for byte what the kernel writes; ``end`` is the prompt's last token."""
-    import numpy as np
+    from kvbridge.connector.vllm.packing import CpuAttnRepacker
 
-    from kvbridge.connector.vllm.packing import CpuAttnRepacker, _write
-
+    dtype, source, _write = _writer(kind)
     g = torch.Generator().manual_seed(7 * small + large)
     tokens = 2 * large
-    key = torch.randn(tokens, H, D, generator=g).to(dtype)
-    value = torch.randn(tokens, H, D, generator=g).to(dtype)
+    key = torch.randn(tokens, H, D, generator=g).to(source)
+    value = torch.randn(tokens, H, D, generator=g).to(source)
     src = torch.zeros(3, H, large, 2 * D, dtype=dtype)
     src_ids = torch.tensor([2, 0])  # prefill blocks holding tokens 0..large-1, large..
     _write(src, key, value, (src_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1))
