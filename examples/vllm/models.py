@@ -183,6 +183,41 @@ def granite_hybrid_config() -> Any:
     return config
 
 
+def eagle_config() -> Any:
+    """An EAGLE draft for tiny-llama (vLLM's ``EagleLlamaForCausalLM``): one decoder layer
+    fed ``fc([embedding, target hidden state])``; it shares tiny-llama's embedding and head."""
+    config = llama_config()
+    config.num_hidden_layers = 1
+    config.architectures = ["EagleLlamaForCausalLM"]
+    return config
+
+
+def build_eagle_weights(config: Any, out: Path) -> None:
+    """``fc`` and layer 0, drawn from the fixed seed (layer 0 has no input norm in vLLM's
+    EAGLE, so none is written); config.json beside them."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    gen = torch.Generator().manual_seed(SEED)
+    shapes = {
+        "fc.weight": (h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": (q, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, q),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+    }
+    weights = {k: torch.randn(*v, generator=gen) * INIT_STD for k, v in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    config.save_pretrained(str(out))
+
+
 # Server arguments a model needs on vLLM's CPU build (added there only).
 # tiny-granite-hybrid: with prefix caching (Mamba "align" mode, vLLM's default for it) vLLM
 # 0.32's CPU Mamba2 prefill fails once a prompt passes one block (IndexError in
@@ -196,7 +231,10 @@ MODELS: dict[str, Callable[[], Any]] = {
     "tiny-llama": llama_config,
     "tiny-gemma3": gemma3_config,
     "tiny-granite-hybrid": granite_hybrid_config,
+    "tiny-eagle": eagle_config,  # a draft model (speculative decoding), not served alone
 }
+# models whose weights a transformers class cannot draw (vLLM-only architectures)
+WEIGHTS: dict[str, Callable[[Any, Path], None]] = {"tiny-eagle": build_eagle_weights}
 
 
 def build_weights(config: Any, out: Path) -> None:
@@ -217,7 +255,7 @@ def build_model(name: str, out: Path) -> Path:
     config = MODELS[name]()
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
-    build_weights(config, out)
+    WEIGHTS.get(name, build_weights)(config, out)
     (out / STAMP).write_text(json.dumps(_stamp(name), indent=1, sort_keys=True) + "\n")
     return out
 
