@@ -96,6 +96,7 @@ class Engine:
         self._deferred_free: dict[str, list[int]] = {}  # decode: blocks a load may still write
         self._outputs: list[RequestOutput] = []
         self._finishing: list[tuple[Request, FinishReason]] = []  # sampled their last token
+        self._computed = True  # the last step ran the model (a new request: step at once)
         self.on_loaded: Callable[[Request], None] | None = None  # fault injection hook
 
     # -- requests -------------------------------------------------------------------------
@@ -140,8 +141,11 @@ class Engine:
 
     @property
     def has_runnable(self) -> bool:
-        """Requests a step may compute now (not those only waiting for their KV)."""
-        return bool(self.waiting or self.running)
+        """Requests the next step may compute: some run, or the last step ran the model
+        (a request waiting for blocks or a free sequence slot may get them by the next
+        step; one that only waits for its KV, or that the last step could not admit, is
+        not worth a step back to back)."""
+        return bool(self.running or (self.waiting and self._computed))
 
     def counts_by_status(self) -> dict[str, int]:
         return {
@@ -160,6 +164,7 @@ class Engine:
         if self.scheduler is not None and self.worker is not None:
             self.worker.bind_connector_metadata(self.scheduler.build_connector_meta())
             self.worker.start_load_kv()
+        self._computed = bool(batch)
         if batch:
             logits = self.runner.execute([seq for _, seq in batch])
             for (req, seq), rows in zip(batch, logits, strict=True):

@@ -260,14 +260,18 @@ class Loads:
         for failure in output.failing_loads:
             record = self._records.get(failure.request_id)
             if (
-                record is not None
-                and record.state is LoadState.LOADING
-                and not record.told
-                and self.config.failure_policy is FailurePolicy.FAIL
+                record is None
+                or record.state not in (LoadState.LOADING, LoadState.ABORTING)
+                or record.told
+                or self.config.failure_policy is not FailurePolicy.FAIL
             ):
-                record.told = True
-                record.failure = record.failure or failure
+                continue
+            record.told = True
+            record.failure = record.failure or failure
+            if record.state is LoadState.LOADING:
                 failed.append(failure)
+            # else the engine already ended it on the same report (vLLM reads its
+            # failed_recving before the connector's output): it ends FAILED all the same
         reports = [(f.request_id, f) for f in output.failed_loads]
         reports += [(rid, None) for rid in output.finished_recving]
         for rid, failure in reports:

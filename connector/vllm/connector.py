@@ -119,6 +119,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),
                 cache_dtype=str(vllm_config.cache_config.cache_dtype),
+                model_dtype=vllm_config.model_config.dtype,
             )
 
     @property

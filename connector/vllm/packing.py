@@ -30,7 +30,9 @@ from kvbridge.layouts.groups import KVCacheConfig
 
 _DIGIT_BASE = 64  # small integers are exact in every float dtype the kernel accepts
 # vLLM keeps every fp8 cache format in uint8 pages; the map is probed through e4m3, where
-# the integers 1..16 are exact (scale 1.0), with float32 K and V (its kernel's "vec" path)
+# the integers 1..16 are exact (scale 1.0), with K and V in the model's dtype (``source``):
+# that dtype picks the kernel's instruction set, and with it the page's order (a bf16
+# model on AMX orders an fp8 page as its bf16 pages, not as float32's "vec" path)
 _FP8_DIGIT_BASE = 16
 _FP8_PROBE = "fp8_e4m3"
 
@@ -61,7 +63,13 @@ def _kernel_write(
     )
 
 
-def _write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -> None:
+def _write(
+    cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    source: torch.dtype | None = None,
+) -> None:
     """K and V (``[tokens, H, D]``, the cache's dtype) of tokens ``slots`` into their
     places in one layer ``[blocks, H, B, 2D]``: vLLM's kernel for float pages; for fp8
     (uint8) pages, whose elements are already quantized, the bytes go where the element
@@ -70,7 +78,7 @@ def _write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -
         _kernel_write(cache, key, value, slots)
         return
     _, heads, block_size, width = cache.shape
-    dst = page_map(cache.dtype, block_size, heads, width // 2)  # [2, B, H, D]
+    dst = page_map(cache.dtype, block_size, heads, width // 2, source)  # [2, B, H, D]
     by_token = torch.from_numpy(np.ascontiguousarray(dst.transpose(1, 0, 2, 3)))
     page_elems = heads * block_size * width
     where = (slots // block_size).view(-1, 1, 1, 1) * page_elems + by_token[slots % block_size]
@@ -78,16 +86,27 @@ def _write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots) -
 
 
 @lru_cache(maxsize=32)
-def page_map(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int) -> np.ndarray:
+def page_map(
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    source: torch.dtype | None = None,
+) -> np.ndarray:
     """Element offset inside one page of every ``(K/V, token, head, dim)`` element.
 
     Runs vLLM's kernel a few times on a scratch page whose values are the base-64 digits
     of each element's index (exact in fp32, fp16 and bf16), then inverts what it wrote. A
-    uint8 page is an fp8 cache: base-16 digits, written and read as e4m3.
+    uint8 page is an fp8 cache: base-16 digits, written from ``source`` (the model's
+    dtype, which must be given) and read as e4m3.
     """
     fp8 = dtype == torch.uint8
+    if fp8 and source is None:
+        raise KVBridgeError(
+            "an fp8 (uint8) CPU attention page's order depends on the model's dtype; none was given"
+        )
     base = _FP8_DIGIT_BASE if fp8 else _DIGIT_BASE
-    source = torch.float32 if fp8 else dtype
+    source = source if fp8 else dtype
     n = 2 * block_size * num_heads * head_size
     index = torch.arange(n, dtype=torch.int64).view(2, block_size, num_heads, head_size)
     found = torch.zeros(n, dtype=torch.int64)
@@ -123,14 +142,22 @@ class CpuAttnRepacker:
     """Rebuilds vLLM CPU attention pages from whole remote pages, layer by layer
     (:class:`kvbridge.connector.worker.staging.staged_reads.Repacker`)."""
 
-    def __init__(self, kv_config: KVCacheConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        kv_config: KVCacheConfig,
+        tensors: Mapping[str, torch.Tensor],
+        source: torch.dtype | None = None,
+    ) -> None:
+        """``source``: the model's dtype (what vLLM writes K and V from; needed for fp8
+        caches, whose page order it decides)."""
         self._layers = {g.group_id: g.layer_names for g in kv_config.groups}
         self._tensors = dict(tensors)
+        self._source = source
 
     def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
         for name in self._layers[group_id]:
-            repack_layer(self._tensors[name], ids, remote_block_size)
+            repack_layer(self._tensors[name], ids, remote_block_size, self._source)
 
     def split(
         self,
@@ -151,12 +178,19 @@ class CpuAttnRepacker:
         for name, layer_pages in zip(names, pages, strict=True):
             cache = self._tensors[name]
             if heads is None or heads == (0, cache.shape[1]):
-                split_layer(cache, layer_pages, remote_block_size, keep, where)
+                split_layer(cache, layer_pages, remote_block_size, keep, where, self._source)
             else:
-                split_heads_layer(cache, layer_pages, remote_block_size, keep, where, heads)
+                split_heads_layer(
+                    cache, layer_pages, remote_block_size, keep, where, heads, self._source
+                )
 
 
-def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size: int) -> None:
+def repack_layer(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    remote_block_size: int,
+    source: torch.dtype | None = None,
+) -> None:
     """Blocks ``block_ids`` of one layer ``[blocks, H, B, 2D]`` each hold ``B / b`` pages
     of ``b = remote_block_size`` tokens side by side; rewrite them as ``B``-token pages."""
     _, heads, block_size, width = cache.shape
@@ -166,17 +200,22 @@ def repack_layer(cache: torch.Tensor, block_ids: torch.Tensor, remote_block_size
     r, n = block_size // b, int(block_ids.numel())
     if n == 0:
         return
-    offsets = torch.from_numpy(page_map(cache.dtype, b, heads, d).reshape(-1))
+    offsets = torch.from_numpy(page_map(cache.dtype, b, heads, d, source).reshape(-1))
     pages = cache.index_select(0, block_ids).reshape(n, r, -1)
     canonical = pages[:, :, offsets].reshape(n, r, 2, b, heads, d)
     key = canonical[:, :, 0].reshape(n * block_size, heads, d).contiguous()
     value = canonical[:, :, 1].reshape(n * block_size, heads, d).contiguous()
     slots = (block_ids.view(-1, 1) * block_size + torch.arange(block_size)).reshape(-1)
-    _write(cache, key, value, slots)
+    _write(cache, key, value, slots, source)
 
 
 def _canonical(
-    pages: torch.Tensor, dtype: torch.dtype, block_size: int, heads: int, head_size: int
+    pages: torch.Tensor,
+    dtype: torch.dtype,
+    block_size: int,
+    heads: int,
+    head_size: int,
+    source: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``n`` pages of ``block_size`` tokens and ``heads`` heads in the kernel's order
     (uint8 ``[n, page_bytes]``) as ``[n, K/V, token, head, dim]`` elements."""
@@ -186,7 +225,7 @@ def _canonical(
         raise KVBridgeError(
             f"{b}-token pages of {pages.shape[1]} B do not match this layer ({expected} B)"
         )
-    offsets = torch.from_numpy(page_map(dtype, b, heads, head_size).reshape(-1))
+    offsets = torch.from_numpy(page_map(dtype, b, heads, head_size, source).reshape(-1))
     elems = pages.contiguous().view(dtype).reshape(n, -1)
     return elems[:, offsets].reshape(n, 2, b, heads, head_size)
 
@@ -197,6 +236,7 @@ def split_layer(
     remote_block_size: int,
     keep: torch.Tensor,
     slots: torch.Tensor,
+    source: torch.dtype | None = None,
 ) -> None:
     """Write tokens of ``n`` larger pages (uint8 ``[n, page_bytes]``, ``b`` tokens each)
     into one layer ``[blocks, H, B, 2D]``: token ``i`` of the flattened ``[n * b]`` goes to
@@ -205,10 +245,10 @@ def split_layer(
     d, b, n = width // 2, remote_block_size, pages.shape[0]
     if n == 0 or slots.numel() == 0:
         return
-    canonical = _canonical(pages, cache.dtype, b, heads, d)
+    canonical = _canonical(pages, cache.dtype, b, heads, d, source)
     key = canonical[:, 0].reshape(n * b, heads, d)[keep].contiguous()
     value = canonical[:, 1].reshape(n * b, heads, d)[keep].contiguous()
-    _write(cache, key, value, slots)
+    _write(cache, key, value, slots, source)
 
 
 def split_heads_layer(
@@ -218,6 +258,7 @@ def split_heads_layer(
     keep: torch.Tensor,
     slots: torch.Tensor,
     heads: tuple[int, int],
+    source: torch.dtype | None = None,
 ) -> None:
     """:func:`split_layer` for pages that hold only heads ``first .. first + count - 1``
     of this layer's ``H``: those heads of each kept token go to their place in its slot's
@@ -231,9 +272,9 @@ def split_heads_layer(
         return
     if not cache.is_contiguous():
         raise KVBridgeError("a layer's CPU attention cache must be one contiguous tensor")
-    canonical = _canonical(pages, cache.dtype, b, count, d)  # [n, 2, b, count, D]
+    canonical = _canonical(pages, cache.dtype, b, count, d, source)  # [n, 2, b, count, D]
     values = canonical.transpose(1, 2).reshape(n * b, 2, count, d)
-    dst = page_map(cache.dtype, block_size, num_heads, d)[:, :, first : first + count]
+    dst = page_map(cache.dtype, block_size, num_heads, d, source)[:, :, first : first + count]
     by_token = torch.from_numpy(np.ascontiguousarray(dst.transpose(1, 0, 2, 3)))  # [B, 2, c, D]
     page_elems = num_heads * block_size * width
     where = (slots // block_size).view(-1, 1, 1, 1) * page_elems + by_token[slots % block_size]

@@ -51,6 +51,7 @@ class VLLMWorkerSide:
         cpu_attention: bool | None = None,
         host_staging: bool | None = None,
         cache_dtype: str = "auto",
+        model_dtype: torch.dtype | None = None,
     ) -> None:
         """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
         ephemeral port, reported by :meth:`handshake_metadata`) and its
@@ -61,11 +62,14 @@ class VLLMWorkerSide:
         ``host_staging``: see :class:`KVBridgeWorker` (True stages a cache in host memory
         through a host mirror: the ``kv_buffer_device: "cpu"`` GPU path, tested on CPU).
         ``cache_dtype``: vLLM's ``--kv-cache-dtype``; its element format is what the
-        handshake compares (:func:`~kvbridge.connector.vllm.translate.kv_element_format`)."""
+        handshake compares (:func:`~kvbridge.connector.vllm.translate.kv_element_format`).
+        ``model_dtype``: what vLLM writes K and V from; with an fp8 cache it picks the CPU
+        attention kernel's instruction set, and with it the page order."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
         self._cpu_attention = cpu_attention
         self._engine_nice = config.extra.engine_thread_nice
+        self._cache_dtype, self._model_dtype = cache_dtype, model_dtype
         spec = next((g.spec for g in kv_config.groups if isinstance(g.spec, AttentionSpec)), None)
         if spec is None:
             raise ConfigError(
@@ -96,16 +100,22 @@ class VLLMWorkerSide:
         # Layers that share another layer's cache (no spec of their own) are not in the
         # groups and are not transferred separately.
         tensors = {n: kv_caches[n] for n in self.kv_config.layer_names if n in kv_caches}
-        packing = block_packing(self.kv_config, tensors, cpu_attention=self._cpu_attention)
+        packing = block_packing(
+            self.kv_config,
+            tensors,
+            cpu_attention=self._cpu_attention,
+            source=self._model_dtype,
+            cache_dtype=self._cache_dtype,
+        )
         buffers = adopt_kv_caches(
             self.kv_config,
             tensors,
             layout_hint=self.layout_hint,
             block_packing=packing,
-            packed_heads_major=bool(packing) and heads_major(self.kv_config),
+            packed_heads_major=bool(packing) and heads_major(self.kv_config, self._model_dtype),
         )
         if packing:
-            self.worker.set_repacker(CpuAttnRepacker(self.kv_config, tensors))
+            self.worker.set_repacker(CpuAttnRepacker(self.kv_config, tensors, self._model_dtype))
         else:  # staged through host memory: a mirror vLLM's copy operation can fill
             self.worker.set_engine_copies(functools.partial(engine_copies_for, tensors))
         logger.info(
@@ -189,18 +199,19 @@ class VLLMWorkerSide:
         self.worker.shutdown()
 
 
-def heads_major(kv_config: KVCacheConfig) -> bool:
+def heads_major(kv_config: KVCacheConfig, source: torch.dtype | None = None) -> bool:
     """Whether vLLM's CPU attention keeps each head of a page in one contiguous run, heads
     in order and each in the same order inside its run (measured with its kernel,
     :func:`kvbridge.connector.vllm.packing.page_map`); then a tensor-parallel reader can take a
-    slice of the heads as one byte range, and that slice is a page of fewer heads."""
+    slice of the heads as one byte range, and that slice is a page of fewer heads.
+    ``source``: the model's dtype (an fp8 page's order depends on it)."""
     from kvbridge.connector.vllm.packing import page_map
 
     for g in kv_config.groups:
         spec = g.spec
         if not isinstance(spec, AttentionSpec):
             continue  # a state page is moved whole (equal TP sizes)
-        offsets = page_map(spec.dtype, spec.block_size, spec.num_kv_heads, spec.head_size)
+        offsets = page_map(spec.dtype, spec.block_size, spec.num_kv_heads, spec.head_size, source)
         per_head = offsets.size // spec.num_kv_heads
         by_head = np.moveaxis(offsets, 2, 0).reshape(spec.num_kv_heads, -1)
         if not np.array_equal(np.sort(by_head[0]), np.arange(per_head)):
@@ -218,6 +229,8 @@ def block_packing(
     tensors: Mapping[str, torch.Tensor],
     *,
     cpu_attention: bool | None = None,
+    source: torch.dtype | None = None,
+    cache_dtype: str = "auto",
 ) -> str:
     """vLLM's id for the element order inside its CPU attention blocks ("" elsewhere).
 
@@ -225,7 +238,9 @@ def block_packing(
     kernels (``cpu_attn_reshape_and_cache``) store each head's K transposed,
     ``[head_size, block_size]``, followed by V ``[block_size, head_size]``, in an order
     chosen per instruction set. Such blocks are byte-identical only to blocks of the same
-    size and instruction set, which the id names.
+    size and instruction set, which the id names. The set is the one vLLM picks: from the
+    model's dtype (``source``) and ``cache_dtype`` (an fp8 cache's uint8 pages say
+    neither).
     """
     if cpu_attention is None:
         from vllm.platforms import current_platform
@@ -239,5 +254,7 @@ def block_packing(
     for g in kv_config.groups:
         spec = g.spec
         if isinstance(spec, AttentionSpec):
-            isas.add(f"{_get_attn_isa(spec.dtype, spec.block_size, spec.head_size)}")
+            dtype = source if spec.dtype == torch.uint8 and source is not None else spec.dtype
+            kv = cache_dtype if spec.dtype == torch.uint8 else None
+            isas.add(f"{_get_attn_isa(dtype, spec.block_size, spec.head_size, kv)}")
     return "vllm-cpu-attn:" + "+".join(sorted(isas))

@@ -382,3 +382,28 @@ def test_a_rewrite_of_a_block_another_reader_reads_natively_is_refused(clock):
         assert sender.on_prepare(Prepare(request_id="b", rewrites=rewrite, hold_s=10.0)).ok
     finally:
         prefill.worker.shutdown()
+
+
+def test_under_policy_fail_an_engine_that_ends_the_request_first_counts_it_failed(clock):
+    """vLLM reads a failing load's ``failed_recving`` and ends the request (an abort to
+    the connector) before the connector folds the same report: still a failed load, its
+    blocks given back once the READ ended."""
+    decode_kw = {"transfer_timeout_s": TIMEOUT_S, "failure_policy": "fail"}
+    pair = _late_pair(clock, "decode", {"lease_s": 120.0}, decode_kw)
+    prefill, decode, late = next(pair)
+    try:
+        _start_load(prefill, decode, late)
+        clock.now += TIMEOUT_S + 1
+        decode.worker.bind_connector_metadata(decode.sched.build_connector_meta())
+        decode.worker.start_load_kv()
+        output = decode.worker.get_finished()
+        assert [f.request_id for f in output.failing_loads] == ["d1"]
+        decode.sched.request_aborted("d1")  # vLLM's order: the engine first
+        events = decode.sched.update_connector_output(output)
+        assert not events.failed and decode.sched.defers_free("d1")
+        late.land(prefill.step)
+        run_until([decode, prefill], lambda: "d1" in decode.freed, "the blocks given back")
+        assert decode.sched.load_outcomes[LoadState.FAILED] == 1
+        assert decode.sched.load_outcomes[LoadState.ABORTED] == 0
+    finally:
+        pair.close()

@@ -152,6 +152,7 @@ def _spec(
     policy: str,
     lease_s: float | None = None,
     mode: str = "pull",
+    handshake_timeout_s: float | None = None,
 ) -> ServerSpec:
     return ServerSpec(
         name,
@@ -164,6 +165,7 @@ def _spec(
             {
                 **LEASE,
                 **({"lease_s": lease_s} if lease_s else {}),
+                **({"handshake_timeout_s": handshake_timeout_s} if handshake_timeout_s else {}),
                 "extra": {"transfer_mode": mode},
             }
         ),
@@ -178,7 +180,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     llama, gemma = ensure_model("tiny-llama"), ensure_model("tiny-gemma3")
     logs = tmp_path_factory.mktemp("vllm-logs")
     specs = [
-        _spec("L32a", llama, 32, "recompute"),
+        # its first handshake with L96a waits on a frozen L96a while 8 requests stream
+        _spec("L32a", llama, 32, "recompute", handshake_timeout_s=60),
         _spec("L32b", llama, 32, "recompute"),
         # a lease that outlasts slow loads on 2 cores (most tests read from L128a)
         _spec("L128a", llama, 128, "recompute", lease_s=60),

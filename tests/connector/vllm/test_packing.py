@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvbridge.connector.vllm.worker_side import block_packing
+from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.specs import FullAttentionSpec
 
@@ -79,20 +80,32 @@ def _fp8_supported() -> bool:
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
-# an fp8 cache (uint8 pages) is written by vLLM's kernel from float32 K and V, quantized
-FP8 = pytest.param(
-    "fp8",
-    marks=pytest.mark.skipif(not _fp8_supported(), reason="fp8 KV needs AVX-512 or AMX"),
-)
+# an fp8 cache (uint8 pages) is written by vLLM's kernel from K and V in the model's dtype
+# (float32: its "vec" path; bf16: "amx" where the CPU has it, a different page order)
+FP8 = [
+    pytest.param(
+        ("fp8", source),
+        marks=pytest.mark.skipif(not _fp8_supported(), reason="fp8 KV needs AVX-512 or AMX"),
+        id=f"fp8-{source}",
+    )
+    for source in (torch.float32, torch.bfloat16)
+]
 
 
 def _writer(kind):
-    """(the cache's dtype, K/V dtype, write) for ``kind``: a float dtype, or "fp8"."""
+    """(the cache's dtype, K/V dtype, write, source) for ``kind``: a float dtype, or
+    ("fp8", the model's dtype)."""
     from kvbridge.connector.vllm.packing import _kernel_write, _write
 
-    if kind == "fp8":
-        return torch.uint8, torch.float32, lambda c, k, v, s: _kernel_write(c, k, v, s, "fp8")
-    return kind, kind, _write
+    if isinstance(kind, tuple):
+        source = kind[1]
+        return (
+            torch.uint8,
+            source,
+            lambda c, k, v, s: _kernel_write(c, k, v, s, "fp8"),
+            source,
+        )
+    return kind, kind, _write, None
 
 
 def test_an_fp8_page_keeps_the_element_order_of_a_float_page():
@@ -101,17 +114,20 @@ def test_an_fp8_page_keeps_the_element_order_of_a_float_page():
 
     if not _fp8_supported():
         pytest.skip("fp8 KV needs AVX-512 or AMX")
-    fp8 = page_map(torch.uint8, BS, H, D)
-    assert sorted(fp8.reshape(-1).tolist()) == list(range(2 * BS * H * D))
-    assert np.array_equal(fp8, page_map(torch.float32, BS, H, D))
+    for source in (torch.float32, torch.bfloat16):
+        fp8 = page_map(torch.uint8, BS, H, D, source)
+        assert sorted(fp8.reshape(-1).tolist()) == list(range(2 * BS * H * D))
+        assert np.array_equal(fp8, page_map(source, BS, H, D)), source
+    with pytest.raises(KVBridgeError, match="model's dtype"):
+        page_map(torch.uint8, BS, H, D)
 
 
-@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, *FP8])
 @pytest.mark.parametrize("small,large", [(32, 64), (32, 128), (64, 128)])
 def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(kind, small, large):
     from kvbridge.connector.vllm.packing import repack_layer
 
-    dtype, source, _write = _writer(kind)
+    dtype, source, _write, model = _writer(kind)
     g = torch.Generator().manual_seed(small + large)
     tokens = 2 * large
     key = torch.randn(tokens, H, D, generator=g).to(source)
@@ -125,7 +141,7 @@ def test_repack_of_side_by_side_small_pages_equals_writing_the_large_block(kind,
     for j, b in enumerate(dst_ids.tolist()):  # what the transfer leaves: pages side by side
         pages = src[src_ids[j * r : (j + 1) * r]].reshape(-1)
         dst[b].view(-1).copy_(pages)
-    repack_layer(dst, dst_ids, small)
+    repack_layer(dst, dst_ids, small, model)
     want = torch.zeros_like(dst)
     _write(want, key, value, (dst_ids.view(-1, 1) * large + torch.arange(large)).reshape(-1))
     assert torch.equal(dst[dst_ids].view(torch.uint8), want[dst_ids].view(torch.uint8))
@@ -139,7 +155,7 @@ def pages_side_by_side(src, src_ids, dst_ids, r):
     ).view(len(dst_ids), *src.shape[1:-2], -1, src.shape[-1])
 
 
-@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, *FP8])
 @pytest.mark.parametrize(
     "small,large", [(32, 64), (32, 128), (64, 128), (64, 96), (96, 64), (32, 160)]
 )
@@ -149,7 +165,7 @@ def test_split_of_staged_pages_equals_writing_the_decode_blocks(kind, small, lar
     blocks, byte for byte what the kernel writes; ``end`` is the prompt's last token."""
     from kvbridge.connector.vllm.packing import CpuAttnRepacker
 
-    dtype, source, _write = _writer(kind)
+    dtype, source, _write, model = _writer(kind)
     g = torch.Generator().manual_seed(7 * small + large)
     tokens = 2 * large
     key = torch.randn(tokens, H, D, generator=g).to(source)
@@ -177,7 +193,7 @@ def test_split_of_staged_pages_equals_writing_the_decode_blocks(kind, small, lar
         num_blocks=nb + 2,
     )
     before_hit = dst[int(dst_ids[0])].clone()
-    CpuAttnRepacker(layers, {"l0": dst}).split(0, staged, large, slots)
+    CpuAttnRepacker(layers, {"l0": dst}, model).split(0, staged, large, slots)
 
     want = torch.zeros_like(dst)
     keep = torch.arange(start, end)
@@ -294,3 +310,20 @@ def test_split_of_a_head_slice_refuses_heads_outside_the_layer():
     pages = [torch.zeros(1, 2 * 64 * D * 4, dtype=torch.uint8)]
     with pytest.raises(KVBridgeError, match=r"heads 1\.\.2 are not among 2"):
         repacker.split(0, pages, 64, np.zeros((1, 64), dtype=np.int64), (1, 2))
+
+
+def test_an_fp8_caches_packing_names_the_instruction_set_of_the_models_dtype():
+    """uint8 pages say neither the model's dtype nor the fp8 format: the id is the kernel
+    vLLM runs for them (a bf16 model on AMX writes fp8 pages in its AMX order)."""
+    if not _fp8_supported():
+        pytest.skip("fp8 KV needs AVX-512 or AMX")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.uint8)
+    config = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=NB
+    )
+    tensors = {"l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8)}
+    for source in (torch.float32, torch.bfloat16):
+        got = block_packing(config, tensors, source=source, cache_dtype="fp8")
+        assert got == "vllm-cpu-attn:" + _get_attn_isa(source, BS, D, "fp8"), source
