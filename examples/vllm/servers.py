@@ -68,13 +68,16 @@ def kv_transfer_setup(
     host: str = HOST,
     failure_policy: str | None = None,
     engine_id: str | None = None,
+    kv_port: int = 0,
 ) -> KVSetup:
     """The kv-transfer config of server ``role`` (prefill / decode) for ``connector``.
 
     ``nixl``: vLLM's own NixlConnector (``kv_both``) with its side channel on a free port.
     ``kvbridge``: ``kvbridge.connector.vllm.KVBridgeConnector`` as producer (prefill) or consumer
-    (decode), its listeners on ephemeral ports (``kv_port`` 0), ``extra`` passed through
-    as ``kv_connector_extra_config``. ``nixl`` picks a fresh base port on every call.
+    (decode), its listeners on ephemeral ports (``kv_port`` 0) unless ``kv_port`` gives a
+    base (rank ``r`` of data-parallel rank ``d`` at ``kv_port + d * tp + r``), ``extra``
+    passed through as ``kv_connector_extra_config``. ``nixl`` picks a fresh base port on
+    every call.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -100,9 +103,9 @@ def kv_transfer_setup(
             "kv_connector_module_path": "kvbridge.connector.vllm",
             "kv_role": _KVBRIDGE_ROLES[role],
             "engine_id": engine_id or f"{role}-{index}",
-            # ephemeral: every rank binds its own; vLLM hands the bound ports from the
+            # 0, ephemeral: every rank binds its own; vLLM hands the bound ports from the
             # workers to the scheduler (get_handshake_metadata), which advertises them
-            "kv_port": 0,
+            "kv_port": kv_port,
             "kv_buffer_device": "cpu",
             # vLLM 0.32's KVTransferConfig has no kv_ip: kvbridge reads it from the extra
             "kv_connector_extra_config": {"kv_ip": host, **(extra or {})},
@@ -134,6 +137,10 @@ class ServerSpec:
     enforce_eager: bool = False
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    data_parallel_size: int = 1
+    # kvbridge's side channels on a fixed base port (one per TP x DP rank, probed free at
+    # each launch) instead of ephemeral ones
+    fixed_kv_port: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 32:
@@ -203,11 +210,14 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
         ]
         if spec.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if spec.data_parallel_size > 1:
+            argv += ["--data-parallel-size", str(spec.data_parallel_size)]
         if spec.enforce_eager:
             argv.append("--enforce-eager")
         env = {
             **BASE_ENV,
-            "VLLM_CPU_OMP_THREADS_BIND": spec.cpus or cpu_bind(slot, spec.tensor_parallel_size),
+            "VLLM_CPU_OMP_THREADS_BIND": spec.cpus
+            or cpu_bind(slot, spec.tensor_parallel_size * spec.data_parallel_size),
         }
         details: dict[str, object] = {"block_size": spec.block_size}
         if spec.connector is not None:
@@ -220,6 +230,9 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
                 tensor_parallel_size=spec.tensor_parallel_size,
                 failure_policy=spec.failure_policy,
                 engine_id=spec.name,  # unique among the servers started together
+                kv_port=free_port(span=spec.tensor_parallel_size * spec.data_parallel_size)
+                if spec.fixed_kv_port
+                else 0,
             )
             argv += ["--kv-transfer-config", kv.to_json()]
             env.update(kv.env)
