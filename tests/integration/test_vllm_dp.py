@@ -20,57 +20,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
+from kvbridge.examples.vllm.client import compare, make_prompts
 from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.metrics import scrape
-from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
-from tests.verified_loads import verifying
+from kvbridge.examples.vllm.procs import Service
+from tests.integration.vllm_both import prefilled, run, serving, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-MAX_TOKENS = 8
 LOGPROB_TOL = 1e-4
-TIMEOUT_S = 120.0
 DP = 2
-
-
-def _spec(name: str, dp: int) -> ServerSpec:
-    return ServerSpec(
-        name,
-        ensure_model("tiny-llama"),
-        block_size=32,
-        connector="kvbridge",
-        role="both",
-        kv_extra=verifying({"lease_s": 30, "heartbeat_s": 3}),
-        failure_policy="recompute",
-        max_model_len=2048,
-        enforce_eager=True,
-        data_parallel_size=dp,
-        fixed_kv_port=dp > 1,
-    )
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
-    logs = tmp_path_factory.mktemp("vllm-dp-logs")
-    services = {
-        "P": vllm_service(_spec("P", DP), logs, slot=0),
-        "D": vllm_service(_spec("D", 1), logs, slot=1),
-    }
-    try:
-        start_all(list(services.values()), timeout_s=900)
-        yield services
-    finally:
-        stop_all(list(services.values()))
-
-
-def _run(server: Service, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra) -> Completion:
-    return complete(
-        server.url, "tiny-llama", prompt, max_tokens=max_tokens, timeout_s=TIMEOUT_S, extra=extra
-    )
+    specs = [spec("P", data_parallel_size=DP, fixed_kv_port=True), spec("D")]
+    with serving(specs, tmp_path_factory.mktemp("vllm-dp-logs")) as running:
+        yield running
 
 
 def test_every_data_parallel_rank_serves_its_loads_from_one_port_base(servers):
@@ -78,27 +45,18 @@ def test_every_data_parallel_rank_serves_its_loads_from_one_port_base(servers):
     base = prefill.launch.details["kv_transfer_config"]["kv_port"]  # type: ignore[index]
     prompts = make_prompts(4 * DP, 200, seed=7070)
     with ThreadPoolExecutor(len(prompts)) as pool:  # at once: vLLM spreads them over ranks
-        firsts = list(
-            pool.map(
-                lambda p: _run(
-                    prefill, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-                ),
-                prompts,
-            )
-        )
-    params = [f.kv_transfer_params for f in firsts]
-    assert all(p and p["do_remote_prefill"] for p in params)
-    by_port = {p["remote_port"] for p in params}  # type: ignore[index]
+        params = list(pool.map(lambda p: prefilled(prefill, p), prompts))
+    by_port = {p["remote_port"] for p in params}
     assert by_port == {base + d for d in range(DP)}, (base, by_port)
-    engines = {p["remote_engine_id"] for p in params}  # type: ignore[index]
+    engines = {p["remote_engine_id"] for p in params}
     assert engines == {f"P_dp{d}" for d in range(DP)}, engines
     before = scrape(decode.url)
-    got = [_run(decode, p, kv_transfer_params=kp) for p, kp in zip(prompts, params, strict=True)]
+    got = [run(decode, p, kv_transfer_params=kp) for p, kp in zip(prompts, params, strict=True)]
     after = scrape(decode.url)
     moved = str(_deltas(before, after))
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_verified") == len(prompts), moved
     assert _delta(before, after, "handshakes") == DP, moved
     for p, g in zip(prompts, got, strict=True):
-        cmp = compare(_run(prefill, p), g)  # one server (decode holds the loaded KV now)
+        cmp = compare(run(prefill, p), g)  # one server (decode holds the loaded KV now)
         assert cmp.first_mismatch is None and cmp.max_logprob_diff <= LOGPROB_TOL, cmp

@@ -19,73 +19,31 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
+from kvbridge.examples.vllm.client import Completion, compare, make_prompts
 from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.metrics import scrape
-from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
-from tests.verified_loads import verifying
+from kvbridge.examples.vllm.procs import Service
+from tests.integration.vllm_both import BLOCK, prefilled, run, serving, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-MAX_TOKENS = 8
 LOGPROB_TOL = 1e-4
-TIMEOUT_S = 120.0
-BLOCK = 32
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 1  # tiny-llama: layers x K,V x kv heads x head dim x fp8
-
-
-def _spec(name: str, cache_dtype: str) -> ServerSpec:
-    return ServerSpec(
-        name,
-        ensure_model("tiny-llama"),
-        block_size=BLOCK,
-        connector="kvbridge",
-        role="both",
-        kv_extra=verifying({"lease_s": 30, "heartbeat_s": 3}),
-        failure_policy="recompute",
-        max_model_len=2048,
-        enforce_eager=True,
-        extra_args=("--kv-cache-dtype", cache_dtype),
-    )
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
-    logs = tmp_path_factory.mktemp("vllm-fp8-logs")
-    specs = [_spec("E4a", "fp8"), _spec("E4b", "fp8"), _spec("E5", "fp8_e5m2")]
-    services = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
-    try:
-        start_all(list(services.values()), timeout_s=900)
-        yield services
-    finally:
-        stop_all(list(services.values()))
-
-
-def _run(server: Service, prompt: list[int], **extra) -> Completion:
-    return complete(
-        server.url,
-        ensure_model("tiny-llama").name,
-        prompt,
-        max_tokens=MAX_TOKENS,
-        timeout_s=TIMEOUT_S,
-        extra=extra,
-    )
+    specs = [
+        spec(name, extra_args=("--kv-cache-dtype", dtype))
+        for name, dtype in (("E4a", "fp8"), ("E4b", "fp8"), ("E5", "fp8_e5m2"))
+    ]
+    with serving(specs, tmp_path_factory.mktemp("vllm-fp8-logs")) as running:
+        yield running
 
 
 def _pd(prefill: Service, decode: Service, prompt: list[int]) -> Completion:
-    first = complete(
-        prefill.url,
-        ensure_model("tiny-llama").name,
-        prompt,
-        max_tokens=1,
-        timeout_s=TIMEOUT_S,
-        extra={"kv_transfer_params": {"do_remote_decode": True}},
-    )
-    assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
-    return _run(decode, prompt, kv_transfer_params=first.kv_transfer_params)
+    return run(decode, prompt, kv_transfer_params=prefilled(prefill, prompt))
 
 
 def _assert_same(reference: Completion, got: Completion) -> None:
@@ -101,7 +59,7 @@ def test_an_fp8_cache_moves_as_fp8_and_decode_equals_a_single_server(servers):
     got = [_pd(prefill, decode, p) for p in prompts]
     after = scrape(decode.url)
     for p, g in zip(prompts, got, strict=True):
-        _assert_same(_run(prefill, p), g)  # the same fp8 cache, computed in one server
+        _assert_same(run(prefill, p), g)  # the same fp8 cache, computed in one server
     moved = str(_deltas(before, after))
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
     assert _delta(before, after, "loads_verified") == len(prompts), moved
@@ -120,4 +78,4 @@ def test_fp8_formats_that_differ_are_refused_by_name_and_computed_locally(server
     assert _delta(before, after, "bytes_read") == 0, moved
     log = decode.log_tail(400)
     assert "fp8_e4m3" in log and "fp8_e5m2" in log, log[-3000:]
-    _assert_same(_run(decode, make_prompts(1, 200, seed=8081)[0]), got)
+    _assert_same(run(decode, make_prompts(1, 200, seed=8081)[0]), got)

@@ -24,60 +24,32 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
+from kvbridge.examples.vllm.client import compare, make_prompts
 from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
-from tests.verified_loads import verifying
+from kvbridge.examples.vllm.procs import Service
+from tests.integration.vllm_both import BLOCK, prefilled, run, serving, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-MAX_TOKENS = 8
 LOGPROB_TOL = 1e-4
-TIMEOUT_S = 120.0
-BLOCK = 32
 LAYERS = 4 + 1  # tiny-llama's four, the draft's one
 PAGE_BYTES = 2 * BLOCK * 2 * 32 * 4  # K,V x tokens x kv heads x head dim x fp32
 
 
-def _spec(name: str) -> ServerSpec:
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
     speculative = {
         "method": "eagle",
         "model": str(ensure_model("tiny-eagle")),
         "num_speculative_tokens": 2,
     }
-    return ServerSpec(
-        name,
-        ensure_model("tiny-llama"),
-        block_size=BLOCK,
-        connector="kvbridge",
-        role="both",
-        kv_extra=verifying({"lease_s": 30, "heartbeat_s": 3}),
-        failure_policy="recompute",
-        max_model_len=2048,
-        enforce_eager=True,
-        extra_args=("--speculative-config", json.dumps(speculative)),
-    )
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
-    logs = tmp_path_factory.mktemp("vllm-spec-logs")
-    services = {n: vllm_service(_spec(n), logs, slot=i) for i, n in enumerate(("S1", "S2"))}
-    try:
-        start_all(list(services.values()), timeout_s=900)
-        yield services
-    finally:
-        stop_all(list(services.values()))
-
-
-def _run(server: Service, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra) -> Completion:
-    return complete(
-        server.url, "tiny-llama", prompt, max_tokens=max_tokens, timeout_s=TIMEOUT_S, extra=extra
-    )
+    args = ("--speculative-config", json.dumps(speculative))
+    specs = [spec(name, extra_args=args) for name in ("S1", "S2")]
+    with serving(specs, tmp_path_factory.mktemp("vllm-spec-logs")) as running:
+        yield running
 
 
 def test_the_draft_models_kv_moves_with_the_targets_and_decode_equals_one_server(servers):
@@ -86,12 +58,10 @@ def test_the_draft_models_kv_moves_with_the_targets_and_decode_equals_one_server
     before = scrape(decode.url)
     got = []
     for p in prompts:
-        first = _run(prefill, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
-        got.append(_run(decode, p, kv_transfer_params=first.kv_transfer_params))
+        got.append(run(decode, p, kv_transfer_params=prefilled(prefill, p)))
     after = scrape(decode.url)
     for p, g in zip(prompts, got, strict=True):
-        cmp = compare(_run(prefill, p), g)  # one server, the same speculative config
+        cmp = compare(run(prefill, p), g)  # one server, the same speculative config
         assert cmp.first_mismatch is None and cmp.max_logprob_diff <= LOGPROB_TOL, cmp
     moved = str(_deltas(before, after))
     assert _delta(before, after, "loads_loaded") == len(prompts), moved
