@@ -5,11 +5,12 @@ its prefill (SIGSTOP, ``--fault-inject freeze-peer-at-<point>``, ``examples/faul
 the first time it reaches one point of a load: asking for the description (handshake),
 adding its NIXL agent (endpoint creation), sending the claim, posting the READ, sending
 ``Done``. While the prefill stays frozen and the load waits on it, the same local
-requests that ran before on decode run again, streamed: their median time to first token
-and median gap between tokens stay within 1.5x of the runs with no bad peer (before the
-fault, and after it cleared), and no call of decode's engine into kvbridge took longer
-than ``ENGINE_CALL_BOUND_S``. Then the prefill runs again and the load ends exactly
-(every prompt token but the last loaded).
+requests that ran before on decode run again, streamed and each followed by the same
+request on a control server (``tests/streamed_latency.py``): decode's median time to first
+token and median gap between tokens, over the control's, stay within 1.5x of the same
+figure in the runs with no bad peer (before the fault, and after it cleared), and no call
+of decode's engine into kvbridge took longer than ``ENGINE_CALL_BOUND_S``. Then the
+prefill runs again and the load ends exactly (every prompt token but the last loaded).
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from kvbridge.examples.launch import MODEL, Cluster
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
 from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
-from tests.streamed_latency import LOCAL_REQUESTS, Latency, latency, streamed, within_ratio
+from tests.streamed_latency import (
+    LOCAL_REQUESTS,
+    Paired,
+    control_server,
+    paired_latency,
+    streamed,
+    within_ratio,
+)
 from tests.verified_loads import verifying
 
 MAX_TOKENS = 4
@@ -58,6 +66,7 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
         decode_kv=verifying({"transfer_timeout_s": WAIT_S, "handshake_timeout_s": WAIT_S}),
         decode_args=["--fault-inject", f"freeze-peer-at-{point}"],
     )
+    cleanup = [cluster.close]
     try:
         cluster.start()
         prefill, decode = cluster["prefill"], cluster["decode"]
@@ -65,11 +74,16 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
         texts = make_prompts(LOCAL_REQUESTS)
         prompt = make_prompts(LOCAL_REQUESTS + 1)[-1]
 
-        def local(tag: str) -> Latency:
+        control = control_server(tmp_path)
+        cleanup.append(control.kill)
+
+        def local(tag: str) -> Paired:
             # 24-token prompts, none a prefix-cache hit of another (16-token blocks)
-            return latency(decode.url, [f"{tag} {i:02d} {t}"[:24] for i, t in enumerate(texts)])
+            prompts = [f"{tag} {i:02d} {t}"[:24] for i, t in enumerate(texts)]
+            return paired_latency(decode.url, control.url, prompts)
 
         streamed(decode.url, "first of all, not measured")
+        streamed(control.url, "first of all, not measured")
         calm = [local("calm")]
         first = cluster.complete(
             "prefill", _body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -94,7 +108,8 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
             out = load.result(timeout=3 * WAIT_S)
         calm.append(local("after"))
     finally:
-        cluster.close()
+        for close in cleanup:
+            close()
     # the frozen peer was met where meant: the load still waited on it (but at Done, sent
     # once the load ended), and it ended exactly once the peer ran again
     assert waiting != (point == "done")
