@@ -82,6 +82,9 @@ def test_a_prefill_frozen_at_any_point_costs_decode_other_requests_nothing(tmp_p
             prompts = [f"{tag} {i:02d} {t}"[:24] for i, t in enumerate(texts)]
             return paired_latency(decode.url, control.url, prompts)
 
+        # Each server's very first request (lazy imports, allocator) is not measured: the
+        # figure compares the same steady path with and without a bad peer. A cold first
+        # request is timed in tests/integration/test_vllm_cold_start.py.
         streamed(decode.url, "first of all, not measured")
         streamed(control.url, "first of all, not measured")
         calm = [local("calm")]
