@@ -81,6 +81,9 @@ class ConnectorMetrics:
     # the idle-progress thread woke STALL_S or more late: the process's Python could not run
     progress_stalls: int = 0
     progress_stall_seconds: float = 0.0
+    # progress rounds skipped because the set-up thread held the agent (a peer's set-up in
+    # NIXL): the engine's step went on without waiting (kvbridge.connector.worker.agent_gate)
+    rounds_deferred: int = 0
     heartbeats_sent: int = 0
     claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
     claims_resent: int = 0  # decode: ... of them sent again, the first one unanswered
@@ -159,6 +162,7 @@ HELP = {
     "background_thread_failures": "Background threads that died (the worker is unhealthy).",
     "progress_stalls": "Times the progress thread could not run for a second or more.",
     "progress_stall_seconds": "Seconds the progress thread was late in those stalls.",
+    "rounds_deferred": "Progress rounds skipped while a peer's set-up held the NIXL agent.",
     "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
     "claims_resent": "Claims decode sent again because the first went unanswered.",

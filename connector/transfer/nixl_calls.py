@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -97,6 +99,33 @@ def progress_delay(delay_us: int) -> Iterator[None]:
 SLOW_CALL_S = 1.0
 
 
+def _schedstat() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and runnable-but-waiting for one, from
+    ``/proc/thread-self/schedstat`` (None where there is none)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            on_cpu, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+def _where_the_time_went(took: float, before: tuple[float, float] | None) -> str:
+    """Why a call was slow, from the thread's scheduler figures: on a CPU (NIXL worked),
+    runnable but waiting for a CPU (starved: other threads, or a lowered priority), or
+    asleep (blocked on a lock, a socket, the peer)."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+    after = _schedstat() if before is not None else None
+    if before is None or after is None:
+        return f"thread {threading.current_thread().name}, nice {nice}"
+    on_cpu, waiting = after[0] - before[0], after[1] - before[1]
+    asleep = max(0.0, took - on_cpu - waiting)
+    return (
+        f"thread {threading.current_thread().name}, nice {nice}: {on_cpu:.2f} s on a CPU, "
+        f"{waiting:.2f} s runnable waiting for one, {asleep:.2f} s blocked"
+    )
+
+
 @contextlib.contextmanager
 def nixl_call(
     what: str,
@@ -104,10 +133,14 @@ def nixl_call(
     *,
     slow_s: float | None = SLOW_CALL_S,
     clock: Callable[[], float] = time.monotonic,
+    diagnose: bool = False,
 ) -> Iterator[None]:
     """Translate NIXL's exceptions for ``what``; log the call when it takes ``slow_s`` or
     more (None: never, for calls whose time grows with their size, e.g. registering a
-    cache)."""
+    cache). ``diagnose``: the log also says where the time went (on a CPU, waiting for
+    one, blocked), at the cost of two reads of ``/proc``: for the calls that may wait on
+    a peer (adding, connecting, removing one), not for the per-transfer ones."""
+    before = _schedstat() if diagnose else None
     start = clock()
     try:
         yield
@@ -117,10 +150,10 @@ def nixl_call(
         took = clock() - start
         if slow_s is not None and took >= slow_s:
             logger.warning(
-                "NIXL call %s took %.1f s (the calling thread, often the engine's step, "
-                "waited as long)",
+                "NIXL call %s took %.1f s (%s; the calling thread waited as long)",
                 what,
                 took,
+                _where_the_time_went(took, before),
             )
 
 

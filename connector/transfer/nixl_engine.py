@@ -4,7 +4,10 @@ Ownership: one engine owns one NIXL agent and every handle, descriptor list, pee
 registration made through it; ``close()`` releases them all. NIXL agents are not
 thread-safe (two threads on one agent segfaulted), so an engine is used from the thread
 that created it and every call checks that (one ``get_ident`` compare) and raises
-``TransferError`` otherwise, instead of taking a lock that would hide a design mistake.
+``TransferError`` otherwise, instead of taking a lock that would hide a design mistake. A
+``shared`` engine (NIXL's strict thread mode) may be called from several threads; its
+owner then sets ``guard``, which every call checks the same way: the worker's agent gate
+(``kvbridge.connector.worker.agent_gate``), so that no call reaches NIXL unannounced.
 
 Progress: the NIXL Python wrapper starts its progress thread with a zero delay, which
 spins a full core per agent. By default there is no progress thread; ``poll()`` and
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -84,6 +87,8 @@ class NixlTransferEngine:
         self.config = config
         self.agent_name = config.agent_name
         self._owner_thread = threading.get_ident()
+        # set by a shared engine's owner: True when the calling thread may call NIXL now
+        self.guard: Callable[[], bool] | None = None
         self._agent: nixl_agent | None = new_agent(config)
         self._registrations: list[Registration] = []
         self._peers: set[str] = set()
@@ -98,7 +103,13 @@ class NixlTransferEngine:
     # -- ownership ---------------------------------------------------------------------
 
     def _enter(self, what: str) -> nixl_agent:
-        if not self.config.shared and threading.get_ident() != self._owner_thread:
+        if self.guard is not None:
+            if not self.guard():
+                raise TransferError(
+                    f"agent {self.agent_name!r}: {what} called from thread "
+                    f"{threading.get_ident()} without the owner's gate held"
+                )
+        elif not self.config.shared and threading.get_ident() != self._owner_thread:
             raise TransferError(
                 f"agent {self.agent_name!r}: {what} called from thread "
                 f"{threading.get_ident()}, but the engine belongs to thread "
@@ -179,7 +190,9 @@ class NixlTransferEngine:
 
     def add_peer(self, metadata: bytes) -> str:
         agent = self._enter("add_peer")
-        with nixl_call(f"agent {self.agent_name!r}: add_peer ({len(metadata)} bytes)"):
+        with nixl_call(
+            f"agent {self.agent_name!r}: add_peer ({len(metadata)} bytes)", diagnose=True
+        ):
             raw = agent.add_remote_agent(metadata)
         peer = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._peers.add(peer)
@@ -190,7 +203,7 @@ class NixlTransferEngine:
         if peer not in self._peers:
             raise TransferError(f"agent {self.agent_name!r}: connect to unknown peer {peer!r}")
         what = f"agent {self.agent_name!r}: make_connection {peer!r}"
-        with self._watch(peer), nixl_call(what):
+        with self._watch(peer), nixl_call(what, diagnose=True):
             agent.make_connection(peer)
 
     def peer_gone(self, peer: str) -> bool:
@@ -217,7 +230,7 @@ class NixlTransferEngine:
         for descs in [d for d in self._desc_lists if d.peer == peer]:
             self.release_descs(descs)
         self._peers.discard(peer)
-        with nixl_call(f"agent {self.agent_name!r}: remove_peer {peer!r}"):
+        with nixl_call(f"agent {self.agent_name!r}: remove_peer {peer!r}", diagnose=True):
             agent.remove_remote_agent(peer)
 
     # -- descriptor lists ------------------------------------------------------------------

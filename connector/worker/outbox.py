@@ -8,7 +8,9 @@ have loaded its agent first); the worker flushes the queue once per progress rou
                                    FAILED or forgotten: drop it (logged)
     send(peer, msg)                False: not sent; only a peer NIXL reported disconnected
                                    is forgotten (next use re-handshakes)
-    send_raw(agent, msg)           encode, engine.send_notif; every notification passes here
+    send_raw(agent, msg)           to a requester's agent: waits here while the set-up
+                                   thread adds the agent (ensure_agent False), sent by flush
+    _deliver(agent, msg)           encode, engine.send_notif; every notification passes here
 
 A message that cannot be encoded (over ``MAX_NOTIFICATION_BYTES``) or that NIXL refuses for
 any other reason fails alone: the caller fails the load or push it belongs to, and the
@@ -54,16 +56,23 @@ class Outbox:
         peers: PeerDirectory,
         router: Router,
         metrics: ConnectorMetrics,
-        ensure_agent: Callable[[str], None] = lambda name: None,
+        ensure_agent: Callable[[str], bool] = lambda name: True,
     ) -> None:
-        """``ensure_agent(name)``: called before each notification to add the recipient's
-        NIXL agent if it is not yet (a requester of the description, added lazily)."""
+        """``ensure_agent(name)``: called before each :meth:`send_raw` to add the
+        recipient's NIXL agent if it is not yet (a requester of the description, added
+        lazily on the set-up thread); False: not yet, the message waits."""
         self._ensure_agent = ensure_agent
         self._engine = engine
         self._peers = peers
         self._router = router
         self._metrics = metrics
         self._queued: list[tuple[PeerKey, str, int, Notification]] = []
+        self._awaiting: list[tuple[str, object]] = []  # (agent being added, message)
+
+    @property
+    def num_awaiting(self) -> int:
+        """Messages waiting for their recipient's agent to be added (set-up thread)."""
+        return len(self._awaiting)
 
     def queue_done(self, params: KVTransferParams, *, ok: bool) -> None:
         """Tell every prefill rank this decode rank reports to that it may free."""
@@ -99,6 +108,9 @@ class Outbox:
         self._queued.append((key, host, port, msg))  # type: ignore[arg-type]
 
     def flush(self) -> None:
+        awaiting, self._awaiting = self._awaiting, []
+        for agent, msg in awaiting:
+            self.send_raw(agent, msg)
         keep = []
         for key, host, port, msg in self._queued:
             peer = self._peers.get(key)
@@ -125,7 +137,11 @@ class Outbox:
         return True
 
     def send_raw(self, agent: str, msg: object) -> bool:
-        """Send ``msg`` to a NIXL agent (no peer of the directory); False: not sent."""
+        """Send ``msg`` to a NIXL agent (no peer of the directory), or keep it until the
+        agent is added (sent by a later :meth:`flush`); False: not sent."""
+        if not self._ensure_agent(agent):
+            self._awaiting.append((agent, msg))
+            return True
         try:
             self._deliver(agent, msg)
         except KVBridgeError as exc:
@@ -136,7 +152,6 @@ class Outbox:
     def _deliver(self, agent: str, msg: object) -> None:
         """Encode and send; raises ``NotificationError`` (too large, ours), or the
         transport's error (``PeerDisconnectedError``: the peer is gone)."""
-        self._ensure_agent(agent)
         self._engine.send_notif(agent, encode_notification(msg))  # type: ignore[arg-type]
         self._metrics.notifications_sent += 1
 

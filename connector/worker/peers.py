@@ -1,32 +1,34 @@
-"""Remote peers of a worker: handshakes in the background, plans and descriptor lists.
+"""Remote peers of a worker: handshakes and set-up in the background, plans and lists.
 
-A handshake (ZMQ round trip) runs on a small thread pool so an engine step never waits
-for it; everything that touches NIXL (adding the agent, preparing descriptor lists)
-happens later on the worker's own thread in :meth:`PeerDirectory.poll`, because NIXL
-agents are not thread-safe::
+Nothing here that can wait on a peer runs on the engine's step: the handshake (a ZMQ
+round trip) runs on a handshake thread, and everything that touches NIXL for a new peer
+(adding its agent, preparing its descriptor lists, starting its connection) on the
+worker's set-up thread (:mod:`kvbridge.connector.worker.peer_setup`), with the agent gate
+held; :meth:`PeerDirectory.poll`, on the step, only applies what came back::
 
-    ensure(key) --(pool thread)--> HandshakeClient.get --> queue
-    poll()  <-- step thread: add_peer, negotiate, prep remote lists
-                --> Peer READY / INCOMPATIBLE / FAILED
+    ensure(key) --(handshake thread)--> HandshakeClient.get
+                --(set-up thread)-----> negotiate, add agent, prep remote lists, connect
+                --> queue --> poll() (step): Peer READY / INCOMPATIBLE / FAILED
 
 :meth:`PeerDirectory.warm` does the same before any request names the peer (from
 ``extra.warm_peers``: listener addresses known at startup), so the first request to that
-peer pays none of it. Every peer that becomes READY gets its NIXL connection started at
-once (``make_connection``), not on its first transfer.
+peer pays none of it. Every peer that becomes READY has its NIXL connection started
+already (``make_connection``), not on its first transfer.
 
 An INCOMPATIBLE peer answered but cannot be read from (its formats cannot be bridged):
 its agent is kept for notifications only, so loads against it fail at once *and* tell it
 to free the request's blocks (``Done(ok=False)``) instead of leaving them to the lease.
 The next load to it handshakes again (the peer may have been reconfigured).
 
-A peer is dropped (:meth:`PeerDirectory.drop`) when it died or restarted; only a peer the
-transport confirmed gone (``TransferEngine.peer_gone``: NIXL reported it disconnected)
-ends what waited for it (``on_drop``). A peer that is merely unreachable keeps whatever
-of ours it may still write. A peer may also be REFUSED by an admission check (decode's
-quarantine holds too many of our blocks for it, ``decode.quarantine``): it keeps its
-agent (notifications still go out) but no new load starts from it; the next ``poll``
-after a load asks for it (``ensure(for_read=True)``) returns it, so the load fails by
-name at once, and it is READY again once the check admits it.
+A peer is dropped (:meth:`PeerDirectory.drop`) when it died or restarted; its lists and
+agent go on the set-up thread. Only a peer the transport confirmed gone
+(``TransferEngine.peer_gone``: NIXL reported it disconnected) ends what waited for it
+(``on_drop``). A peer that is merely unreachable keeps whatever of ours it may still
+write. A peer may also be REFUSED by an admission check (decode's quarantine holds too
+many of our blocks for it, ``decode.quarantine``): it keeps its agent (notifications still
+go out) but no new load starts from it; the next ``poll`` after a load asks for it
+(``ensure(for_read=True)``) returns it, so the load fails by name at once, and it is READY
+again once the check admits it.
 """
 
 from __future__ import annotations
@@ -35,14 +37,13 @@ import enum
 import logging
 import queue
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
+from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.staging.staging import slot_offsets, slot_region
-from kvbridge.handshake.affinity import unpin_current_thread
 from kvbridge.handshake.client import HandshakeClient
 from kvbridge.handshake.compat import check_compatible
 from kvbridge.handshake.description import PeerLayout, parse_description
@@ -82,12 +83,26 @@ class Peer:
     remote_lists: dict[tuple[int, int], DescList] = field(default_factory=dict)
 
 
+@dataclass
+class _Prepared:
+    """What the set-up thread made of a peer's description; :meth:`PeerDirectory.poll`
+    applies it to the peer (or gives it back, when nobody waits for it any more)."""
+
+    desc: WorkerDescription
+    agent: str
+    layout: PeerLayout | None = None
+    plan: TransferPlan | None = None
+    lists: dict[tuple[int, int], DescList] = field(default_factory=dict)
+    incompatible: str = ""  # why it cannot be read from ('' : it can, or notifications only)
+
+
 class PeerDirectory:
     """Peers by (engine id, rank); owns their remote descriptor lists."""
 
     def __init__(
         self,
         engine: TransferEngine,
+        setup: PeerSetup,
         client: HandshakeClient,
         local_description: WorkerDescription,
         local_layout: PeerLayout,
@@ -100,18 +115,18 @@ class PeerDirectory:
         local side), and the lists are swapped: remote lists on decode's blocks (on its
         staging slots for the groups it stages), local ones on this worker's."""
         self._engine = engine
+        self._setup = setup
         self._can_repack = can_repack
         self._writer = writer
         self._client = client
         self._local_description = local_description
         self._local = local_layout
         self._peers: dict[PeerKey, Peer] = {}
-        self._results: queue.Queue[tuple[PeerKey, WorkerDescription | Exception]] = queue.Queue()
-        self._warmed: queue.Queue[tuple[str, int, WorkerDescription | Exception]] = queue.Queue()
-        # Handshake threads (and the client's ZMQ I/O thread, started from them) may run on
-        # every core, whatever the engine pinned its step thread to.
-        self._pool = ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="kvbridge-handshake", initializer=unpin_current_thread
+        self._results: queue.SimpleQueue[tuple[Peer, _Prepared | KVBridgeError]] = (
+            queue.SimpleQueue()
+        )
+        self._warmed: queue.SimpleQueue[tuple[str, int, _Prepared | KVBridgeError]] = (
+            queue.SimpleQueue()
         )
         self._local_lists: dict[tuple, DescList] = {}
         self.handshakes = 0
@@ -148,20 +163,128 @@ class PeerDirectory:
             return peer
         peer = Peer(key=key, host=host, port=port)
         self._peers[key] = peer
-        self._pool.submit(self._fetch, key, host, port)
+        self._setup.handshake(lambda: self._fetch(peer))
         return peer
 
     def warm(self, host: str, port: int) -> None:
         """Handshake with the listener at host:port in the background; :meth:`poll` then
         adds the peer it describes, READY with its lists and NIXL connection, unless a
         request already named it. A failure is logged: requests handshake as usual."""
-        self._pool.submit(self._fetch_warm, host, port)
+        self._setup.handshake(lambda: self._fetch_warm(host, port))
+
+    # -- on the handshake and set-up threads ------------------------------------------------
+
+    def _fetch(self, peer: Peer) -> None:
+        """Handshake thread: ask for the description, then set the peer up."""
+        where = f"{peer.host}:{peer.port}"
+        try:
+            self._client.forget(*peer.key)
+            desc = self._client.get(peer.key[0], peer.key[1], peer.host, peer.port)
+        except Exception as exc:  # delivered to the step, which fails the loads
+            self._results.put((peer, KVBridgeError(f"handshake with {where} failed: {exc}")))
+            return
+        self._setup.nixl(lambda: self._results.put((peer, self._prepare(desc, where))))
 
     def _fetch_warm(self, host: str, port: int) -> None:
         try:
-            self._warmed.put((host, port, self._client.fetch(host, port)))
+            desc = self._client.fetch(host, port)
         except Exception as exc:
-            self._warmed.put((host, port, exc))
+            self._warmed.put((host, port, KVBridgeError(str(exc))))
+            return
+        self._setup.nixl(lambda: self._warmed.put((host, port, self._prepare(desc, host))))
+
+    def _prepare(self, desc: WorkerDescription, where: str) -> _Prepared | KVBridgeError:
+        """Set-up thread, gate held: negotiate, add the agent, prepare the peer's lists
+        and start the connection."""
+        try:
+            try:
+                check_compatible(self._local_description, desc, peer=where)
+                layout = parse_description(desc)
+                reader, source = (layout, self._local) if self._writer else (self._local, layout)
+                if not reads_from(reader, source):
+                    # a prefill rank this decode rank only tells Done (an unread replica)
+                    return _Prepared(desc, self._setup.load_agent(desc.nixl_metadata), layout)
+                can_repack = layout.can_repack if self._writer else self._can_repack
+                plan = negotiate(reader, source, can_repack=can_repack)
+            except IncompatiblePeerError as exc:
+                agent = self._setup.load_agent(desc.nixl_metadata)
+                return _Prepared(desc, agent, incompatible=str(exc))
+            prepared = _Prepared(desc, self._setup.load_agent(desc.nixl_metadata), layout, plan)
+            try:
+                for g in plan.groups:
+                    for i, stream in enumerate(g.streams):
+                        region, offsets = self._their_rows(layout, g, i)
+                        table = block_descriptors(
+                            region,
+                            np.arange(region.num_blocks),
+                            offsets=offsets,
+                            length=stream.length,
+                        )
+                        prepared.lists[(g.group_id, i)] = self._engine.prep_remote(
+                            prepared.agent, table, memory_kind=region.memory_kind
+                        )
+            except KVBridgeError:
+                self._release(list(prepared.lists.values()), prepared.agent)
+                raise
+            self._wire_up(prepared.agent, desc)
+            return prepared
+        except KVBridgeError as exc:
+            return exc
+
+    def _wire_up(self, agent: str, desc: WorkerDescription) -> None:
+        """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
+        once): a first transfer on an unconnected endpoint stays pending until the
+        *peer's* UCX worker answers the wire-up, and an engine whose threads are busy may
+        answer late (docs/handover.md). The peer's listener does the same towards us."""
+        try:
+            self._engine.connect(agent)
+        except KVBridgeError as exc:  # the first transfer connects instead
+            logger.warning(
+                "NIXL connection to %s rank %d not set up early: %s", desc.engine_id, desc.rank, exc
+            )
+
+    def _release(self, lists: list[DescList], agent: str) -> None:
+        """Set-up thread, gate held: release a peer's lists and let go of its agent."""
+        for dl in lists:
+            dl.release()
+        if agent:
+            try:
+                self._setup.unload_agent(agent)
+            except KVBridgeError as exc:
+                logger.warning("removing peer %s: %s", agent, exc)
+
+    def _give_back(self, prepared: _Prepared) -> None:
+        """A set-up nobody waits for any more (the peer was dropped, or a request got
+        there before a warm-up): undone on the set-up thread."""
+        self._setup.nixl(lambda: self._release(list(prepared.lists.values()), prepared.agent))
+
+    # -- on the step -----------------------------------------------------------------------
+
+    def gone(self, agent: str) -> bool:
+        """The transport confirmed ``agent`` gone (its process died, or the connection
+        failed): nothing posted to it can still land."""
+        return bool(agent) and self._engine.peer_gone(agent)
+
+    def poll(self) -> list[Peer]:
+        """Apply the set-ups that came back and the admission checks; returns peers whose
+        state changed (and REFUSED peers a load asked for since the last poll). Never
+        waits: what is not back yet stays CONNECTING."""
+        changed = self._poll_warmed()
+        while True:
+            try:
+                peer, result = self._results.get_nowait()
+            except queue.Empty:
+                admitted = self._admit()
+                return [p for p in changed if all(p is not a for a in admitted)] + admitted
+            if self._peers.get(peer.key) is not peer or peer.state is not PeerState.CONNECTING:
+                if isinstance(result, _Prepared):
+                    self._give_back(result)
+                continue
+            if isinstance(result, KVBridgeError):
+                self._fail(peer, str(result))
+            else:
+                self._apply(peer, result)
+            changed.append(peer)
 
     def _poll_warmed(self) -> list[Peer]:
         added = []
@@ -170,85 +293,34 @@ class PeerDirectory:
                 host, port, result = self._warmed.get_nowait()
             except queue.Empty:
                 return added
-            if isinstance(result, Exception):
+            if isinstance(result, KVBridgeError):
                 logger.warning("warming peer %s:%s failed: %s", host, port, result)
                 continue
-            key = (result.engine_id, result.rank)
-            if key in self._peers:
-                continue  # a request got there first
+            key = (result.desc.engine_id, result.desc.rank)
+            if key in self._peers:  # a request got there first
+                self._give_back(result)
+                continue
             peer = Peer(key=key, host=host, port=port)
             self._peers[key] = peer
-            self._connect(peer, result)
+            self._apply(peer, result)
             added.append(peer)
 
-    def _fetch(self, key: PeerKey, host: str, port: int) -> None:
-        try:
-            self._client.forget(*key)
-            desc = self._client.get(key[0], key[1], host, port)
-            self._results.put((key, desc))
-        except Exception as exc:  # delivered to the step thread, which fails the loads
-            self._results.put((key, exc))
-
-    def gone(self, agent: str) -> bool:
-        """The transport confirmed ``agent`` gone (its process died, or the connection
-        failed): nothing posted to it can still land."""
-        return bool(agent) and self._engine.peer_gone(agent)
-
-    def poll(self) -> list[Peer]:
-        """Finish handshakes that came back, apply the admission checks; returns peers
-        whose state changed (and REFUSED peers a load asked for since the last poll)."""
-        changed = self._poll_warmed()
-        while True:
-            try:
-                key, result = self._results.get_nowait()
-            except queue.Empty:
-                admitted = self._admit()
-                return [p for p in changed if all(p is not a for a in admitted)] + admitted
-            peer = self._peers.get(key)
-            if peer is None or peer.state is not PeerState.CONNECTING:
-                continue
-            if isinstance(result, Exception):
-                self._fail(peer, f"handshake with {peer.host}:{peer.port} failed: {result}")
-            else:
-                self._connect(peer, result)
-            changed.append(peer)
-
-    def _connect(self, peer: Peer, desc: WorkerDescription) -> None:
-        try:
-            try:
-                check_compatible(self._local_description, desc, peer=f"{peer.host}:{peer.port}")
-                layout = parse_description(desc)
-                reader, source = (layout, self._local) if self._writer else (self._local, layout)
-                if not reads_from(reader, source):
-                    # a prefill rank this decode rank only tells Done (an unread replica)
-                    peer.agent = self._engine.add_peer(desc.nixl_metadata)
-                    peer.description, peer.layout = desc, layout
-                    peer.state = PeerState.READY
-                    self.handshakes += 1
-                    logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
-                    return
-                can_repack = layout.can_repack if self._writer else self._can_repack
-                plan = negotiate(reader, source, can_repack=can_repack)
-            except IncompatiblePeerError as exc:
-                self._incompatible(peer, desc, str(exc))
-                return
-            agent = self._engine.add_peer(desc.nixl_metadata)
-            peer.agent, peer.description, peer.layout, peer.plan = agent, desc, layout, plan
-            for g in plan.groups:
-                for i, stream in enumerate(g.streams):
-                    region, offsets = self._their_rows(layout, g, i)
-                    table = block_descriptors(
-                        region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
-                    )
-                    peer.remote_lists[(g.group_id, i)] = self._engine.prep_remote(
-                        agent, table, memory_kind=region.memory_kind
-                    )
-            peer.state = PeerState.READY
-            self.handshakes += 1
-            logger.info("peer %s ready:\n%s", peer.key, plan)
-            self._wire_up(peer)
-        except KVBridgeError as exc:
-            self._fail(peer, str(exc))
+    def _apply(self, peer: Peer, prepared: _Prepared) -> None:
+        peer.agent, peer.description = prepared.agent, prepared.desc
+        if prepared.incompatible:
+            peer.state, peer.reason = PeerState.INCOMPATIBLE, prepared.incompatible
+            self.failures += 1
+            logger.warning(
+                "peer %s cannot be read from (notifications only): %s", peer.key, peer.reason
+            )
+            return
+        peer.layout, peer.plan, peer.remote_lists = prepared.layout, prepared.plan, prepared.lists
+        peer.state = PeerState.READY
+        self.handshakes += 1
+        if prepared.plan is None:
+            logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
+        else:
+            logger.info("peer %s ready:\n%s", peer.key, prepared.plan)
 
     def _refusal(self, agent: str) -> str:
         return next((why for check in self.admission if (why := check(agent))), "")
@@ -274,23 +346,6 @@ class PeerDirectory:
         self._surfaced.clear()
         return changed
 
-    def _wire_up(self, peer: Peer) -> None:
-        """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
-        once): a first transfer on an unconnected endpoint stays pending until the
-        *peer's* UCX worker answers the wire-up, and an engine whose threads are busy may
-        answer late (docs/handover.md). The peer's listener does the same towards us."""
-        try:
-            self._engine.connect(peer.agent)
-        except KVBridgeError as exc:  # the first transfer connects instead
-            logger.warning("NIXL connection to %s not set up early: %s", peer.key, exc)
-
-    def _incompatible(self, peer: Peer, desc: WorkerDescription, reason: str) -> None:
-        peer.agent = self._engine.add_peer(desc.nixl_metadata)
-        peer.description = desc
-        peer.state, peer.reason = PeerState.INCOMPATIBLE, reason
-        self.failures += 1
-        logger.warning("peer %s cannot be read from (notifications only): %s", peer.key, reason)
-
     def _fail(self, peer: Peer, reason: str) -> None:
         peer.state, peer.reason = PeerState.FAILED, reason
         self.failures += 1
@@ -299,24 +354,20 @@ class PeerDirectory:
             self.drop(peer.key, reason)
 
     def drop(self, key: PeerKey, reason: str) -> None:
-        """Forget a peer (dead or restarted): its agent and lists go; next use re-handshakes.
-        Its transfers in flight are released, which does not stop them: only when the
-        transport confirmed the peer gone are ``on_drop``'s hooks told (what waited for it
-        has ended); else they stay held by whoever waits for them (``decode.quarantine``)."""
+        """Forget a peer (dead or restarted): its agent and lists go (on the set-up
+        thread); next use re-handshakes. Its transfers in flight are released there, which
+        does not stop them: only when the transport confirmed the peer gone are
+        ``on_drop``'s hooks told (what waited for it has ended); else they stay held by
+        whoever waits for them (``decode.quarantine``)."""
         peer = self._peers.get(key)
         if peer is None:
             return
-        for dl in peer.remote_lists.values():
-            dl.release()
-        peer.remote_lists.clear()
+        lists, peer.remote_lists = list(peer.remote_lists.values()), {}
         agent, peer.agent = peer.agent, ""
-        if agent:
-            try:
-                self._engine.remove_peer(agent)
-            except KVBridgeError as exc:
-                logger.warning("removing peer %s: %s", agent, exc)
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
+        if lists or agent:
+            self._setup.nixl(lambda: self._release(lists, agent))
         for hook in self.on_drop if self.gone(agent) else ():
             hook(agent)
 
@@ -368,7 +419,8 @@ class PeerDirectory:
         return dl
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Drop every peer (their agents and lists go on the set-up thread, which the
+        worker closes after this) and release the local lists (gate held)."""
         for key in list(self._peers):
             self.drop(key, "closed")
         for dl in self._local_lists.values():

@@ -24,12 +24,13 @@ within ``IDLE_S``.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.layouts.errors import KVBridgeError
 
@@ -45,6 +46,8 @@ class _Agent:
     metadata: bytes
     used: float  # last asked for the description, or last notified
     added: bool = False
+    adding: bool = False  # asked of the set-up thread, not back yet
+    failed: bool = False  # the last add failed: the next notification fails by name
     layout: PeerLayout | None = None  # what it described of itself (verified loads)
 
 
@@ -53,7 +56,7 @@ class RequesterAgents:
 
     def __init__(
         self,
-        engine: TransferEngine,
+        setup: PeerSetup,
         *,
         held: Callable[[str], bool] = lambda name: False,
         clock: Callable[[], float] = time.monotonic,
@@ -63,7 +66,7 @@ class RequesterAgents:
     ) -> None:
         """``held(name)``: a peer directory holds the agent (never removed here);
         ``max_agents`` / ``max_bytes``: default ``MAX_AGENTS`` / ``MAX_BYTES``."""
-        self._engine = engine
+        self._setup = setup
         self._held = held
         self._clock = clock
         self._idle_s = idle_s
@@ -74,6 +77,8 @@ class RequesterAgents:
         self._num_added = 0
         self.num_evicted = 0
         self.num_removed = 0
+        # (name asked for, exception or None) from the set-up thread
+        self._added: queue.SimpleQueue[tuple[str, KVBridgeError | None]] = queue.SimpleQueue()
 
     def __len__(self) -> int:
         return len(self._agents)
@@ -112,24 +117,68 @@ class RequesterAgents:
         agent = self._agents.get(name)
         return agent.layout if agent is not None else None
 
-    def ensure(self, name: str) -> None:
-        """About to notify ``name``: add its agent to NIXL if it asked and is not added
-        (a failure is logged; the notification then fails by name)."""
+    def ensure(self, name: str) -> bool:
+        """About to notify ``name``: True when the notification may go now (its agent is
+        added here or by a peer directory, the last add failed and it fails by name, or
+        ``name`` is no requester kept here); False while the set-up thread adds its agent
+        (asked for here the first time): the caller keeps the notification until this
+        says True."""
+        self.take_added()
         agent = self._agents.get(name)
         if agent is None:
-            return
+            return True
         agent.used = self._clock()
         self._agents.move_to_end(name)
-        if agent.added:
-            return
+        if agent.added or self._setup.has_agent(name):  # added, or a directory holds it
+            return True
+        if agent.failed:
+            agent.failed = False  # this notification fails by name; the next one retries
+            return True
+        if not agent.adding:
+            agent.adding = True
+            metadata = agent.metadata
+            self._setup.nixl(lambda: self._add(name, metadata))
+        return False
+
+    def _add(self, name: str, metadata: bytes) -> None:
+        """Set-up thread, gate held."""
         try:
-            self._engine.add_peer(agent.metadata)
+            loaded = self._setup.load_agent(metadata)
         except KVBridgeError as exc:
-            logger.warning("cannot add requester %s: %s", name, exc)
+            self._added.put((name, exc))
             return
-        agent.added = True
-        self._num_added += 1
-        self._num_bytes -= len(agent.metadata)
+        if loaded != name:  # the metadata names another agent: not the one that asked
+            self._setup.unload_agent(loaded)
+            self._added.put((name, KVBridgeError(f"its metadata names agent {loaded!r}")))
+            return
+        self._added.put((name, None))
+
+    def take_added(self) -> None:
+        """Apply the adds the set-up thread finished (on the step)."""
+        while True:
+            try:
+                name, exc = self._added.get_nowait()
+            except queue.Empty:
+                return
+            agent = self._agents.get(name)
+            if exc is not None:
+                logger.warning("cannot add requester %s: %s", name, exc)
+                if agent is not None:
+                    agent.adding, agent.failed = False, True
+                continue
+            if agent is None or not agent.adding:  # not kept any more: nobody holds it
+                self._setup.nixl(lambda name=name: self._remove(name))
+                continue
+            agent.adding, agent.added = False, True
+            self._num_added += 1
+            self._num_bytes -= len(agent.metadata)
+
+    def _remove(self, name: str) -> None:
+        """Set-up thread, gate held."""
+        try:
+            self._setup.unload_agent(name)
+        except KVBridgeError as exc:
+            logger.warning("removing idle requester %s: %s", name, exc)
 
     def prune(self) -> None:
         """Remove from NIXL the added agents idle for ``idle_s`` that no directory holds;
@@ -140,10 +189,7 @@ class RequesterAgents:
                 break  # least recently used first: the rest are younger
             if not agent.added or self._held(name):
                 continue
-            try:
-                self._engine.remove_peer(name)
-            except KVBridgeError as exc:
-                logger.warning("removing idle requester %s: %s", name, exc)
+            self._setup.nixl(lambda name=name: self._remove(name))
             agent.added = False
             self._num_added -= 1
             self._num_bytes += len(agent.metadata)
@@ -159,7 +205,7 @@ class RequesterAgents:
         for name, agent in list(self._agents.items()):
             if over <= 0 and self._num_bytes <= self._max_bytes:
                 break
-            if agent.added:
+            if agent.added or agent.adding:
                 continue
             del self._agents[name]
             self._num_bytes -= len(agent.metadata)

@@ -7,7 +7,8 @@ Opened once the cache is registered with NIXL (the description carries NIXL's me
                          agent, queued on the listener thread (a bounded queue: a full one
                          refuses the request, ``ErrorCode.BUSY``), taken by
                          :meth:`SideChannel.add_requesters` under the worker's lock and
-                         added to NIXL when this worker first notifies the requester
+                         added to NIXL (on the set-up thread) when this worker first
+                         notifies the requester
                          (bounded and pruned: ``kvbridge.connector.worker.requester_agents``)
     WorkerDescription    identity, the registered regions (and, for a push decode that
                          stages pages, its staging arena: registered before, so that the
@@ -29,6 +30,7 @@ import msgspec
 
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.requester_agents import IDLE_S, RequesterAgents
 from kvbridge.handshake.client import ClientConfig, HandshakeClient
@@ -60,6 +62,7 @@ class SideChannel:
         identity: WorkerIdentity,
         registered: KVCacheBuffers,
         engine: TransferEngine,
+        setup: PeerSetup,
         *,
         rewrites_in_place: bool,
         transfer_mode: TransferMode,
@@ -69,13 +72,15 @@ class SideChannel:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``registered``: the buffers ``engine`` registered (the cache, or its host mirror);
-        ``staging``: the registered staging arena a pushing writer may write into."""
+        ``staging``: the registered staging arena a pushing writer may write into;
+        ``setup``: the worker's threads for what may wait on a peer."""
         self._engine = engine
+        self._setup = setup
         self._requesters = RequestQueue()
         self._directories: list[PeerDirectory] = []
         # an agent idle this long has no claim left: a hold outlives no lease (4x margin)
         self.agents = RequesterAgents(
-            engine, held=self._held, clock=clock, idle_s=max(IDLE_S, 4 * config.lease_s)
+            setup, held=self._held, clock=clock, idle_s=max(IDLE_S, 4 * config.lease_s)
         )
         security = HandshakeSecurity(secret=config.secret_bytes)
         port = config.kv_port + identity.rank if config.kv_port else 0
@@ -130,12 +135,9 @@ class SideChannel:
     def add_requesters(self) -> None:
         """Note the NIXL agents of the workers that asked for the description since the
         last call, and prune idle ones (:class:`RequesterAgents`). An agent is added to
-        NIXL only when this worker first notifies it (:meth:`ensure_agent`): right after
-        the handshake the requester is adding *our* agent, and both sides creating UCX
-        endpoints to each other at once is the suspected reason a worker was held in
-        ``add_remote_agent`` for 17-62 s (CI, docs/handover.md); by the time this worker
-        answers, the requester has sent it a notification, so its side of the connection
-        is up."""
+        NIXL (on the set-up thread) only when this worker first notifies it
+        (:meth:`ensure_agent`): one that only asked, or whose process is gone by then,
+        costs nothing in NIXL."""
         for req in self._requesters.take():
             if req.requester_agent_name:
                 self.agents.asked(
@@ -157,11 +159,11 @@ class SideChannel:
             )
             return None
 
-    def ensure_agent(self, name: str) -> None:
-        """Add requester ``name``'s NIXL agent if it asked for the description and is not
-        added (again, after it was removed while idle); a failure is logged and the
-        notification then fails by name."""
-        self.agents.ensure(name)
+    def ensure_agent(self, name: str) -> bool:
+        """Have requester ``name``'s NIXL agent added if it asked for the description and
+        is not added (again, after it was removed while idle); False while that runs on
+        the set-up thread. A failure is logged and the notification then fails by name."""
+        return self.agents.ensure(name)
 
     def _held(self, name: str) -> bool:
         """A peer directory holds agent ``name`` (reads from it or pushes to it)."""
@@ -171,6 +173,7 @@ class SideChannel:
         """Peers this worker reads from, or (``writer``) pushes to."""
         directory = PeerDirectory(
             self._engine,
+            self._setup,
             self.client,
             self.description,
             self._local_layout,

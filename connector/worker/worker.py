@@ -7,8 +7,14 @@ directory (to read from others), a :class:`Sender` (prefill role) and a :class:`
 decode workers it writes to (prefill role). What arrives from peers goes through an
 :class:`~kvbridge.connector.worker.inbox.Inbox`, what leaves through an
 :class:`~kvbridge.connector.worker.outbox.Outbox`. This module wires them together at
-``register_kv_caches`` and runs them once per engine step. Every NIXL call happens under the
-engine-call lock; handshakes run in the background.
+``register_kv_caches`` and runs them once per engine step.
+
+Threads: the engine's calls and the idle-progress thread take turns under the worker's
+lock and run a progress round only when the agent gate is free (``agent_gate``); what may
+wait on a peer (handshakes, adding and removing agents) runs on the worker's own threads
+(``peer_setup``). A round that finds the gate taken is skipped: the engine's step queues
+its metadata for the next round and returns what is already done, so it never waits on
+another process.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.agent_gate import AgentGate
 from kvbridge.connector.worker.decode.load_records import PushEndpoint
 from kvbridge.connector.worker.decode.receiver import Receiver
 from kvbridge.connector.worker.decode.verifier import Verifier
@@ -36,6 +43,7 @@ from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.load_digests import region_units
 from kvbridge.connector.worker.outbox import Outbox
+from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.prefill.pushes import Pusher
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
@@ -109,13 +117,16 @@ class KVBridgeWorker:
         self.metrics = ConnectorMetrics()
         self._clock = clock
         delay_us = extra.nixl_progress_us
-        shared = bool(extra.idle_progress_ms)  # engine called from two threads
         merge = MergeRuns.ON if extra.merge_runs else MergeRuns.OFF
         self._engine_factory = engine_factory or (
-            lambda name: nixl_engine(name, delay_us, shared=shared, merge=merge)
+            # called from the step, the idle thread and the set-up thread, one at a time
+            lambda name: nixl_engine(name, delay_us, shared=True, merge=merge)
         )
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
+        self._gate = AgentGate()  # who may call the engine now (see the module docstring)
+        self._setup: PeerSetup | None = None
+        self._pending: list[ConnectorMetadata | str] = []  # for the next round (str: abort)
         self._buffers: KVCacheBuffers | None = None
         self._side: SideChannel | None = None
         self._peers: PeerDirectory | None = None
@@ -133,7 +144,7 @@ class KVBridgeWorker:
         self._idle = (
             IdleProgress(  # real time, always
                 self._lock,
-                self._progress,
+                lambda: self._round(step=False),
                 idle_ms / 1000,
                 on_failure=self._thread_died,
                 on_stall=self._progress_stalled,
@@ -194,6 +205,12 @@ class KVBridgeWorker:
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
+        with self._gate.setup():
+            self._register(buffers)
+        if self._idle is not None:
+            self._idle.start()
+
+    def _register(self, buffers: KVCacheBuffers) -> None:
         self._buffers = buffers
         self._stage = host_stage_for(
             self.config.kv_buffer_device,
@@ -207,6 +224,12 @@ class KVBridgeWorker:
         with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
             engine = self._engine_factory(self.agent_name)
         self._engine = engine
+        if hasattr(engine, "guard"):  # every NIXL call from now on checks the gate
+            engine.guard = self._gate.held
+        # kvbridge's own threads: started now, before the engine lowers its step thread's
+        # priority (a thread inherits its creator's), on every core
+        with unpinned():
+            self._setup = setup = PeerSetup(engine, self._gate)
         engine.register(moved.tensors)
         staging = StagingPools(engine, self._staging_bytes, device=buffers.device)
         if self._stages_pages(buffers, TransferMode.PUSH):
@@ -229,6 +252,7 @@ class KVBridgeWorker:
             identity,
             moved,
             engine,
+            setup,
             rewrites_in_place=self.rewrites_in_place,
             transfer_mode=self.transfer_mode,
             can_repack=self._repacker is not None,
@@ -309,8 +333,6 @@ class KVBridgeWorker:
                 self._peers.warm(host, peer_port)
             elif self._targets is not None:
                 self._targets.warm(host, peer_port)
-        if self._idle is not None:
-            self._idle.start()
 
     def _stages_pages(self, buffers: KVCacheBuffers, mode: TransferMode) -> bool:
         """A decode in ``mode`` whose engine repacks packed pages: prefill's larger (or
@@ -331,9 +353,15 @@ class KVBridgeWorker:
 
     @engine_call
     def start_load_kv(self) -> None:
+        self._ready()
+        meta, self._meta = self._meta, ConnectorMetadata()
+        self._pending.append(meta)
+        self._round()
+
+    def _apply(self, meta: ConnectorMetadata) -> None:
+        """The scheduler's orders of one step (in a round: the gate is held)."""
         receiver, sender = self._ready()
         assert self._outbox is not None
-        meta, self._meta = self._meta, ConnectorMetadata()
         for rid in meta.reqs_freed:  # aborted before this worker had them: refuse readers
             sender.abort(rid, report=False)
         for rid in meta.sends_to_end:  # aborted: end the hold (after granted claims)
@@ -351,7 +379,29 @@ class KVBridgeWorker:
         for rid, params in meta.reqs_to_release:
             self._release_remote(receiver, rid, params, ok=True)
         self._outbox.queue_heartbeats(meta.reqs_waiting)
-        self._progress()
+
+    def _round(self, *, step: bool = True) -> bool:
+        """One progress round, unless the set-up thread holds the agent gate right now
+        (a peer's set-up may be held in NIXL for as long as the peer makes it): then
+        nothing here waits for it, the orders stay queued and False is returned.
+        ``step=False``: the idle-progress thread's round."""
+        with self._gate.round() as held:
+            if not held:
+                self.metrics.rounds_deferred = self._gate.rounds_deferred
+                return False
+            _, sender = self._ready()
+            pending, self._pending = self._pending, []
+            for order in pending:
+                if isinstance(order, str):
+                    sender.abort(order)
+                else:
+                    self._apply(order)
+            self._progress()
+            if step:  # the engine's own rounds: leases end, early claims are answered
+                sender.expire()
+                assert self._inbox is not None
+                self._inbox.send_replies()
+            return True
 
     @engine_call
     def wait_for_save(self) -> None:
@@ -362,10 +412,7 @@ class KVBridgeWorker:
     @engine_call
     def get_finished(self) -> WorkerOutput:
         receiver, sender = self._ready()
-        self._progress()
-        sender.expire()
-        assert self._inbox is not None
-        self._inbox.send_replies()
+        self._round()
         done, failed, failing = receiver.take_results()
         finished, expired = sender.take_results()
         return WorkerOutput(
@@ -378,9 +425,11 @@ class KVBridgeWorker:
 
     @property
     def num_connecting_peers(self) -> int:
-        """Handshakes with peers still in flight (0 when every peer answered)."""
+        """Peers still being set up: handshakes and NIXL set-ups in flight, and messages
+        waiting for a requester's agent to be added (0 when every one is through)."""
         dirs = (self._peers, self._targets)
-        return sum(d.num_connecting for d in dirs if d is not None)
+        awaiting = self._outbox.num_awaiting if self._outbox is not None else 0
+        return sum(d.num_connecting for d in dirs if d is not None) + awaiting
 
     @property
     def num_live_handles(self) -> int:
@@ -401,9 +450,11 @@ class KVBridgeWorker:
 
     @engine_call
     def abort_send(self, request_id: str) -> None:
-        """Prefill: a kept request is dropped (engine abort); restore and forget it."""
-        _, sender = self._ready()
-        sender.abort(request_id)
+        """Prefill: a kept request is dropped (engine abort); restore and forget it (in
+        this step's round, or the next one that runs)."""
+        self._ready()
+        self._pending.append(request_id)
+        self._round()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -460,11 +511,16 @@ class KVBridgeWorker:
             self._side,
             self._peers,
             self._targets,
-            self._engine,  # last: the others may still release NIXL handles
         )
-        for part in parts:
-            if part is not None:
-                part.close()
+        with self._gate.setup():
+            for part in parts:
+                if part is not None:
+                    part.close()
+        if self._setup is not None:  # runs the removals the parts asked for
+            self._setup.close()
+        if self._engine is not None:
+            with self._gate.setup():  # last: the others may still release NIXL handles
+                self._engine.close()
 
     def __enter__(self) -> KVBridgeWorker:
         return self

@@ -41,7 +41,7 @@ def nixl_engine(
     agent_name: str,
     progress_us: int = 0,
     *,
-    shared: bool = False,
+    shared: bool = True,
     merge: MergeRuns = MergeRuns.OFF,
 ) -> TransferEngine:
     from kvbridge.connector.transfer.nixl_engine import (

@@ -7,6 +7,7 @@ and checks the block pools at the end (every block freed exactly once).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,15 @@ class Side:
             self.freed.append(rid)
         self.events.append(ev)
         return ev
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until the worker's set-up thread ran every job asked for so far (it runs
+        them in order): a dropped peer's removal, an agent being added."""
+        setup = self.worker._setup
+        assert setup is not None
+        ran = threading.Event()
+        setup.nixl(ran.set)
+        assert ran.wait(timeout_s), f"timed out after {timeout_s} s waiting for the set-up thread"
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
         out = []

@@ -289,9 +289,10 @@ def test_unknown_and_duplicate_notifications_are_counted(pair, clock):
     run_until([prefill, decode], lambda: loaded(decode, "d1") and "p1" in prefill.freed, "load")
     engine = decode.worker._engine
     peer = decode.worker._peers.get(("prefill", 0))
-    for rid in ("p1", "nope"):  # duplicate Done, then an unknown request
-        engine.send_notif(peer.agent, encode_notification(Done(request_id=rid)))
-    engine.send_notif(peer.agent, b"\x00garbage")
+    with decode.worker._gate.setup():  # between rounds, as a round would
+        for rid in ("p1", "nope"):  # duplicate Done, then an unknown request
+            engine.send_notif(peer.agent, encode_notification(Done(request_id=rid)))
+        engine.send_notif(peer.agent, b"\x00garbage")
     run_until([prefill], lambda: prefill.worker.metrics.bad_notifications >= 2, "garbage")
     assert prefill.worker.metrics.bad_notifications == 2  # the garbage, the duplicate Done
     clock.now += EARLY_DONE_TTL_S + 1
@@ -537,7 +538,8 @@ def test_a_done_that_arrives_before_its_request_frees_it_when_it_comes(pair):
         "handshake",
     )
     peer = decode.worker._peers.get(("prefill", 0))
-    engine.send_notif(peer.agent, encode_notification(Done(request_id="early")))
+    with decode.worker._gate.setup():  # between rounds, as a round would
+        engine.send_notif(peer.agent, encode_notification(Done(request_id="early")))
     run_until([prefill, decode], lambda: prefill.worker.metrics.notifications_received >= 1, "Done")
     assert prefill.worker.readers_done("early") is None
     spec = SendSpec(request_id="early", block_ids=((1, 2),), first_block=(0,), lease_s=30.0)

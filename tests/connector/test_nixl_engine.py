@@ -7,10 +7,12 @@ target's ``get_notifs``, exactly what a passive prefill worker does in its step 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -458,3 +460,27 @@ def test_a_slow_nixl_call_is_logged_by_name(caplog: pytest.LogCaptureFixture) ->
             pass
     [record] = caplog.records
     assert "make_connection 'p' took 60.0 s" in record.getMessage()
+
+
+def test_a_slow_call_says_whether_its_thread_worked_waited_for_a_cpu_or_was_blocked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The 59.6 s ``add_peer`` CI saw on loopback was never explained: a diagnosed call's
+    line splits its time into on a CPU, runnable waiting for one (starved) and blocked, from
+    the thread's own scheduler figures."""
+    from kvbridge.connector.transfer.nixl_calls import nixl_call
+
+    if not Path("/proc/thread-self/schedstat").exists():
+        pytest.skip("no /proc/thread-self/schedstat here")
+    with caplog.at_level("WARNING", logger="kvbridge.connector.transfer.nixl_calls"):
+        with nixl_call("agent 'd': add_peer (1 bytes)", slow_s=0.2, diagnose=True):
+            threading.Event().wait(0.3)  # asleep: blocked, not on a CPU
+    [record] = caplog.records
+    message = record.getMessage()
+    assert f"thread {threading.current_thread().name}, nice " in message
+    figures = re.search(
+        r"([\d.]+) s on a CPU, ([\d.]+) s runnable waiting for one, ([\d.]+) s blocked", message
+    )
+    assert figures is not None, message
+    on_cpu, _waiting, blocked = (float(f) for f in figures.groups())
+    assert blocked >= 0.25 and on_cpu < 0.1, message

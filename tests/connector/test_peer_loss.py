@@ -173,6 +173,7 @@ def _drop_unconfirmed(decode: Side) -> str:
     assert peer is not None
     agent = peer.agent
     decode.worker._peers.drop(PREFILL, "unreachable (test)")
+    decode.settle()  # the agent's removal (which releases the READ's handle) ran
     return agent
 
 

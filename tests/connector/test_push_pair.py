@@ -252,21 +252,22 @@ def test_a_pull_prefill_refuses_a_push_by_name(make_pair):
     )
     engine = decode.worker._engine
     assert engine is not None
-    engine.add_peer(prefill.worker.description.nixl_metadata)
+    with decode.worker._gate.setup():  # as the set-up thread would
+        engine.add_peer(prefill.worker.description.nixl_metadata)
     assert prefill.worker._engine is not None  # as a handshake would have done it
-    prefill.worker._engine.add_peer(decode.worker.description.nixl_metadata)
-    engine.send_notif(prefill.worker.agent_name, encode_notification(msg))
+    with prefill.worker._gate.setup():
+        prefill.worker._engine.add_peer(decode.worker.description.nixl_metadata)
+    with decode.worker._gate.setup():
+        engine.send_notif(prefill.worker.agent_name, encode_notification(msg))
     replies: list = []
-    run_until(
-        [prefill],
-        lambda: (
-            replies.extend(
-                decode_notification(m) for ms in engine.get_notifs().values() for m in ms
-            )
-            or bool(replies)
-        ),
-        "prefill's answer",
-    )
+
+    def answered() -> bool:
+        with decode.worker._gate.setup():  # decode's engine does not step here
+            notifs = engine.get_notifs()
+        replies.extend(decode_notification(m) for ms in notifs.values() for m in ms)
+        return bool(replies)
+
+    run_until([prefill], answered, "prefill's answer")
     [answer] = replies
     assert not answer.ok and "pull mode" in answer.reason
     prefill.sched.request_aborted("p1")

@@ -8,12 +8,15 @@ an agent added to NIXL and idle is removed from it (added again at its next noti
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.agent_gate import AgentGate
+from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.requester_agents import IDLE_S, RequesterAgents
 from kvbridge.connector.worker.side_channel import SideChannel
 from kvbridge.connector.worker.worker_setup import nixl_engine
@@ -41,6 +44,39 @@ def engine() -> Iterator[TransferEngine]:
     engine.close()
 
 
+_SETUPS: dict[int, PeerSetup] = {}  # engine id -> its set-up thread (closed with the side)
+
+
+def _setup(engine: object) -> PeerSetup:
+    setup = _SETUPS.get(id(engine))
+    if setup is None:
+        setup = _SETUPS[id(engine)] = PeerSetup(engine, AgentGate(), handshake_threads=1)  # type: ignore[arg-type]
+    return setup
+
+
+def _settled(setup: PeerSetup) -> None:
+    """Wait until the set-up thread ran every job asked for so far (it runs them in order)."""
+    ran = threading.Event()
+    setup.nixl(ran.set)
+    assert ran.wait(10.0), "timed out waiting for the set-up thread's jobs"
+
+
+def _ensured(side: SideChannel, name: str) -> bool:
+    """``ensure_agent`` as a notification would, waiting for the add it asks for."""
+    if side.ensure_agent(name):
+        return True
+    _settled(side._setup)
+    return side.ensure_agent(name)
+
+
+@pytest.fixture(autouse=True)
+def _close_setups() -> Iterator[None]:
+    yield
+    for setup in _SETUPS.values():
+        setup.close()
+    _SETUPS.clear()
+
+
 def _side_channel(engine: TransferEngine, clock: FakeClock) -> SideChannel:
     kv = KVCacheConfig.uniform(make_groups(16, "F"), 8)
     buffers = KVCacheBuffers(kv, CacheFormat(layout=KVLayout.NHD, cross_layer=True), "cpu")
@@ -62,6 +98,7 @@ def _side_channel(engine: TransferEngine, clock: FakeClock) -> SideChannel:
         identity,
         buffers,
         engine,
+        _setup(engine),
         rewrites_in_place=True,
         transfer_mode=TransferMode.PULL,
         can_repack=False,
@@ -121,7 +158,7 @@ def test_requesters_that_never_notify_are_bounded(engine, clock, monkeypatch):
         side.add_requesters()
         assert len(side.agents) == 3 and side.agents.num_evicted == 7
         assert side.agents.num_kept_bytes == 300  # the 3 newest
-        side.ensure_agent("decode-0-restarted")  # evicted: nothing to add
+        assert side.ensure_agent("decode-0-restarted")  # evicted: nothing to add
         assert side.agents.num_added == 0
     finally:
         side.close()
@@ -136,18 +173,21 @@ def test_an_idle_requester_agent_is_removed_from_nixl_and_added_again_when_notif
         _ask(side, name, decode.metadata())
         side.add_requesters()
         assert name not in engine.peers  # added only at the first notification
-        side.ensure_agent(name)
+        assert not side.ensure_agent(name)  # on the set-up thread: the message waits
+        assert _ensured(side, name)
         assert name in engine.peers
 
         clock.now += IDLE_S - 1  # notified within IDLE_S: a claim may still be live
         side.add_requesters()
+        _settled(side._setup)
         assert name in engine.peers
-        side.ensure_agent(name)  # notified again (a claim answered): idle from now
+        assert side.ensure_agent(name)  # notified again (a claim answered): idle from now
         clock.now += IDLE_S
         side.add_requesters()
+        _settled(side._setup)
         assert name not in engine.peers and side.agents.num_removed == 1
 
-        side.ensure_agent(name)  # it notifies us after all: added again from its metadata
+        assert _ensured(side, name)  # it notifies us after all: added again from its metadata
         assert name in engine.peers
     finally:
         decode.close()
@@ -165,22 +205,31 @@ class _Engine:
         self.peers.discard(peer)
 
 
+def _added(agents: RequesterAgents, setup: PeerSetup, name: str) -> None:
+    assert not agents.ensure(name)
+    _settled(setup)
+    assert agents.ensure(name)
+
+
 def test_an_agent_a_peer_directory_holds_is_never_removed(clock):
     engine = _Engine()
-    agents = RequesterAgents(engine, held=lambda name: name == "held", clock=clock)  # type: ignore[arg-type]
+    setup = _setup(engine)
+    agents = RequesterAgents(setup, held=lambda name: name == "held", clock=clock)
     for name in ("held", "idle"):
         agents.asked(name, name.encode())
-        agents.ensure(name)
+        _added(agents, setup, name)
     clock.now += IDLE_S
     agents.prune()
+    _settled(setup)
     assert engine.peers == {"held"}
 
 
 def test_added_agents_are_never_evicted_and_bytes_are_bounded(clock):
     engine = _Engine()
-    agents = RequesterAgents(engine, clock=clock, max_agents=100, max_bytes=10)  # type: ignore[arg-type]
+    setup = _setup(engine)
+    agents = RequesterAgents(setup, clock=clock, max_agents=100, max_bytes=10)
     agents.asked("live", b"live")
-    agents.ensure("live")
+    _added(agents, setup, "live")
     for i in range(5):
         agents.asked(f"probe-{i}", f"probe{i}".encode())  # 6 bytes each
     assert agents.num_kept_bytes == 6 and len(agents) == 2  # the live one and the newest
@@ -191,10 +240,11 @@ def test_a_request_reusing_a_live_agents_name_changes_nothing_it_was_added_with(
     """Without a secret anyone may send a handshake request naming a live decode's agent:
     the metadata that agent was added with and the layout it described stay."""
     engine = _Engine()
-    agents = RequesterAgents(engine, clock=clock)  # type: ignore[arg-type]
+    setup = _setup(engine)
+    agents = RequesterAgents(setup, clock=clock)
     first = object()
     agents.asked("decode-r0", b"decode-r0", first)  # type: ignore[arg-type]
-    agents.ensure("decode-r0")
+    _added(agents, setup, "decode-r0")
     agents.asked("decode-r0", b"forged", object())  # type: ignore[arg-type]
     assert agents.layout("decode-r0") is first
     assert engine.peers == {"decode-r0"} and agents.num_kept_bytes == 0
