@@ -218,6 +218,78 @@ def build_eagle_weights(config: Any, out: Path) -> None:
     config.save_pretrained(str(out))
 
 
+def mimo_config() -> Any:
+    """tiny-llama's sizes as a Qwen2 body with one multi-token-prediction layer (vLLM's
+    ``MiMoForCausalLM``; ``--speculative-config {"method": "mtp"}`` drafts with the MTP
+    layer, vLLM's ``MiMoMTP``). Its model type stays ``qwen2`` (transformers has no MiMo):
+    vLLM picks MiMo by the architecture."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    config.num_nextn_predict_layers = 1
+    config.architectures = ["MiMoForCausalLM"]
+    _common(config)
+    return config
+
+
+def build_mimo_weights(config: Any, out: Path) -> None:
+    """The Qwen2 body from transformers (``build_weights``), then the MTP layer's tensors
+    (``model.mtp_layers.0.*``: norms, ``input_proj`` over ``[hidden, embedding]``, one
+    Qwen2 decoder block) drawn from the fixed seed; config.json names MiMo again
+    (``save_pretrained`` writes the class it saved)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    architectures = list(config.architectures)  # save_pretrained sets the saved class's
+    build_weights(config, out)
+    h, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    gen = torch.Generator().manual_seed(SEED + 1)
+    shapes = {
+        "input_proj.weight": (h, 2 * h),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    norms = (
+        "token_layernorm",
+        "hidden_layernorm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "final_layernorm",
+    )
+    path = out / "model.safetensors"
+    weights = load_file(str(path))
+    prefix = "model.mtp_layers.0."
+    for name, shape in shapes.items():
+        weights[prefix + name] = (torch.randn(*shape, generator=gen) * INIT_STD).contiguous()
+    for norm in norms:
+        weights[f"{prefix}{norm}.weight"] = torch.ones(h)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    saved = json.loads((out / "config.json").read_text())
+    saved["architectures"] = architectures
+    (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
 # Server arguments a model needs on vLLM's CPU build (added there only).
 # tiny-granite-hybrid: with prefix caching (Mamba "align" mode, vLLM's default for it) vLLM
 # 0.32's CPU Mamba2 prefill fails once a prompt passes one block (IndexError in
@@ -232,9 +304,13 @@ MODELS: dict[str, Callable[[], Any]] = {
     "tiny-gemma3": gemma3_config,
     "tiny-granite-hybrid": granite_hybrid_config,
     "tiny-eagle": eagle_config,  # a draft model (speculative decoding), not served alone
+    "tiny-mimo": mimo_config,  # with one MTP layer (speculative decoding, "mtp")
 }
 # models whose weights a transformers class cannot draw (vLLM-only architectures)
-WEIGHTS: dict[str, Callable[[Any, Path], None]] = {"tiny-eagle": build_eagle_weights}
+WEIGHTS: dict[str, Callable[[Any, Path], None]] = {
+    "tiny-eagle": build_eagle_weights,
+    "tiny-mimo": build_mimo_weights,
+}
 
 
 def build_weights(config: Any, out: Path) -> None:

@@ -117,8 +117,10 @@ def test_a_held_add_peer_leaves_the_engine_stepping_and_the_load_lands_after(pai
     for _ in range(50):
         worst = max(worst, _timed_step(decode))
         prefill.step()
+    deferred = decode.worker.metrics.rounds_deferred - deferred_before
+    print(f"held add_peer: slowest engine step {worst * 1e3:.1f} ms, {deferred} rounds deferred")
     assert worst < STEP_BOUND_S, f"an engine step took {worst:.3f} s while add_peer was held"
-    assert decode.worker.metrics.rounds_deferred >= deferred_before + 50
+    assert deferred >= 50
     assert not loaded(decode, "d1") and not failed(decode, "d1")
 
     held.let_go.set()

@@ -21,11 +21,12 @@ TIMEOUT_S = 120.0
 START_TIMEOUT_S = 900.0
 
 
-def spec(name: str, **fields: object) -> ServerSpec:
-    """A kv_both server of tiny-llama; ``fields`` override :class:`ServerSpec`'s."""
+def spec(name: str, model: str = MODEL, **fields: object) -> ServerSpec:
+    """A kv_both server of ``model`` (a name :func:`ensure_model` builds); ``fields``
+    override :class:`ServerSpec`'s."""
     return ServerSpec(
         name,
-        ensure_model(MODEL),
+        ensure_model(model),
         **{
             "block_size": BLOCK,
             "connector": "kvbridge",
@@ -50,15 +51,24 @@ def serving(specs: list[ServerSpec], logs: Path) -> Iterator[dict[str, Service]]
         stop_all(list(services.values()))
 
 
-def run(server: Service, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra) -> Completion:
-    """One greedy completion of tiny-llama on ``server``."""
+def run(
+    server: Service,
+    prompt: list[int],
+    max_tokens: int = MAX_TOKENS,
+    *,
+    model: str = MODEL,
+    **extra: object,
+) -> Completion:
+    """One greedy completion of ``model`` (as :func:`spec` served it) on ``server``."""
     return complete(
-        server.url, MODEL, prompt, max_tokens=max_tokens, timeout_s=TIMEOUT_S, extra=extra
+        server.url, model, prompt, max_tokens=max_tokens, timeout_s=TIMEOUT_S, extra=extra
     )
 
 
-def prefilled(server: Service, prompt: list[int]) -> dict:
+def prefilled(server: Service, prompt: list[int], *, model: str = MODEL) -> dict:
     """Prefill ``prompt`` on ``server``, kept for a decode: the params it answers."""
-    first = run(server, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    first = run(
+        server, prompt, max_tokens=1, model=model, kv_transfer_params={"do_remote_decode": True}
+    )
     assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
     return first.kv_transfer_params

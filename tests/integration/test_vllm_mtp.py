@@ -1,0 +1,74 @@
+"""kvbridge inside real vLLM API servers with speculative decoding (MTP).
+
+``tiny-mimo`` (vLLM's ``MiMoForCausalLM``: a 4-layer Qwen2 body and one multi-token
+prediction layer, ``num_nextn_predict_layers`` 1) drafts with its MTP layer
+(``--speculative-config {"method": "mtp", "num_speculative_tokens": 1}``, vLLM's
+``MiMoMTP``), whose attention keeps its KV cache beside the target's, in the same
+KV-cache group; vLLM hands it to the connector with the target's layers. Servers,
+kv_both, block 32, pull:
+
+    M1 M2
+
+- M1 -> M2: all five layers' KV crosses (four target, one MTP), verified by prefill's
+  digests; decode's greedy output and logprobs equal M1's own with the same speculative
+  config, and decode drafted (vLLM's spec-decode counters moved).
+
+The MTP layer's weights are random, so vLLM accepts few of its tokens: greedy output is
+the target's either way, which is what makes it comparable; that the MTP layer's KV is
+right is shown by the digests (every row decode holds is prefill's), not by acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge.examples.vllm.client import compare, make_prompts
+from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.metrics import scrape
+from kvbridge.examples.vllm.procs import Service
+from tests.integration.vllm_both import BLOCK, prefilled, run, serving, spec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+LOGPROB_TOL = 1e-4
+MODEL = "tiny-mimo"
+LAYERS = 4 + 1  # the body's four, the MTP layer's one
+# the body's attention: 2 KV heads x head dim 32, fp32
+PAGE_BYTES = 2 * BLOCK * 2 * 32 * 4  # K,V x tokens x kv heads x head dim x fp32
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+    speculative = {"method": "mtp", "num_speculative_tokens": 1}
+    args = ("--speculative-config", json.dumps(speculative))
+    specs = [spec(name, model=MODEL, extra_args=args) for name in ("M1", "M2")]
+    with serving(specs, tmp_path_factory.mktemp("vllm-mtp-logs")) as running:
+        yield running
+
+
+def test_the_mtp_layers_kv_moves_with_the_targets_and_decode_equals_one_server(servers):
+    prefill, decode = servers["M1"], servers["M2"]
+    prompts = make_prompts(2, 300, seed=9090)
+    before = scrape(decode.url)
+    got = []
+    for p in prompts:
+        params = prefilled(prefill, p, model=MODEL)
+        got.append(run(decode, p, model=MODEL, kv_transfer_params=params))
+    after = scrape(decode.url)
+    for p, g in zip(prompts, got, strict=True):
+        cmp = compare(run(prefill, p, model=MODEL), g)  # one server, the same speculative config
+        assert cmp.first_mismatch is None and cmp.max_logprob_diff <= LOGPROB_TOL, cmp
+    moved = str(_deltas(before, after))
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    assert _delta(before, after, "loads_verified") == len(prompts), moved
+    pages = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
+    assert _delta(before, after, "descriptors_posted") == pages * LAYERS, moved
+    assert _delta(before, after, "bytes_read") == pages * LAYERS * PAGE_BYTES, moved
+    drafted = after.get("vllm:spec_decode_num_draft_tokens_total", 0.0) - before.get(
+        "vllm:spec_decode_num_draft_tokens_total", 0.0
+    )
+    assert drafted > 0, "decode did not draft: speculative decoding was not on"
