@@ -138,8 +138,9 @@ class Outbox:
 
     def send_raw(self, agent: str, msg: object) -> bool:
         """Send ``msg`` to a NIXL agent (no peer of the directory), or keep it until the
-        agent is added (sent by a later :meth:`flush`); False: not sent."""
-        if not self._ensure_agent(agent):
+        agent is added (sent by a later :meth:`flush`; behind any message already waiting
+        for it, so that each peer gets its messages in order); False: not sent."""
+        if any(waiting == agent for waiting, _ in self._awaiting) or not self._ensure_agent(agent):
             self._awaiting.append((agent, msg))
             return True
         try:

@@ -47,8 +47,8 @@ class PeerSetup:
     ) -> None:
         self._engine = engine
         self._gate = gate
-        self._handshakes: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._nixl: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._handshakes: queue.SimpleQueue[tuple[Job, bool] | None] = queue.SimpleQueue()
+        self._nixl: queue.SimpleQueue[tuple[Job, bool] | None] = queue.SimpleQueue()
         self._refs: dict[str, int] = {}  # agent -> holders (set-up thread only)
         self._closing = False
         self._threads = [
@@ -80,14 +80,15 @@ class PeerSetup:
     def handshake(self, job: Job) -> None:
         """Run ``job`` (a ZMQ round trip) on a handshake thread; it must not raise."""
         if not self._closing:
-            self._handshakes.put(job)
+            self._handshakes.put((job, False))
 
-    def nixl(self, job: Job) -> None:
+    def nixl(self, job: Job, *, teardown: bool = False) -> None:
         """Run ``job`` on the set-up thread with the agent gate held, after the jobs asked
-        for before it; it must not raise (a bug if it does: logged). Dropped once closing,
-        except while :meth:`close` drains what was asked before."""
-        if not self._closing:
-            self._nixl.put(job)
+        for before it; it must not raise (a bug if it does: logged). Once closing only
+        ``teardown`` jobs (removals, releases) still run: a set-up nobody will poll for is
+        skipped, rather than held in NIXL while the worker shuts down."""
+        if not self._closing or teardown:
+            self._nixl.put((job, teardown))
 
     def load_agent(self, metadata: bytes) -> str:
         """Inside a :meth:`nixl` job: add the agent ``metadata`` describes (NIXL loads it
@@ -99,10 +100,14 @@ class PeerSetup:
 
     def unload_agent(self, name: str) -> None:
         """Inside a :meth:`nixl` job: one holder less; the last removes the agent from
-        NIXL (which releases its handles and lists: removing is not stopping)."""
+        NIXL (which releases its handles and lists: removing is not stopping). An agent
+        NIXL reported disconnected is removed at once, whoever else holds it: NIXL keeps a
+        loaded agent's endpoint when the same metadata is added again, so only a removal
+        lets the next handshake connect afresh; the other holders see it gone
+        (:meth:`has_agent`) and add it again."""
         self._check_inside("unload_agent")
         left = self._refs.get(name, 0) - 1
-        if left > 0:
+        if left > 0 and not self._engine.peer_gone(name):
             self._refs[name] = left
             return
         self._refs.pop(name, None)
@@ -112,11 +117,12 @@ class PeerSetup:
         if not self._gate.held():
             raise RuntimeError(f"PeerSetup.{what} outside a set-up job (the gate is not held)")
 
-    def _run(self, jobs: queue.SimpleQueue[Job | None], gated: bool) -> None:
+    def _run(self, jobs: queue.SimpleQueue[tuple[Job, bool] | None], gated: bool) -> None:
         unpin_current_thread()
-        while (job := jobs.get()) is not None:
-            if self._closing and not gated:
-                continue  # a handshake asked for before close: nobody waits for it
+        while (item := jobs.get()) is not None:
+            job, teardown = item
+            if self._closing and not teardown:
+                continue  # a handshake or set-up asked for before close: nobody polls it
             try:
                 if gated:
                     with self._gate.setup():
@@ -127,8 +133,9 @@ class PeerSetup:
                 logger.exception("kvbridge: a peer set-up job failed")
 
     def close(self) -> None:
-        """Stop taking jobs; run the set-up jobs already asked for (removals, releases),
-        wait for the handshakes in flight (each bounded by the handshake timeout)."""
+        """Stop taking jobs; run the teardown jobs already asked for (removals, releases),
+        wait for the handshakes in flight (each bounded by the handshake timeout) and for
+        the set-up job in NIXL, if any (a held add holds shutdown as long)."""
         if self._closing:
             return
         self._closing = True

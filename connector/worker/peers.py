@@ -230,6 +230,9 @@ class PeerDirectory:
             return prepared
         except KVBridgeError as exc:
             return exc
+        except Exception as exc:  # a bug: the peer fails by name instead of waiting forever
+            logger.exception("setting up peer %s failed", where)
+            return KVBridgeError(f"setting up the peer at {where} failed: {exc!r}")
 
     def _wire_up(self, agent: str, desc: WorkerDescription) -> None:
         """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
@@ -256,7 +259,8 @@ class PeerDirectory:
     def _give_back(self, prepared: _Prepared) -> None:
         """A set-up nobody waits for any more (the peer was dropped, or a request got
         there before a warm-up): undone on the set-up thread."""
-        self._setup.nixl(lambda: self._release(list(prepared.lists.values()), prepared.agent))
+        lists = list(prepared.lists.values())
+        self._setup.nixl(lambda: self._release(lists, prepared.agent), teardown=True)
 
     # -- on the step -----------------------------------------------------------------------
 
@@ -269,7 +273,7 @@ class PeerDirectory:
         """Apply the set-ups that came back and the admission checks; returns peers whose
         state changed (and REFUSED peers a load asked for since the last poll). Never
         waits: what is not back yet stays CONNECTING."""
-        changed = self._poll_warmed()
+        changed = self._poll_warmed() + self._drop_removed()
         while True:
             try:
                 peer, result = self._results.get_nowait()
@@ -285,6 +289,18 @@ class PeerDirectory:
             else:
                 self._apply(peer, result)
             changed.append(peer)
+
+    def _drop_removed(self) -> list[Peer]:
+        """Peers whose agent another holder removed because NIXL reported it disconnected
+        (``PeerSetup.unload_agent``): dropped, so that their next use handshakes again."""
+        removed = [
+            p
+            for p in self._peers.values()
+            if p.agent and p.state is not PeerState.FAILED and not self._setup.has_agent(p.agent)
+        ]
+        for peer in removed:
+            self.drop(peer.key, f"its NIXL agent {peer.agent} was removed (disconnected)")
+        return removed
 
     def _poll_warmed(self) -> list[Peer]:
         added = []
@@ -367,7 +383,7 @@ class PeerDirectory:
         peer.state, peer.reason = PeerState.FAILED, reason
         self._client.forget(*key)
         if lists or agent:
-            self._setup.nixl(lambda: self._release(lists, agent))
+            self._setup.nixl(lambda: self._release(lists, agent), teardown=True)
         for hook in self.on_drop if self.gone(agent) else ():
             hook(agent)
 

@@ -47,7 +47,7 @@ class _Agent:
     used: float  # last asked for the description, or last notified
     added: bool = False
     adding: bool = False  # asked of the set-up thread, not back yet
-    failed: bool = False  # the last add failed: the next notification fails by name
+    failed: bool = False  # the last add failed: notifications fail by name until asked again
     layout: PeerLayout | None = None  # what it described of itself (verified loads)
 
 
@@ -102,6 +102,7 @@ class RequesterAgents:
         elif not agent.added:  # an added agent keeps what it was added with
             self._num_bytes -= len(agent.metadata)
             agent.metadata, agent.used = metadata, self._clock()
+            agent.failed = False  # asked again: the next notification adds it again
             # an agent name is one process: the first description stays (a request that
             # reuses a live agent's name cannot swap its layout without a secret)
             agent.layout = agent.layout or layout
@@ -129,10 +130,14 @@ class RequesterAgents:
             return True
         agent.used = self._clock()
         self._agents.move_to_end(name)
+        if agent.added and not self._setup.has_agent(name):
+            # removed under us: NIXL reported it disconnected (PeerSetup.unload_agent)
+            agent.added = False
+            self._num_added -= 1
+            self._num_bytes += len(agent.metadata)
         if agent.added or self._setup.has_agent(name):  # added, or a directory holds it
             return True
-        if agent.failed:
-            agent.failed = False  # this notification fails by name; the next one retries
+        if agent.failed:  # its notifications fail by name until it asks again
             return True
         if not agent.adding:
             agent.adding = True
@@ -146,6 +151,10 @@ class RequesterAgents:
             loaded = self._setup.load_agent(metadata)
         except KVBridgeError as exc:
             self._added.put((name, exc))
+            return
+        except Exception as exc:  # a bug: the messages fail by name instead of waiting
+            logger.exception("adding requester %s failed", name)
+            self._added.put((name, KVBridgeError(repr(exc))))
             return
         if loaded != name:  # the metadata names another agent: not the one that asked
             self._setup.unload_agent(loaded)
@@ -167,7 +176,7 @@ class RequesterAgents:
                     agent.adding, agent.failed = False, True
                 continue
             if agent is None or not agent.adding:  # not kept any more: nobody holds it
-                self._setup.nixl(lambda name=name: self._remove(name))
+                self._setup.nixl(lambda name=name: self._remove(name), teardown=True)
                 continue
             agent.adding, agent.added = False, True
             self._num_added += 1
@@ -189,7 +198,7 @@ class RequesterAgents:
                 break  # least recently used first: the rest are younger
             if not agent.added or self._held(name):
                 continue
-            self._setup.nixl(lambda name=name: self._remove(name))
+            self._setup.nixl(lambda name=name: self._remove(name), teardown=True)
             agent.added = False
             self._num_added -= 1
             self._num_bytes += len(agent.metadata)

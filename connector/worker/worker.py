@@ -390,8 +390,8 @@ class KVBridgeWorker:
                 self.metrics.rounds_deferred = self._gate.rounds_deferred
                 return False
             _, sender = self._ready()
-            pending, self._pending = self._pending, []
-            for order in pending:
+            while self._pending:  # one at a time: an order that raises leaves the rest
+                order = self._pending.pop(0)
                 if isinstance(order, str):
                     sender.abort(order)
                 else:
