@@ -108,20 +108,24 @@ def _common(config: Any) -> None:
     config.initializer_range = INIT_STD
 
 
+# tiny-llama's sizes, shared by the models built on the same body (tiny-mimo)
+_TINY_BODY: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": MAX_POSITIONS,
+    "tie_word_embeddings": False,
+}
+
+
 def llama_config() -> Any:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**_TINY_BODY)
     config.architectures = ["LlamaForCausalLM"]
     _common(config)
     return config
@@ -225,18 +229,7 @@ def mimo_config() -> Any:
     vLLM picks MiMo by the architecture."""
     from transformers import Qwen2Config
 
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    )
+    config = Qwen2Config(**_TINY_BODY, use_sliding_window=False)
     config.num_nextn_predict_layers = 1
     config.architectures = ["MiMoForCausalLM"]
     _common(config)

@@ -25,20 +25,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.examples.vllm.client import compare, make_prompts
-from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
-from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
-from kvbridge.examples.vllm.metrics import scrape
+from kvbridge.examples.vllm.client import make_prompts
 from kvbridge.examples.vllm.procs import Service
-from tests.integration.vllm_both import BLOCK, prefilled, run, serving, spec
+from tests.integration.vllm_both import check_speculative_pd, serving, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-LOGPROB_TOL = 1e-4
 MODEL = "tiny-mimo"
-LAYERS = 4 + 1  # the body's four, the MTP layer's one
-# the body's attention: 2 KV heads x head dim 32, fp32
-PAGE_BYTES = 2 * BLOCK * 2 * 32 * 4  # K,V x tokens x kv heads x head dim x fp32
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +45,4 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
 
 def test_the_mtp_layers_kv_moves_with_the_targets_and_decode_equals_one_server(servers):
     prefill, decode = servers["M1"], servers["M2"]
-    prompts = make_prompts(2, 300, seed=9090)
-    before = scrape(decode.url)
-    got = []
-    for p in prompts:
-        params = prefilled(prefill, p, model=MODEL)
-        got.append(run(decode, p, model=MODEL, kv_transfer_params=params))
-    after = scrape(decode.url)
-    for p, g in zip(prompts, got, strict=True):
-        cmp = compare(run(prefill, p, model=MODEL), g)  # one server, the same speculative config
-        assert cmp.first_mismatch is None and cmp.max_logprob_diff <= LOGPROB_TOL, cmp
-    moved = str(_deltas(before, after))
-    assert _delta(before, after, "loads_loaded") == len(prompts), moved
-    assert _delta(before, after, "loads_verified") == len(prompts), moved
-    pages = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
-    assert _delta(before, after, "descriptors_posted") == pages * LAYERS, moved
-    assert _delta(before, after, "bytes_read") == pages * LAYERS * PAGE_BYTES, moved
-    drafted = after.get("vllm:spec_decode_num_draft_tokens_total", 0.0) - before.get(
-        "vllm:spec_decode_num_draft_tokens_total", 0.0
-    )
-    assert drafted > 0, "decode did not draft: speculative decoding was not on"
+    check_speculative_pd(prefill, decode, make_prompts(2, 300, seed=9090), model=MODEL)

@@ -8,7 +8,10 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvbridge.examples.vllm.client import Completion, complete
+from kvbridge.examples.vllm.client import Completion, compare, complete
+from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
@@ -19,6 +22,10 @@ BLOCK = 32
 MAX_TOKENS = 8
 TIMEOUT_S = 120.0
 START_TIMEOUT_S = 900.0
+LOGPROB_TOL = 1e-4
+LAYERS_WITH_DRAFT = 4 + 1  # tiny-llama's body (or tiny-mimo's), and one draft layer
+PAGE_BYTES = 2 * BLOCK * 2 * 32 * 4  # K,V x tokens x kv heads x head dim x fp32
+DRAFTS = "vllm:spec_decode_num_draft_tokens_total"
 
 
 def spec(name: str, model: str = MODEL, **fields: object) -> ServerSpec:
@@ -72,3 +79,29 @@ def prefilled(server: Service, prompt: list[int], *, model: str = MODEL) -> dict
     )
     assert first.kv_transfer_params and first.kv_transfer_params["do_remote_prefill"]
     return first.kv_transfer_params
+
+
+def check_speculative_pd(
+    prefill: Service, decode: Service, prompts: list[list[int]], *, model: str = MODEL
+) -> None:
+    """P/D of ``prompts`` between two servers with the same speculative config whose
+    draft layer keeps KV beside the body's: every layer's pages cross (the draft's too),
+    verified by prefill's digests; decode's greedy output and logprobs equal prefill's
+    own, and decode drafted (vLLM's spec-decode counter moved)."""
+    before = scrape(decode.url)
+    got = []
+    for p in prompts:
+        params = prefilled(prefill, p, model=model)
+        got.append(run(decode, p, model=model, kv_transfer_params=params))
+    after = scrape(decode.url)
+    for p, g in zip(prompts, got, strict=True):
+        cmp = compare(run(prefill, p, model=model), g)  # one server, the same config
+        assert cmp.first_mismatch is None and cmp.max_logprob_diff <= LOGPROB_TOL, cmp
+    moved = str(_deltas(before, after))
+    assert _delta(before, after, "loads_loaded") == len(prompts), moved
+    assert _delta(before, after, "loads_verified") == len(prompts), moved
+    pages = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
+    assert _delta(before, after, "descriptors_posted") == pages * LAYERS_WITH_DRAFT, moved
+    assert _delta(before, after, "bytes_read") == pages * LAYERS_WITH_DRAFT * PAGE_BYTES, moved
+    drafted = after.get(DRAFTS, 0.0) - before.get(DRAFTS, 0.0)
+    assert drafted > 0, "decode did not draft: speculative decoding was not on"
