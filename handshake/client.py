@@ -107,10 +107,10 @@ class HandshakeClient:
         if cached is not None:
             return cached
         description = self.fetch(host, port)
-        if (description.engine_id, description.rank) != key:
+        if (description.engine_id, description.engine_rank) != key:
             raise HandshakeError(
                 f"peer {host}:{port} answered as engine {description.engine_id!r} rank "
-                f"{description.rank}, expected engine {engine_id!r} rank {rank}; stale "
+                f"{description.engine_rank}, expected engine {engine_id!r} rank {rank}; stale "
                 "side-channel address, or the port of another rank?"
             )
         with self._lock:

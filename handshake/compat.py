@@ -2,7 +2,10 @@
 
 The hash covers the protocol version, the model identity (name, dtype, layer count, KV
 heads, head size) and the group structure (kinds, layer names, specs without block size
-or page size, which negotiation may bridge). A state spec whose TP sharding is described
+or page size, which negotiation may bridge). A pipeline stage (``pp_size`` above 1) holds
+only some of the model's layers, so its hash leaves the layer count and names out, and
+:func:`check_compatible` leaves them to negotiation, which plans over the layers both
+ranks hold (:mod:`kvbridge.handshake.layer_window`). A state spec whose TP sharding is described
 counts as the whole model's state (its sharding included), the same at any TP size; one
 without counts as its rank's shapes. Equal hashes are the fast path; on a mismatch
 :func:`check_compatible` names every differing field with both values.
@@ -33,18 +36,19 @@ class _HashInput(msgspec.Struct, array_like=True):
 
 
 def _group_fingerprints(
-    config: KVCacheConfig, tp_size: int
+    config: KVCacheConfig, tp_size: int, *, with_layers: bool = True
 ) -> list[tuple[str, list[str], list[object]]]:
     out = []
     for g in config.groups:
         spec = g.spec
+        names = list(g.layer_names) if with_layers else []
         if isinstance(spec, StateSpec) and spec.sharding is not None:
             # the whole model's state (rank shapes x TP on the split dims), as on any rank
             shapes, dtypes = [list(s) for s in spec.shapes], [dtype_name(d) for d in spec.dtypes]
             sharding: Sharding = [(how.dim, list(how.sections)) for how in spec.sharding]
             whole_shapes, whole_sharding = _whole_state(shapes, sharding, tp_size)
             state: list[object] = [str(whole_shapes), str(dtypes), str(whole_sharding)]
-            out.append((spec.kind.value, list(g.layer_names), state))
+            out.append((spec.kind.value, names, state))
             continue
         # a rank's own head count follows from the model's (identity) and its TP rank
         fields: list[object] = [
@@ -59,21 +63,22 @@ def _group_fingerprints(
             )
             if hasattr(spec, name)
         ]
-        out.append((spec.kind.value, list(g.layer_names), fields))
+        out.append((spec.kind.value, names, fields))
     return out
 
 
 def compat_hash(identity: WorkerIdentity, config: KVCacheConfig) -> str:
     """A short hex digest of everything that must be equal on both sides."""
+    whole = identity.pp_size == 1  # a pipeline stage holds only some of the layers
     payload = msgspec.msgpack.encode(
         _HashInput(
             protocol_version=PROTOCOL_VERSION,
             model_name=identity.model_name,
             dtype=identity.dtype,
-            num_layers=identity.num_layers,
+            num_layers=identity.num_layers if whole else 0,
             num_kv_heads=identity.num_kv_heads,
             head_size=identity.head_size,
-            groups=_group_fingerprints(config, identity.tp_size),
+            groups=_group_fingerprints(config, identity.tp_size, with_layers=whole),
         )
     )
     return hashlib.sha256(payload).hexdigest()[:32]
@@ -127,7 +132,13 @@ def check_compatible(
 ) -> None:
     """Raise :class:`IncompatiblePeerError` listing every field that must match but does not."""
     diffs: list[tuple[str, object, object]] = []
+    staged = local.pp_size > 1 or remote.pp_size > 1  # negotiation matches the layers
+    for desc in (local, remote):
+        if not 0 <= desc.pp_rank < desc.pp_size:
+            diffs.append(("pp_rank", desc.pp_rank, f"[0, pp_size={desc.pp_size})"))
     for name in _IDENTITY_FIELDS:
+        if staged and name == "num_layers":
+            continue
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             diffs.append((name, a, b))
@@ -145,7 +156,7 @@ def check_compatible(
         diffs.append(("num_groups", len(local.groups), len(remote.groups)))
     for lg, rg in zip(local.groups, remote.groups, strict=False):
         prefix = f"groups[{lg.group_id}]"
-        if lg.layer_names != rg.layer_names:
+        if lg.layer_names != rg.layer_names and not staged:
             diffs.append((f"{prefix}.layer_names", lg.layer_names, rg.layer_names))
         names = ["kind", "head_size", "dtype", "sliding_window", "kv_interleaved"]
         if local.tp_size == remote.tp_size:
@@ -157,7 +168,7 @@ def check_compatible(
         lstate, rstate = _state(lg.spec, local.tp_size), _state(rg.spec, remote.tp_size)
         if lstate != rstate:
             diffs.append((f"{prefix}.spec.state", lstate, rstate))
-    if not diffs and local.compat_hash != remote.compat_hash:
+    if not diffs and not staged and local.compat_hash != remote.compat_hash:
         diffs.append(("compat_hash", local.compat_hash, remote.compat_hash))
     if diffs:
         raise IncompatiblePeerError(
@@ -168,4 +179,5 @@ def check_compatible(
 
 
 def _name(desc: WorkerDescription) -> str:
-    return f"{desc.engine_id}/rank{desc.rank}"
+    stage = f"pp{desc.pp_rank}/" if desc.pp_size > 1 else ""
+    return f"{desc.engine_id}/{stage}rank{desc.rank}"

@@ -53,6 +53,14 @@ class WorkerIdentity:
     head_size: int
     rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0  # pipeline stage; its groups list only the layers it holds
+    pp_size: int = 1
+
+    @property
+    def engine_rank(self) -> int:
+        """This worker among all of its engine's: stage-major, TP rank inside the stage
+        (its side channel listens on ``kv_port + engine_rank``)."""
+        return self.pp_rank * self.tp_size + self.rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +191,8 @@ def describe(
         agent_name=identity.agent_name,
         rank=identity.rank,
         tp_size=identity.tp_size,
+        pp_rank=identity.pp_rank,
+        pp_size=identity.pp_size,
         model_name=identity.model_name,
         dtype=identity.dtype,
         num_layers=identity.num_layers,
@@ -303,6 +313,8 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         head_size=desc.head_size,
         rank=desc.rank,
         tp_size=desc.tp_size,
+        pp_rank=desc.pp_rank,
+        pp_size=desc.pp_size,
     )
     return PeerLayout(
         identity=identity,

@@ -173,6 +173,15 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # size) whose slots a prefill with larger pages writes into
     # (kvbridge.connector.worker.staging.staging)
     staging: WireRegion | None = None
+    # pipeline parallel: this worker's stage; its groups list only that stage's layers
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def engine_rank(self) -> int:
+        """The worker among all of its engine's (``WorkerIdentity.engine_rank``)."""
+        return self.pp_rank * self.tp_size + self.rank
+
     kv_heads: str = "inner"  # CacheFormat.heads (kvbridge.layouts.arrangement.HeadOrder)
     # this worker echoes Prepare.claim in its Prepared (connector.common.notifications)
     numbered_claims: bool = False

@@ -39,6 +39,7 @@ import math
 
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.errors import IncompatiblePeerError
+from kvbridge.handshake.layer_window import layer_window
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.handshake.native_read import unless_rewritten
 from kvbridge.handshake.packed_plan import check_block_packing, packed_plan
@@ -79,7 +80,8 @@ def negotiate(
     smaller pages, split larger ones)."""
     if min_native_piece_bytes is None:
         min_native_piece_bytes = MIN_NATIVE_PIECE_BYTES
-    peer = f"{remote.identity.engine_id}/rank{remote.identity.rank}"
+    stage = f"pp{remote.identity.pp_rank}/" if remote.identity.pp_size > 1 else ""
+    peer = f"{remote.identity.engine_id}/{stage}rank{remote.identity.rank}"
     if local.transfer_mode is not remote.transfer_mode:
         raise IncompatiblePeerError(
             [("transfer_mode", local.transfer_mode.value, remote.transfer_mode.value)],
@@ -87,6 +89,7 @@ def negotiate(
             hint="set extra.transfer_mode to the same value ('pull' or 'push') on prefill "
             "and decode",
         )
+    local, remote = layer_window(local, remote, peer)
     heads = head_slice(local, remote, peer)
     across_tp = local.identity.tp_size != remote.identity.tp_size
     packed = check_block_packing(local, remote, peer, can_repack)

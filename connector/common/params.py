@@ -24,8 +24,13 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     remote_engine_id: str = ""
     remote_host: str = ""
     remote_port: int = 0
-    remote_rank: int = 0  # the rank remote_port belongs to (see remote_ports)
+    # the rank remote_port belongs to (see remote_ports): pipeline stage s, TP rank t is rank
+    # s * remote_tp_size + t
+    remote_rank: int = 0
     remote_tp_size: int = 1  # prefill's tensor-parallel size: decode rank d reads ranks by heads
+    # prefill's pipeline stages: the model layers [first, end) each holds, in stage order;
+    # empty: one stage holding every layer
+    remote_pp_layers: list[list[int]] = msgspec.field(default_factory=list)
     remote_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # per group
     remote_first_block: list[int] = msgspec.field(default_factory=list)  # logical index of [0]
     remote_block_size: int = 0
@@ -41,6 +46,15 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # the side-channel port of every prefill rank, in rank order, when the prefill bound
     # ephemeral ports (kv_port 0); empty: rank r listens on remote_port - remote_rank + r
     remote_ports: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def remote_pp_size(self) -> int:
+        return len(self.remote_pp_layers) or 1
+
+    @property
+    def remote_num_ranks(self) -> int:
+        """Prefill's ranks: every TP rank of every pipeline stage."""
+        return self.remote_tp_size * self.remote_pp_size
 
     def rank_port(self, rank: int) -> int:
         """The side-channel port of prefill rank ``rank``."""
@@ -86,16 +100,17 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ParamsError(f"kv_transfer_params lack {missing}")
         if not 0 < self.remote_port < 65536:
             raise ParamsError(f"remote_port={self.remote_port} is not a port")
-        if self.remote_tp_size < 1 or not 0 <= self.remote_rank < self.remote_tp_size:
+        self._validate_stages()
+        if self.remote_tp_size < 1 or not 0 <= self.remote_rank < self.remote_num_ranks:
             raise ParamsError(
                 f"remote_rank={self.remote_rank} must lie in [0, remote_tp_size="
-                f"{self.remote_tp_size})"
+                f"{self.remote_tp_size} x {self.remote_pp_size} pipeline stage(s))"
             )
         if self.remote_ports:
             self._validate_ports()
-        elif self.remote_port - self.remote_rank + self.remote_tp_size > 65536:
+        elif self.remote_port - self.remote_rank + self.remote_num_ranks > 65536:
             raise ParamsError(
-                f"remote_port={self.remote_port}: the ports of {self.remote_tp_size} prefill "
+                f"remote_port={self.remote_port}: the ports of {self.remote_num_ranks} prefill "
                 f"ranks do not fit below 65536"
             )
         if len(self.remote_block_ids) != num_groups:
@@ -135,12 +150,25 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if any(f < 0 for f in self.remote_first_block):
             raise ParamsError(f"remote_first_block={self.remote_first_block} must be >= 0")
 
+    def _validate_stages(self) -> None:
+        """Stages hold consecutive, non-empty runs of layers from layer 0 on."""
+        end = 0
+        for stage, span in enumerate(self.remote_pp_layers):
+            if len(span) != 2 or span[0] != end or span[1] <= span[0]:
+                raise ParamsError(
+                    f"remote_pp_layers={self.remote_pp_layers}: stage {stage} must hold "
+                    f"layers [first, end) with first={end} (where the stage before ended) "
+                    f"and end > first"
+                )
+            end = span[1]
+
     def _validate_ports(self) -> None:
         ports = self.remote_ports
-        if len(ports) != self.remote_tp_size:
+        if len(ports) != self.remote_num_ranks:
             raise ParamsError(
                 f"remote_ports lists {len(ports)} ports, remote_tp_size={self.remote_tp_size} "
-                f"prefill ranks need one each"
+                f"x {self.remote_pp_size} pipeline stage(s) = {self.remote_num_ranks} prefill "
+                f"ranks need one each"
             )
         if any(not 0 < p < 65536 for p in ports):
             raise ParamsError(f"remote_ports={ports} must all be ports (1..65535)")

@@ -41,12 +41,13 @@ class Loads:
         ignored: Counter[Ignored],
         *,
         clock: Callable[[], float],
-        tp_size: int = 1,
+        ranks: int = 1,
     ) -> None:
-        """``tp_size``: worker ranks that load every request; a load ends when each of
-        them has reported it (loaded only if none failed)."""
+        """``ranks``: worker ranks that load every request (every TP rank of every
+        pipeline stage); a load ends when each of them has reported it (loaded only if
+        none failed)."""
         self.config = config
-        self.tp_size = tp_size
+        self.ranks = ranks
         self._specs = tuple(specs)
         self._signer = signer
         self._clock = clock
@@ -307,7 +308,7 @@ class Loads:
             return None
         record.ranks_reported += 1
         record.failure = record.failure or failure
-        if record.ranks_reported < self.tp_size:
+        if record.ranks_reported < self.ranks:
             return None  # another rank may still write into the request's blocks
         if record.state is LoadState.ABORTING:
             # told early: the engine ended the request on the failure (an abort to us)

@@ -66,14 +66,19 @@ class KVBridgeScheduler:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         tp_size: int = 1,
+        pp_layers: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """``tp_size``: the engine's tensor-parallel size (its workers are ranks
-        ``0..tp_size-1``, rank ``r``'s side channel on ``kv_port + r``, or with kv_port 0 on
-        the port handed to :meth:`set_side_channel_ports`). ``clock`` times
-        leases and heartbeats; ``wall_clock`` dates signed params (both workers read it)."""
+        """``tp_size``: the engine's tensor-parallel size; ``pp_layers``: the model layers
+        ``[first, end)`` each of its pipeline stages holds (empty: no pipeline
+        parallelism). Its workers are ranks ``0..tp_size * stages - 1``, stage-major, rank
+        ``r``'s side channel on ``kv_port + r``, or with kv_port 0 on the port handed to
+        :meth:`set_side_channel_ports`. ``clock`` times leases and heartbeats;
+        ``wall_clock`` dates signed params (both workers read it)."""
         if tp_size < 1:
             raise ConfigError(f"tp_size={tp_size} must be at least 1")
         self.tp_size = tp_size
+        self.pp_layers = tuple((int(a), int(b)) for a, b in pp_layers)
+        self.num_ranks = tp_size * (len(self.pp_layers) or 1)
         self.config = config
         self.kv_cache_config = kv_cache_config
         self._clock = clock
@@ -97,9 +102,9 @@ class KVBridgeScheduler:
             )
         self.ignored: Counter[Ignored] = Counter()
         self._loads = Loads(
-            config, self._specs, self._signer, self.ignored, clock=clock, tp_size=tp_size
+            config, self._specs, self._signer, self.ignored, clock=clock, ranks=self.num_ranks
         )
-        self._sends = Sends(config, self._specs, tp_size=tp_size)
+        self._sends = Sends(config, self._specs, tp_size=tp_size, pp_layers=self.pp_layers)
         self.load_outcomes = self._loads.outcomes
         self.send_outcomes = self._sends.outcomes
 

@@ -33,11 +33,20 @@ class Sends:
     """Held prefill requests; ``released`` collects ids whose blocks the engine may free."""
 
     def __init__(
-        self, config: KVTransferConfig, specs: Sequence[KVCacheSpec], *, tp_size: int
+        self,
+        config: KVTransferConfig,
+        specs: Sequence[KVCacheSpec],
+        *,
+        tp_size: int,
+        pp_layers: Sequence[tuple[int, int]] = (),
     ) -> None:
+        """``pp_layers``: the model layers ``[first, end)`` of each pipeline stage (empty:
+        one stage); every TP rank of every stage holds a request's blocks."""
         self.config = config
         self.tp_size = tp_size
-        self.ports = AdvertisedPorts(config.kv_port, tp_size)
+        self.pp_layers = [list(span) for span in pp_layers]
+        self.num_ranks = tp_size * (len(self.pp_layers) or 1)
+        self.ports = AdvertisedPorts(config.kv_port, self.num_ranks)
         self._specs = tuple(specs)
         self._block_size = specs[0].block_size
         self._state_groups = [g for g, s in enumerate(specs) if s.kind is KVCacheKind.STATE]
@@ -113,6 +122,7 @@ class Sends:
             remote_port=remote_port,  # rank 0's: the scheduler speaks for rank 0
             remote_rank=0,
             remote_tp_size=self.tp_size,
+            remote_pp_layers=[list(span) for span in self.pp_layers],
             remote_block_ids=kept_lists,
             remote_first_block=first_blocks,
             remote_block_size=self._block_size,
@@ -126,7 +136,7 @@ class Sends:
         """A worker rank's hold ended; True once every rank's has (the blocks are free)."""
         record.ranks_reported += 1
         record.expired = record.expired or expired
-        if record.ranks_reported < self.tp_size:
+        if record.ranks_reported < self.num_ranks:
             return False  # another rank may still serve a READ of its blocks
         if record.abort_queued:
             why = SendState.ABORTED

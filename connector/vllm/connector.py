@@ -99,10 +99,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 config,
                 kv_config,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                pp_layers=parallelism.stage_layers(vllm_config),
                 single_block_groups=translate.single_block_groups(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import (
+                get_pp_group,
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
@@ -118,6 +120,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 layout_hint=layout,
                 rank=get_tensor_model_parallel_rank(),
                 tp_size=get_tensor_model_parallel_world_size(),
+                pp_rank=get_pp_group().rank_in_group,
+                pp_layers=parallelism.stage_layers(vllm_config),
                 cache_dtype=str(vllm_config.cache_config.cache_dtype),
                 model_dtype=vllm_config.model_config.dtype,
             )
@@ -195,6 +199,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         self.scheduler_side.set_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """vLLM keys every worker's metadata by ``(pp_rank, tp_rank)``; kvbridge by the
+        worker's engine rank, stage-major."""
+        tp_size = self.scheduler_side.sched.tp_size
+        self.scheduler_side.set_handshake_metadata(
+            {pp * tp_size + tp: meta for (pp, tp), meta in metadata.items()}
+        )
 
     @_scheduler_hook
     def on_new_request(self, request: Any) -> None:

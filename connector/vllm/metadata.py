@@ -49,7 +49,8 @@ class KVBridgeHandshakeMetadata(KVConnectorHandshakeMetadata):
     """Worker -> scheduler, once at startup (vLLM's ``get_handshake_metadata``, gathered
     from every rank into ``set_xfer_handshake_metadata``): the side-channel port this
     rank's listener bound, which the scheduler advertises in the params (with kv_port 0
-    an ephemeral port only the worker knows)."""
+    an ephemeral port only the worker knows). ``rank``: the worker among its engine's,
+    stage-major (``pp_rank * tp_size + tp_rank``)."""
 
     rank: int
     side_channel_port: int

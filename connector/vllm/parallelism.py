@@ -1,21 +1,28 @@
 """Which of vLLM's parallel layouts kvbridge serves, and where each rank listens.
 
-kvbridge's peers are ``(engine_id, rank)``, ``rank`` the tensor-parallel rank, and rank
-``r`` of an engine listens on ``kv_port + r``. vLLM's layouts map onto that as follows:
+kvbridge's peers are ``(engine_id, rank)``, ``rank`` the worker's engine rank
+(``pp_rank * tensor_parallel_size + tp_rank``), and rank ``r`` of an engine listens on
+``kv_port + r``. vLLM's layouts map onto that as follows:
 
 - **Tensor parallel**: served, equal and different sizes on the two sides.
 - **Data parallel**: served. vLLM appends ``_dp{index}`` to the engine id of each DP rank
   (``v1/engine/core.py``), so every DP rank is an engine of its own, and each offsets its
-  side-channel ports by ``data_parallel_index * tensor_parallel_size``: N DP ranks on one
-  host start from one ``kv_port`` without colliding (vLLM's NixlConnector offsets its one
+  side-channel ports by ``data_parallel_index * tensor_parallel_size *
+  pipeline_parallel_size``: N DP ranks on one host start from one ``kv_port`` without
+  colliding (vLLM's NixlConnector offsets its one
   port by the DP index alike). The params a DP rank hands out name its engine id and its
   own ports, so a decode reads from the DP rank that prefilled. With ``kv_port`` 0 every
   rank binds an ephemeral port and advertises it, DP or not.
-- **Pipeline parallel**, **decode context parallel**, **prefill context parallel**:
-  refused at startup by name. Each pipeline stage holds only its own layers and each
-  context-parallel rank only a share of the tokens, while kvbridge's handshake describes a
-  rank by its TP rank and all of the model's layers and tokens; serving them would read
-  the wrong layers or tokens, so the engine does not start.
+- **Pipeline parallel**: served, equal and different sizes and layer splits on the two
+  sides. Each stage registers only its layers (vLLM's ``get_pp_indices``, which
+  ``VLLM_PP_LAYER_PARTITION`` overrides); the params list every prefill stage's layers, a
+  decode stage reads from the prefill stages whose layers overlap its own exactly the
+  layers both hold (:mod:`kvbridge.handshake.layer_window`), and each prefill rank waits
+  for the Dones of every decode stage that overlaps it (:mod:`kvbridge.connector.worker.routing`).
+- **Decode context parallel**, **prefill context parallel**: refused at startup by name.
+  Each context-parallel rank keeps only a share of the tokens, while kvbridge moves whole
+  blocks of consecutive tokens; serving them would read the wrong tokens, so the engine
+  does not start.
 """
 
 from __future__ import annotations
@@ -28,11 +35,6 @@ from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 
 # vLLM ParallelConfig fields kvbridge refuses above 1, and the flag that sets each
 _REFUSED = {
-    "pipeline_parallel_size": (
-        "--pipeline-parallel-size",
-        "each pipeline stage holds only its own layers, while kvbridge's handshake "
-        "describes a rank by its tensor-parallel rank with all of the model's layers",
-    ),
     "decode_context_parallel_size": (
         "--decode-context-parallel-size",
         "each decode context-parallel rank keeps only its share of every request's "
@@ -54,15 +56,33 @@ def check_parallelism(parallel_config: Any) -> None:
         if size > 1:
             raise ConfigError(
                 f"{name}={size} ({flag}): kvbridge does not serve it, because {why}; "
-                f"start vLLM with {flag} 1 (tensor and data parallel are served)"
+                f"start vLLM with {flag} 1 (tensor, pipeline and data parallel are served)"
             )
 
 
+def _ranks(parallel_config: Any) -> int:
+    """Workers of one DP rank: every TP rank of every pipeline stage."""
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    return int(parallel_config.tensor_parallel_size) * pp
+
+
 def data_parallel_port_offset(parallel_config: Any) -> int:
-    """How far this DP rank's side-channel ports lie from ``kv_port``: one port per TP rank
-    of every DP rank before it."""
+    """How far this DP rank's side-channel ports lie from ``kv_port``: one port per worker
+    (TP rank of a pipeline stage) of every DP rank before it."""
     index = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
-    return index * int(parallel_config.tensor_parallel_size)
+    return index * _ranks(parallel_config)
+
+
+def stage_layers(vllm_config: Any) -> list[tuple[int, int]]:
+    """The model layers ``[first, end)`` each pipeline stage holds, as vLLM splits them
+    (``get_pp_indices``); empty without pipeline parallelism."""
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp == 1:
+        return []
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return [get_pp_indices(total, stage, pp) for stage in range(pp)]
 
 
 def for_this_rank(config: KVTransferConfig, parallel_config: Any) -> KVTransferConfig:
@@ -73,12 +93,12 @@ def for_this_rank(config: KVTransferConfig, parallel_config: Any) -> KVTransferC
     if not config.kv_port or not offset:
         return config
     port = config.kv_port + offset
-    last = port + int(parallel_config.tensor_parallel_size) - 1
+    last = port + _ranks(parallel_config) - 1
     if last > 65535:
         raise ConfigError(
             f"kv_port={config.kv_port} with data parallel rank "
-            f"{parallel_config.data_parallel_index} x tensor_parallel_size "
-            f"{parallel_config.tensor_parallel_size} puts this rank's side channels at "
+            f"{parallel_config.data_parallel_index} x {_ranks(parallel_config)} workers "
+            f"(tensor x pipeline parallel) puts this rank's side channels at "
             f"{port}..{last}, past 65535; choose a lower kv_port, or kv_port 0 (ephemeral)"
         )
     return msgspec.structs.replace(config, kv_port=port)

@@ -64,12 +64,14 @@ class VLLMSchedulerSide:
         kv_config: KVCacheConfig,
         *,
         tp_size: int = 1,
+        pp_layers: Sequence[tuple[int, int]] = (),
         single_block_groups: frozenset[int] = frozenset(),
     ) -> None:
-        """``single_block_groups``: state groups vLLM gives one block per request
+        """``pp_layers``: the model layers ``[first, end)`` of each pipeline stage (empty:
+        none). ``single_block_groups``: state groups vLLM gives one block per request
         (:func:`kvbridge.connector.vllm.translate.single_block_groups`)."""
         self._single = single_block_groups
-        self.sched = KVBridgeScheduler(config, kv_config, tp_size=tp_size)
+        self.sched = KVBridgeScheduler(config, kv_config, tp_size=tp_size, pp_layers=pp_layers)
         self._views: dict[str, RequestView] = {}  # requests kvbridge may still load for
         self._bad_params: set[str] = set()
         self.counters: Counter[str] = Counter()
@@ -167,23 +169,25 @@ class VLLMSchedulerSide:
         return ""
 
     def set_handshake_metadata(self, metadata: Mapping[int, object]) -> None:
-        """Every TP rank's bound side-channel port (vLLM gathers them from the workers at
-        startup, after the caches are registered and before any request): the params
-        advertise them. Without this call a ``kv_port`` 0 prefill hands out no params (its
-        requests end without them, logged); a fixed ``kv_port`` is checked against them."""
-        tp_size = self.sched.tp_size
+        """Every rank's bound side-channel port, keyed by its engine rank (``pp_rank *
+        tp_size + tp_rank``; vLLM gathers them from the workers at startup, after the
+        caches are registered and before any request): the params advertise them. Without
+        this call a ``kv_port`` 0 prefill hands out no params (its requests end without
+        them, logged); a fixed ``kv_port`` is checked against them."""
+        ranks = self.sched.num_ranks
         ports: list[int] = []
-        for rank in range(tp_size):
+        for rank in range(ranks):
             meta = metadata.get(rank)
             if not isinstance(meta, KVBridgeHandshakeMetadata) or meta.rank != rank:
                 raise ConfigError(
-                    f"vLLM's handshake metadata for TP rank {rank} of {tp_size} is "
+                    f"vLLM's handshake metadata for rank {rank} of {ranks} (pipeline stage "
+                    f"{rank // self.sched.tp_size}, TP rank {rank % self.sched.tp_size}) is "
                     f"{meta!r}; expected KVBridgeHandshakeMetadata(rank={rank}, ...) from "
                     f"every rank (ranks given: {sorted(metadata)})"
                 )
             ports.append(meta.side_channel_port)
         self.sched.set_side_channel_ports(ports)
-        logger.info("kvbridge side channels of TP ranks 0..%d: ports %s", tp_size - 1, ports)
+        logger.info("kvbridge side channels of ranks 0..%d: ports %s", ranks - 1, ports)
 
     # -- decode ---------------------------------------------------------------------------
 

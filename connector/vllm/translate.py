@@ -243,6 +243,14 @@ def kv_cache_config(vllm_kv_cache_config: Any) -> KVCacheConfig:
                 f"KV-cache group {gid} is host-resident or excluded from transfer; "
                 f"not supported by kvbridge yet"
             )
+        if not g.layer_names:  # a pipeline stage without a layer of this group
+            raise ConfigError(
+                f"KV-cache group {gid} ({type(g.kv_cache_spec).__name__}) has no layer on "
+                f"this worker: with --pipeline-parallel-size, vLLM split the model so that "
+                f"a stage holds none of this group's layers, and a stage's groups must each "
+                f"hold some; choose a split (VLLM_PP_LAYER_PARTITION) that gives every "
+                f"stage layers of every group, or --pipeline-parallel-size 1"
+            )
         groups.append(
             KVCacheGroup(
                 group_id=gid,

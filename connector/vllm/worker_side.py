@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,14 +48,18 @@ class VLLMWorkerSide:
         layout_hint: KVLayout | None,
         rank: int,
         tp_size: int,
+        pp_rank: int = 0,
+        pp_layers: Sequence[tuple[int, int]] = (),
         cpu_attention: bool | None = None,
         host_staging: bool | None = None,
         cache_dtype: str = "auto",
         model_dtype: torch.dtype | None = None,
     ) -> None:
-        """One tensor-parallel rank: its side channel listens on ``kv_port + rank`` (0: an
-        ephemeral port, reported by :meth:`handshake_metadata`) and its
-        caches hold its share of the model's ``total_kv_heads`` KV heads.
+        """One tensor-parallel rank of pipeline stage ``pp_rank`` (``pp_layers``: the model
+        layers ``[first, end)`` of every stage; empty without pipeline parallelism): its
+        side channel listens on ``kv_port + pp_rank * tp_size + rank`` (0: an ephemeral
+        port, reported by :meth:`handshake_metadata`) and its caches hold its stage's
+        layers and its share of the model's ``total_kv_heads`` KV heads.
         ``cpu_attention``: whether vLLM's CPU attention (engine-packed pages) wrote the
         caches; None asks vLLM's platform (its CPU build runs CPU attention). False reads
         CPU-memory caches as a GPU backend's views describe them (the GPU tier on CPU).
@@ -86,6 +90,8 @@ class VLLMWorkerSide:
             ),
             rank=rank,
             tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_layers=pp_layers,
             # vLLM's prefix cache lets new requests read a finished request's blocks while
             # decode still holds them: they must stay exactly as vLLM wrote them
             rewrites_in_place=False,
@@ -145,7 +151,7 @@ class VLLMWorkerSide:
     def handshake_metadata(self) -> KVBridgeHandshakeMetadata | None:
         """This rank's bound side-channel port; None before ``register_kv_caches``."""
         port = self.worker.side_channel_port
-        return KVBridgeHandshakeMetadata(self.worker.rank, port) if port else None
+        return KVBridgeHandshakeMetadata(self.worker.engine_rank, port) if port else None
 
     def bind(self, metadata: Any) -> None:
         if not isinstance(metadata, KVBridgeMetadata):

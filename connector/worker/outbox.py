@@ -82,7 +82,7 @@ class Outbox:
                 request_id=params.remote_request_id,
                 ok=ok,
                 readers=readers,
-                reader_rank=self._router.rank,
+                reader_rank=self._router.engine_rank,
             )
             self.queue_to(key, route.endpoints[key], msg)
 

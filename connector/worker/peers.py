@@ -312,7 +312,7 @@ class PeerDirectory:
             if isinstance(result, KVBridgeError):
                 logger.warning("warming peer %s:%s failed: %s", host, port, result)
                 continue
-            key = (result.desc.engine_id, result.desc.rank)
+            key = (result.desc.engine_id, result.desc.engine_rank)
             if key in self._peers:  # a request got there first
                 self._give_back(result)
                 continue

@@ -83,7 +83,7 @@ class SideChannel:
             setup, held=self._held, clock=clock, idle_s=max(IDLE_S, 4 * config.lease_s)
         )
         security = HandshakeSecurity(secret=config.secret_bytes)
-        port = config.kv_port + identity.rank if config.kv_port else 0
+        port = config.kv_port + identity.engine_rank if config.kv_port else 0
         self._description: WorkerDescription | None = None
         self.listener = HandshakeListener(
             ListenerConfig(host=config.kv_ip, port=port, security=security),
@@ -108,7 +108,7 @@ class SideChannel:
             request = MetadataRequest(
                 protocol_version=self._description.protocol_version,
                 requester_engine_id=identity.engine_id,
-                requester_rank=identity.rank,
+                requester_rank=identity.engine_rank,
                 requester_agent_name=identity.agent_name,
                 requester_nixl_metadata=self._description.nixl_metadata,
                 requester_description=msgspec.structs.replace(self._description, nixl_metadata=b""),

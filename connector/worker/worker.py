@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +85,8 @@ class KVBridgeWorker:
         *,
         rank: int = 0,
         tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_layers: Sequence[tuple[int, int]] = (),
         engine_factory: Callable[[str], TransferEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rewrites_in_place: bool = True,
@@ -97,7 +99,9 @@ class KVBridgeWorker:
         ``host_staging``: None (default) decides from ``kv_buffer_device`` and where the
         cache lives; True stages through a host mirror even for a cache in host memory
         (the staging path without a GPU). ``device_order``: builds what fences kvbridge's
-        kernels on the cache's device (a recording fake in tests)."""
+        kernels on the cache's device (a recording fake in tests). ``pp_rank`` and
+        ``pp_layers``: this worker's pipeline stage, and the model layers ``[first, end)``
+        of each of its engine's stages (empty: no pipeline parallelism)."""
         self._device_order = device_order
         self.config = config
         self._host_staging = host_staging
@@ -110,7 +114,12 @@ class KVBridgeWorker:
         self.transfer_mode = extra.transfer_mode
         self.rewrite_on_save = extra.rewrite_on_save and rewrites_in_place
         self._warm_peers = extra.warm_peer_addresses
-        self._router = Router(rank, tp_size, model.num_kv_heads)
+        self._router = Router(
+            rank, tp_size, model.num_kv_heads, pp_rank=pp_rank, pp_layers=pp_layers
+        )
+        self.pp_rank = pp_rank
+        self.pp_size = len(pp_layers) or 1
+        self.engine_rank = self._router.engine_rank  # stage-major: kv_port + engine_rank
         self.model = model
         self.rank = rank
         self.tp_size = tp_size
@@ -122,7 +131,7 @@ class KVBridgeWorker:
             # called from the step, the idle thread and the set-up thread, one at a time
             lambda name: nixl_engine(name, delay_us, shared=True, merge=merge)
         )
-        self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = f"{config.engine_id}-r{self._router.engine_rank}-{uuid.uuid4().hex[:8]}"
         self._engine: TransferEngine | None = None
         self._gate = AgentGate()  # who may call the engine now (see the module docstring)
         self._setup: PeerSetup | None = None
@@ -246,6 +255,8 @@ class KVBridgeWorker:
             head_size=self.model.head_size,
             rank=self.rank,
             tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
         )
         self._side = side = SideChannel(
             self.config,
@@ -298,7 +309,9 @@ class KVBridgeWorker:
                 clock=self._clock,
                 digests=digests,
             )
-            push = PushEndpoint(self.config.engine_id, self.rank, self.config.kv_ip, side.port)
+            push = PushEndpoint(
+                self.config.engine_id, self._router.engine_rank, self.config.kv_ip, side.port
+            )
         self._receiver = Receiver(
             engine,
             self._peers,

@@ -138,8 +138,9 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     data_parallel_size: int = 1
-    # kvbridge's side channels on a fixed base port (one per TP x DP rank, probed free at
-    # each launch) instead of ephemeral ones
+    pipeline_parallel_size: int = 1
+    # kvbridge's side channels on a fixed base port (one per TP x PP x DP rank, probed
+    # free at each launch) instead of ephemeral ones
     fixed_kv_port: bool = False
 
     def __post_init__(self) -> None:
@@ -212,12 +213,14 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
             argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
         if spec.data_parallel_size > 1:
             argv += ["--data-parallel-size", str(spec.data_parallel_size)]
+        if spec.pipeline_parallel_size > 1:
+            argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
+        workers = spec.tensor_parallel_size * spec.data_parallel_size * spec.pipeline_parallel_size
         if spec.enforce_eager:
             argv.append("--enforce-eager")
         env = {
             **BASE_ENV,
-            "VLLM_CPU_OMP_THREADS_BIND": spec.cpus
-            or cpu_bind(slot, spec.tensor_parallel_size * spec.data_parallel_size),
+            "VLLM_CPU_OMP_THREADS_BIND": spec.cpus or cpu_bind(slot, workers),
         }
         details: dict[str, object] = {"block_size": spec.block_size}
         if spec.connector is not None:
@@ -230,9 +233,7 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
                 tensor_parallel_size=spec.tensor_parallel_size,
                 failure_policy=spec.failure_policy,
                 engine_id=spec.name,  # unique among the servers started together
-                kv_port=free_port(span=spec.tensor_parallel_size * spec.data_parallel_size)
-                if spec.fixed_kv_port
-                else 0,
+                kv_port=free_port(span=workers) if spec.fixed_kv_port else 0,
             )
             argv += ["--kv-transfer-config", kv.to_json()]
             env.update(kv.env)

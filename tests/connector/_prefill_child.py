@@ -116,8 +116,10 @@ def main(cfg: dict) -> None:
     rank, tp_size = cfg.get("rank", 0), cfg.get("tp_size", 1)
     total = cfg.get("total_kv_heads", MODEL.num_kv_heads)
     heads = rank_heads(rank, tp_size, total).count
+    pp_rank, pp_layers = cfg.get("pp_rank", 0), [tuple(s) for s in cfg.get("pp_layers", [])]
+    layers = range(*pp_layers[pp_rank]) if pp_layers else (0, 1)
     buffers = make_buffers(
-        side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads, tp_size=tp_size
+        side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads, tp_size=tp_size, layers=layers
     )
     fill_buffers(buffers, cfg["seed"])
     config = transfer_config(
@@ -132,6 +134,8 @@ def main(cfg: dict) -> None:
         model,
         rank=rank,
         tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_layers=pp_layers,
         rewrites_in_place=cfg.get("rewrites_in_place", True),
     ) as worker:
         worker.register_kv_caches(buffers)

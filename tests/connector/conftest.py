@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -94,10 +94,12 @@ def make_buffers(
     num_kv_heads: int = 2,
     device: str = "cpu",
     tp_size: int = 1,
+    layers: Sequence[int] = (0, 1),
 ) -> KVCacheBuffers:
     """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state,
-    'T' state sharded over ``tp_size`` ranks; ``num_kv_heads``: the heads this rank holds."""
-    groups = make_groups(fmt.block_size, kinds, num_kv_heads, tp_size)
+    'T' state sharded over ``tp_size`` ranks; ``num_kv_heads``: the heads this rank holds;
+    ``layers``: the model layers it holds (a pipeline stage's)."""
+    groups = make_groups(fmt.block_size, kinds, num_kv_heads, tp_size, layers)
     if fmt.kv_interleaved:
         groups = [
             replace(g, spec=replace(g.spec, kv_interleaved=True))

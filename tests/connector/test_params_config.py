@@ -90,7 +90,21 @@ def test_validate_for_load_accepts_complete_params() -> None:
         ({"remote_first_block": [0]}, "remote_first_block has 1 entries"),
         ({"remote_block_size": 0}, "remote_block_size=0"),
         ({"num_tokens": -1}, "num_tokens=-1"),
-        ({"remote_rank": 2}, r"remote_rank=2 must lie in \[0, remote_tp_size=2\)"),
+        ({"remote_rank": 2}, r"remote_rank=2 must lie in \[0, remote_tp_size=2 x 1 pipeline"),
+        (  # rank 4 of TP 2 x 2 stages: past the last stage
+            {"remote_rank": 4, "remote_pp_layers": [[0, 2], [2, 4]]},
+            r"remote_rank=4 must lie in \[0, remote_tp_size=2 x 2 pipeline",
+        ),
+        (
+            {"remote_pp_layers": [[0, 2], [3, 4]]},
+            r"stage 1 must hold layers \[first, end\) with first=2",
+        ),
+        ({"remote_pp_layers": [[0, 2], [2, 2]]}, r"stage 1 must hold .* end > first"),
+        ({"remote_pp_layers": [[1, 2]]}, r"stage 0 must hold .* first=0"),
+        (
+            {"remote_pp_layers": [[0, 2], [2, 4]], "remote_rank": 0, "remote_port": 65533},
+            "ports of 4 prefill ranks do not fit",
+        ),
         ({"remote_tp_size": 0}, "remote_tp_size=0"),
         ({"remote_rank": 0, "remote_port": 65535}, "ports of 2 prefill ranks do not fit"),
     ],

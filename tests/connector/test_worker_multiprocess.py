@@ -68,12 +68,19 @@ class Child:
         wait_ready: bool = True,
         transfer_mode: str = "pull",
         rewrites_in_place: bool = True,
+        pp_rank: int = 0,
+        pp_layers: tuple[tuple[int, int], ...] = (),
     ):
+        """``pp_rank`` of the stages ``pp_layers`` (model layers ``[first, end)`` each;
+        empty: no pipeline parallelism): the child holds only its stage's layers."""
         from kvbridge.handshake.tp import rank_heads
 
         self.fmt, self.engine_id, self.seed, self.rank = fmt, engine_id, seed, rank
         heads = rank_heads(rank, tp_size, total_kv_heads).count
-        self.buffers: KVCacheBuffers = make_buffers(fmt, kinds, NUM_BLOCKS, heads, tp_size=tp_size)
+        layers = range(*pp_layers[pp_rank]) if pp_layers else (0, 1)
+        self.buffers: KVCacheBuffers = make_buffers(
+            fmt, kinds, NUM_BLOCKS, heads, tp_size=tp_size, layers=layers
+        )
         fill_buffers(self.buffers, seed)
         cfg = {
             "engine_id": engine_id,
@@ -94,6 +101,8 @@ class Child:
             "kv_interleaved": fmt.kv_interleaved,
             "transfer_mode": transfer_mode,
             "rewrites_in_place": rewrites_in_place,
+            "pp_rank": pp_rank,
+            "pp_layers": [list(s) for s in pp_layers],
         }
         env = {**os.environ, "PYTHONPATH": str(REPO)}  # the tests package
         self.log = log

@@ -44,7 +44,9 @@ PUMP_TIMEOUT_S = 20.0
 
 
 class Prefill:
-    """A prefill engine at TP ``tp_size``: one child process per rank."""
+    """A prefill engine at TP ``tp_size``: one child process per rank (per TP rank of
+    every pipeline stage, stage-major, when ``pp_layers`` lists the model layers
+    ``[first, end)`` of each stage)."""
 
     def __init__(
         self,
@@ -55,16 +57,18 @@ class Prefill:
         kinds: str = KINDS,
         fmt: SideFormat = PREFILL_FMT,
         rewrites_in_place: bool = True,
+        pp_layers: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.engine_id = new_id("P")
         self.tp_size, self.heads, self.kinds, self.fmt = tp_size, heads, kinds, fmt
+        self.pp_layers = pp_layers
         self.ranks = [
             Child(
                 fmt,
                 engine_id=self.engine_id,
                 kv_port=0,  # ephemeral: each rank reports the port it bound
-                seed=100 + r,
-                log=tmp / f"{self.engine_id}-r{r}.log",
+                seed=100 + s * tp_size + r,
+                log=tmp / f"{self.engine_id}-pp{s}-r{r}.log",
                 kinds=kinds,
                 rank=r,
                 tp_size=tp_size,
@@ -72,7 +76,10 @@ class Prefill:
                 wait_ready=False,
                 transfer_mode=mode,
                 rewrites_in_place=rewrites_in_place,
+                pp_rank=s,
+                pp_layers=pp_layers,
             )
+            for s in range(len(pp_layers) or 1)
             for r in range(tp_size)
         ]
         for child in self.ranks:  # the children import torch and nixl in parallel
@@ -94,10 +101,17 @@ class DecodeRank:
         mode: str = "pull",
         kinds: str = KINDS,
         fmt: SideFormat = DECODE_FMT,
+        pp_rank: int = 0,
+        pp_layers: tuple[tuple[int, int], ...] = (),
     ) -> None:
-        self.rank, self.fmt = rank, fmt
+        self.rank, self.fmt, self.pp_rank = rank, fmt, pp_rank
         self.buffers: KVCacheBuffers = make_buffers(
-            fmt, kinds, NUM_BLOCKS, tp.rank_heads(rank, tp_size, heads).count, tp_size=tp_size
+            fmt,
+            kinds,
+            NUM_BLOCKS,
+            tp.rank_heads(rank, tp_size, heads).count,
+            tp_size=tp_size,
+            layers=range(*pp_layers[pp_rank]) if pp_layers else (0, 1),
         )
         self.worker = KVBridgeWorker(
             transfer_config(
@@ -109,6 +123,8 @@ class DecodeRank:
             replace(MODEL, num_kv_heads=heads),
             rank=rank,
             tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_layers=pp_layers,
         )
         if fmt.block_packing:  # engine-packed pages: the engine merges and splits them
             self.worker.set_repacker(HndRepacker(self.buffers))
@@ -144,8 +160,11 @@ class TPCluster:
         kinds: str = KINDS,
         formats: tuple[SideFormat, SideFormat] = (PREFILL_FMT, DECODE_FMT),
         prefill_rewrites: bool = True,
+        stages: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = ((), ()),
     ) -> tuple[Prefill, list[DecodeRank]]:
-        """``prefill_rewrites=False``: prefill may not rewrite its blocks (read natively)."""
+        """``prefill_rewrites=False``: prefill may not rewrite its blocks (read natively).
+        ``stages``: the model layers ``[first, end)`` of each pipeline stage of prefill and
+        of decode (empty: no pipeline parallelism); decode ranks are stage-major."""
         prefill = Prefill(
             self._tmp,
             prefill_tp,
@@ -154,10 +173,13 @@ class TPCluster:
             kinds,
             formats[0],
             rewrites_in_place=prefill_rewrites,
+            pp_layers=stages[0],
         )
         self._prefills.append(prefill)
         decodes = [
-            DecodeRank(d, decode_tp, heads, mode, kinds, formats[1]) for d in range(decode_tp)
+            DecodeRank(d, decode_tp, heads, mode, kinds, formats[1], s, stages[1])
+            for s in range(len(stages[1]) or 1)
+            for d in range(decode_tp)
         ]
         self._decodes.extend(decodes)
         return prefill, decodes
@@ -229,6 +251,7 @@ def load_spec(prefill: Prefill, req: Request) -> LoadSpec:
         remote_ports=prefill.ports,
         remote_rank=0,
         remote_tp_size=prefill.tp_size,
+        remote_pp_layers=[list(s) for s in prefill.pp_layers],
         remote_block_ids=[[int(b) for b in ids] for ids in req.remote],
         remote_first_block=req.first,
         remote_block_size=prefill.fmt.block_size,

@@ -7,6 +7,7 @@ delivers the sender's token-major KV, independently of the transport.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,12 +82,18 @@ def unshard(shards: list[torch.Tensor], how: StateSharding, replica: int) -> tor
 
 
 def make_groups(
-    block_size: int, kinds: str, num_kv_heads: int = 2, tp_size: int = 1
+    block_size: int,
+    kinds: str,
+    num_kv_heads: int = 2,
+    tp_size: int = 1,
+    layers: Sequence[int] = (0, 1),
 ) -> list[KVCacheGroup]:
     """kinds: 'F' full, 'S' sliding window, 'M' state (sharding not described), 'T' state
     whose TP sharding is described (:func:`sharded_state` at ``tp_size``), 'R' state
     described as replicated on every rank, 'L' MLA latent (one head, replicated on every
-    tensor-parallel rank); two layers per group."""
+    tensor-parallel rank). The model has two layers, each with one layer of every group
+    (``g{i}.a`` in model layer 0, ``g{i}.b`` in layer 1); ``layers``: the model layers this
+    side holds (a pipeline stage holds some)."""
     groups = []
     for i, k in enumerate(kinds):
         common = {
@@ -115,7 +122,8 @@ def make_groups(
             spec = StateSpec(
                 block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)
             )
-        groups.append(KVCacheGroup(group_id=i, layer_names=(f"g{i}.a", f"g{i}.b"), spec=spec))
+        names = tuple(f"g{i}.{'ab'[layer]}" for layer in layers)
+        groups.append(KVCacheGroup(group_id=i, layer_names=names, spec=spec))
     return groups
 
 
@@ -136,12 +144,15 @@ def make_side(
     rank: int = 0,
     tp_size: int = 1,
     total_kv_heads: int = 2,
+    layers: Sequence[int] = (0, 1),
 ) -> Side:
-    """A side of ``total_kv_heads`` model heads at rank ``rank`` of ``tp_size``."""
+    """A side of ``total_kv_heads`` model heads at rank ``rank`` of ``tp_size``, holding
+    the model ``layers`` (fewer than both: a pipeline stage, ``pp_size`` 2)."""
     from kvbridge.handshake.tp import rank_heads
 
     heads = rank_heads(rank, tp_size, total_kv_heads).count
-    config = KVCacheConfig.uniform(make_groups(block_size, kinds, heads, tp_size), num_blocks)
+    groups = make_groups(block_size, kinds, heads, tp_size, layers)
+    config = KVCacheConfig.uniform(groups, num_blocks)
     buffers = KVCacheBuffers(config, fmt)
     for t in buffers.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
@@ -155,6 +166,8 @@ def make_side(
         head_size=4,
         rank=rank,
         tp_size=tp_size,
+        pp_rank=layers[0] if len(layers) < 2 else 0,
+        pp_size=2 if len(layers) < 2 else 1,
     )
     desc = describe(
         identity,

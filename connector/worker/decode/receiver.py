@@ -133,7 +133,7 @@ class Receiver:
         self._router = router or Router(0, 1, 1)
         self._timeout_s = timeout_s
         self._clock = clock
-        self._claims = Claims(send, metrics, clock, rank=self._router.rank)
+        self._claims = Claims(send, metrics, clock, rank=self._router.engine_rank)
         self._landing = Landing(
             buffers,
             metrics,
@@ -569,7 +569,7 @@ class Receiver:
                 request_id=rid,
                 ok=ok,
                 readers=readers,
-                reader_rank=self._router.rank,
+                reader_rank=self._router.engine_rank,
                 claims=self._claims_of(load, key),
             )
             self._notify(key, load.route.endpoints[key], msg)

@@ -1,5 +1,6 @@
-"""vLLM's parallel layouts: data-parallel ranks start from one kv_port without colliding
-and hand out their own ports; pipeline and context parallel are refused by name. Driven
+"""vLLM's parallel layouts: data-parallel ranks (of any TP x PP size) start from one kv_port
+without colliding and hand out their own ports; pipeline stages hold vLLM's layer split;
+context parallel is refused by name. Driven
 with vLLM's own ParallelConfig, as vLLM builds it for each rank."""
 
 from __future__ import annotations
@@ -58,15 +59,55 @@ def test_a_data_parallel_rank_past_the_last_port_is_refused_by_name():
         _config(65530, parallel)
 
 
+def test_data_parallel_ranks_of_pipeline_stages_bind_disjoint_ports():
+    """DP 2 x PP 2 x TP 2 from kv_port 5600: each DP rank's workers (engine rank
+    ``pp * tp + r``) listen on a run of its own, past the DP ranks before it."""
+    bound: dict[int, tuple[int, int, int]] = {}
+    for dp in range(2):
+        parallel = ParallelConfig(
+            data_parallel_size=2,
+            data_parallel_rank=dp,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+        )
+        object.__setattr__(parallel, "data_parallel_rank", 0)
+        cfg = _config(5600, parallel)
+        assert cfg.kv_port == 5600 + dp * 4
+        for pp in range(2):
+            for r in range(2):
+                port = cfg.kv_port + pp * 2 + r
+                assert port not in bound, (dp, pp, r, bound)
+                bound[port] = (dp, pp, r)
+    assert sorted(bound) == list(range(5600, 5608))
+
+
+class _Model:
+    def get_total_num_hidden_layers(self) -> int:
+        return 7
+
+
+class _VLLMConfig:
+    def __init__(self, pp: int) -> None:
+        self.parallel_config = ParallelConfig(pipeline_parallel_size=pp)
+        self.model_config = _Model()
+
+
+def test_stage_layers_are_vllms_split_and_follow_its_partition_override(monkeypatch):
+    assert parallelism.stage_layers(_VLLMConfig(1)) == []
+    # vLLM's own rule for 7 layers over 3 stages: the remainder on the middle stage
+    assert parallelism.stage_layers(_VLLMConfig(3)) == [(0, 2), (2, 5), (5, 7)]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,6")
+    assert parallelism.stage_layers(_VLLMConfig(2)) == [(0, 1), (1, 7)]
+
+
 @pytest.mark.parametrize(
     ("field", "flag"),
     [
-        ("pipeline_parallel_size", "--pipeline-parallel-size"),
         ("decode_context_parallel_size", "--decode-context-parallel-size"),
         ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
     ],
 )
-def test_pipeline_and_context_parallel_are_refused_naming_the_flag(field, flag):
+def test_context_parallel_is_refused_naming_the_flag(field, flag):
     # vLLM's own validation ties these sizes to others; the check reads only the field
     parallel = ParallelConfig(tensor_parallel_size=2)
     object.__setattr__(parallel, field, 2)

@@ -117,7 +117,7 @@ def test_handshake_metadata_hands_every_rank_port_to_the_params():
     req = _Request("r1", {"do_remote_decode": True})
     # no ports yet: the request ends without params (logged), its blocks are not kept
     assert side.request_finished(req, [[1, 2, 3, 4]]) == (False, None)
-    with pytest.raises(ConfigError, match="TP rank 1 of 2"):
+    with pytest.raises(ConfigError, match=r"rank 1 of 2 \(pipeline stage 0, TP rank 1\)"):
         side.set_handshake_metadata({0: KVBridgeHandshakeMetadata(0, 41000)})
     side.set_handshake_metadata(
         {0: KVBridgeHandshakeMetadata(0, 41000), 1: KVBridgeHandshakeMetadata(1, 39000)}
@@ -127,6 +127,33 @@ def test_handshake_metadata_hands_every_rank_port_to_the_params():
     )
     assert delay and params is not None
     assert (params["remote_port"], params["remote_ports"]) == (41000, [41000, 39000])
+
+
+def test_pipeline_stages_advertise_every_stage_rank_and_its_layers():
+    """PP 2 x TP 2: vLLM hands the metadata over keyed by (pp_rank, tp_rank); the params
+    list the four ports stage-major and each stage's layers."""
+    from kvbridge.connector.vllm.connector import KVBridgeConnector
+    from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=8
+    )
+    config = KVTransferConfig.from_dict({"kv_role": "kv_producer", "engine_id": "p", "kv_port": 0})
+    side = VLLMSchedulerSide(config, kv, tp_size=2, pp_layers=[(0, 3), (3, 5)])
+    ports = {(0, 0): 41000, (0, 1): 41001, (1, 0): 42000, (1, 1): 42001}
+    connector = KVBridgeConnector.__new__(KVBridgeConnector)  # only its scheduler side
+    connector._scheduler, connector._worker = side, None
+    connector.set_xfer_handshake_metadata_pp_aware(
+        {(pp, tp): KVBridgeHandshakeMetadata(pp * 2 + tp, port) for (pp, tp), port in ports.items()}
+    )
+    delay, params = side.request_finished(
+        _Request("r1", {"do_remote_decode": True}), [[1, 2, 3, 4]]
+    )
+    assert delay and params is not None
+    assert params["remote_ports"] == [41000, 41001, 42000, 42001]
+    assert params["remote_pp_layers"] == [[0, 3], [3, 5]]
+    assert params["remote_tp_size"] == 2
 
 
 # -- state (Mamba) groups: vLLM's own Request, one running state per request -------------

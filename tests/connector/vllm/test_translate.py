@@ -118,6 +118,24 @@ def test_hybrid_groups_keep_order_kind_and_window():
     assert translate.kv_layout(vcfg) == (KVLayout.HND, False)
 
 
+def test_a_pipeline_stage_without_a_layer_of_a_group_is_refused_by_name():
+    """vLLM gives every stage every group, each cut to the stage's layers: a split that
+    leaves a stage none of a group's layers is named, not a bare layout error."""
+    sw = VSliding(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64
+    )
+    vcfg = VKVCacheConfig(
+        num_blocks=100,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["a.3"], kv_cache_spec=_full()),
+            KVCacheGroupSpec(layer_names=[], kv_cache_spec=sw),
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"group 1 \(SlidingWindowSpec\) has no layer.*"):
+        translate.kv_cache_config(vcfg)
+
+
 def test_unsupported_group_kind_and_layout_are_named():
     chunked = ChunkedLocalAttentionSpec(
         block_size=32, num_kv_heads=2, head_size=8, dtype=torch.float16, attention_chunk_size=64
