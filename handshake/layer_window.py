@@ -12,30 +12,48 @@ had only them::
     prefill PP 1 (0-3), decode PP 2 (0-1 | 2-3):
         each decode stage reads its own layers from the one prefill rank
 
-A per-layer region in the window is renumbered inside it; one outside it keeps its index
-(plans name regions by index) but belongs to no group, so no plan moves it. A
-cross-layer region holds every layer of its group in one page per block, so it can only
-be read whole: a window that cuts it is refused by name (the bytes of a layer run inside
-a cross-layer page are not one contiguous range once the sender rewrites them).
+A group of which the two hold no layer in common (a hybrid model's stages can share a
+sliding-window layer but no full-attention one) gets a plan that moves nothing: another
+stage holds those layers. A per-layer region in the window is renumbered inside it; one
+outside it keeps its index (plans name regions by index) but belongs to no group, so no
+plan moves it. A cross-layer region holds every layer of its group in one page per
+block, so it can only be read whole: a window that cuts it is refused by name (the bytes
+of a layer run inside a cross-layer page are not one contiguous range once the sender
+rewrites them).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.errors import IncompatiblePeerError
 
 
-def layer_window(local: PeerLayout, remote: PeerLayout, peer: str) -> tuple[PeerLayout, PeerLayout]:
+@dataclass(frozen=True)
+class LayerWindow:
+    """The two sides cut down to the layers both hold, and per group the local layers a
+    plan between them moves: None when the group is not cut (every local layer moves),
+    () when the two hold none of its layers (another stage holds them: the group's plan
+    moves nothing)."""
+
+    local: PeerLayout
+    remote: PeerLayout
+    layers: tuple[tuple[str, ...] | None, ...]
+
+    def moves_nothing(self, group_id: int) -> bool:
+        return self.layers[group_id] == ()
+
+
+def layer_window(local: PeerLayout, remote: PeerLayout, peer: str) -> LayerWindow:
     """``local`` and ``remote`` cut down to the layers both hold (both unchanged when they
     hold the same layers), or :class:`IncompatiblePeerError` naming the group whose layers
-    cannot be matched."""
+    cannot be matched, or all groups when the two share no layer at all."""
     lgroups, rgroups = local.config.groups, remote.config.groups
     if len(lgroups) != len(rgroups) or all(
         lg.layer_names == rg.layer_names for lg, rg in zip(lgroups, rgroups, strict=True)
-    ):
-        return local, remote  # same layers (or a mismatch negotiation names)
+    ):  # same layers (or a mismatch negotiation names)
+        return LayerWindow(local, remote, tuple(None for _ in lgroups))
     window: list[tuple[str, ...]] = []
     for lg, rg in zip(lgroups, rgroups, strict=True):
         mine, theirs = set(lg.layer_names), set(rg.layer_names)
@@ -46,20 +64,29 @@ def layer_window(local: PeerLayout, remote: PeerLayout, peer: str) -> tuple[Peer
                 peer=peer,
                 hint="the layers both ranks hold are in a different order",
             )
-        if not common:
-            raise IncompatiblePeerError(
-                [(f"groups[{lg.group_id}].layer_names", lg.layer_names, rg.layer_names)],
-                peer=peer,
-                hint="no layer of this group is held by both ranks: a load between these "
-                "pipeline stages would leave the group's KV unwritten",
-            )
         window.append(common)
-    return _cut(local, window, peer, "local"), _cut(remote, window, peer, "remote")
+    if not any(window):
+        raise IncompatiblePeerError(
+            [("layer_names", local.config.layer_names, remote.config.layer_names)],
+            peer=peer,
+            hint="the two ranks hold no layer in common: pipeline stages whose layers do "
+            "not overlap have nothing to move",
+        )
+    layers = tuple(
+        None if names == lg.layer_names else names
+        for names, lg in zip(window, lgroups, strict=True)
+    )
+    return LayerWindow(
+        _cut(local, window, peer, "local"), _cut(remote, window, peer, "remote"), layers
+    )
 
 
 def _cut(side: PeerLayout, window: list[tuple[str, ...]], peer: str, which: str) -> PeerLayout:
+    # a group with no shared layer keeps its layers (a group has some), but none of its
+    # regions: negotiation gives it a plan that moves nothing
     groups = tuple(
-        replace(g, layer_names=names) for g, names in zip(side.config.groups, window, strict=True)
+        replace(g, layer_names=names) if names else g
+        for g, names in zip(side.config.groups, window, strict=True)
     )
     regions = []  # every region stays, at its index: plans name regions by index
     for info in side.regions:
@@ -68,7 +95,9 @@ def _cut(side: PeerLayout, window: list[tuple[str, ...]], peer: str, which: str)
             continue
         names = side.config.groups[info.group_id].layer_names
         kept = window[info.group_id]
-        if info.layer_index < 0:
+        if not kept:
+            regions.append(replace(info, group_id=-1))
+        elif info.layer_index < 0:
             if kept != names:
                 raise IncompatiblePeerError(
                     [

@@ -36,6 +36,7 @@ rows for given chunks with numpy, no per-block loops.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.errors import IncompatiblePeerError
@@ -89,7 +90,8 @@ def negotiate(
             hint="set extra.transfer_mode to the same value ('pull' or 'push') on prefill "
             "and decode",
         )
-    local, remote = layer_window(local, remote, peer)
+    window = layer_window(local, remote, peer)
+    local, remote = window.local, window.remote
     heads = head_slice(local, remote, peer)
     across_tp = local.identity.tp_size != remote.identity.tp_size
     packed = check_block_packing(local, remote, peer, can_repack)
@@ -105,8 +107,11 @@ def negotiate(
         raise IncompatiblePeerError(
             [("num_groups", len(local.config.groups), len(remote.config.groups))], peer=peer
         )
-    plans = []
+    plans: list[GroupPlan] = []
     for lg, rg in zip(local.config.groups, remote.config.groups, strict=True):
+        if window.moves_nothing(lg.group_id):  # another pipeline stage holds its layers
+            plans.append(_nothing(lg))
+            continue
         if lg.kind != rg.kind or lg.layer_names != rg.layer_names:
             raise IncompatiblePeerError(
                 [
@@ -137,6 +142,7 @@ def negotiate(
                 peer=peer,
                 hint=f"cannot bridge the block formats: {exc}",
             ) from None
+    plans = [replace(p, layers=cut) if (cut := window.layers[p.group_id]) else p for p in plans]
     if local.transfer_mode is TransferMode.PUSH:
         _check_push_staging(local, [p for p in plans if p.split_from], peer)
     return TransferPlan(
@@ -144,6 +150,22 @@ def negotiate(
         remote_engine_id=remote.identity.engine_id,
         remote_agent_name=remote.identity.agent_name,
         groups=tuple(plans),
+    )
+
+
+def _nothing(group: KVCacheGroup) -> GroupPlan:
+    """The plan of a group whose layers another pipeline stage holds: no streams, no
+    rewrites (landing takes a group's rewrites from the sources that moved it)."""
+    size = group.spec.block_size
+    return GroupPlan(
+        group_id=group.group_id,
+        kind=group.kind,
+        wire_tokens=size,
+        local_chunks_per_block=1,
+        remote_chunks_per_block=1,
+        sender=None,
+        receiver=None,
+        streams=(),
     )
 
 

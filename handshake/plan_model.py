@@ -92,6 +92,10 @@ class GroupPlan:
     # tensor parallelism: (local head, remote head, heads) of the slice this plan moves,
     # rank-local indices; () when both sides hold the same heads
     head_slice: tuple[int, int, int] | tuple[()] = ()
+    # pipeline stages: the local layers this plan moves, in stream order, when the two
+    # ranks share only some of the group's (kvbridge.handshake.layer_window); () when it
+    # moves every layer, or (with no streams) none. Left out of the repr (the plan digest)
+    layers: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def staging_bytes(self) -> int:

@@ -166,8 +166,9 @@ class CpuAttnRepacker:
         remote_block_size: int,
         slots: np.ndarray,
         heads: tuple[int, int] | None = None,
+        layers: Sequence[str] = (),
     ) -> None:
-        names = self._layers[group_id]
+        names = tuple(layers) or self._layers[group_id]
         if len(pages) != len(names):
             raise KVBridgeError(
                 f"group {group_id}: {len(pages)} layers of pages for {len(names)} layers"

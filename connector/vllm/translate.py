@@ -121,12 +121,18 @@ def _state_spec(where: str, vspec: Any) -> StateSpec:
     :func:`state_resume_block`); equal TP sizes only, unless the state is replicated."""
     # (prefill checkpoint blocks, prefix caching's extra state at the replay boundary, are
     # the engine's own business: decode reads the running state)
-    if getattr(vspec, "num_speculative_blocks", 0):
+    spec_blocks = int(getattr(vspec, "num_speculative_blocks", 0) or 0)
+    if spec_blocks and getattr(vspec, "mamba_cache_mode", "none") != "none":
         raise ConfigError(
-            f"{where}: num_speculative_blocks={vspec.num_speculative_blocks}: kvbridge moves "
-            f"one state block per request, not the scratch blocks speculative decoding adds; "
-            f"start vLLM without speculative decoding for this model"
+            f"{where}: num_speculative_blocks={spec_blocks} with mamba_cache_mode="
+            f"{vspec.mamba_cache_mode!r} (prefix caching): kvbridge has not been shown to "
+            f"find the running state among prefix caching's checkpoint blocks and the "
+            f"speculative scratch blocks; start vLLM with --no-enable-prefix-caching, or "
+            f"without speculative decoding for this model"
         )
+    # mode "none": a request's blocks are [running state, scratch...]; the scratch blocks
+    # are the engine's own (vLLM's NixlConnector drops them alike: clip_ssm_state_blocks)
+    # and kvbridge moves the first (position_block_ids)
     shapes = tuple(tuple(int(d) for d in shape) for shape in vspec.shapes)
     sharding = None  # vLLM does not say how it splits a state: equal TP sizes only
     if getattr(vspec, "tp_replicated", False):
@@ -247,7 +253,8 @@ def kv_cache_config(vllm_kv_cache_config: Any) -> KVCacheConfig:
             raise ConfigError(
                 f"KV-cache group {gid} ({type(g.kv_cache_spec).__name__}) has no layer on "
                 f"this worker: with --pipeline-parallel-size, vLLM split the model so that "
-                f"a stage holds none of this group's layers, and a stage's groups must each "
+                f"a stage holds none of this group's layers (a speculative draft model's "
+                f"own group lives on the last stage only), and a stage's groups must each "
                 f"hold some; choose a split (VLLM_PP_LAYER_PARTITION) that gives every "
                 f"stage layers of every group, or --pipeline-parallel-size 1"
             )

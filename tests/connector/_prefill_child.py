@@ -119,7 +119,13 @@ def main(cfg: dict) -> None:
     pp_rank, pp_layers = cfg.get("pp_rank", 0), [tuple(s) for s in cfg.get("pp_layers", [])]
     layers = range(*pp_layers[pp_rank]) if pp_layers else (0, 1)
     buffers = make_buffers(
-        side_format(cfg), cfg["kinds"], cfg["num_blocks"], heads, tp_size=tp_size, layers=layers
+        side_format(cfg),
+        cfg["kinds"],
+        cfg["num_blocks"],
+        heads,
+        tp_size=tp_size,
+        layers=layers,
+        group_layers=cfg.get("group_layers"),
     )
     fill_buffers(buffers, cfg["seed"])
     config = transfer_config(

@@ -95,11 +95,13 @@ def make_buffers(
     device: str = "cpu",
     tp_size: int = 1,
     layers: Sequence[int] = (0, 1),
+    group_layers: Sequence[Sequence[int]] | None = None,
 ) -> KVCacheBuffers:
     """kinds as in ``plan_harness.make_groups``: 'F' full, 'S' sliding window, 'M' state,
     'T' state sharded over ``tp_size`` ranks; ``num_kv_heads``: the heads this rank holds;
-    ``layers``: the model layers it holds (a pipeline stage's)."""
-    groups = make_groups(fmt.block_size, kinds, num_kv_heads, tp_size, layers)
+    ``layers``: the model layers it holds (a pipeline stage's), ``group_layers`` as in
+    ``make_groups``."""
+    groups = make_groups(fmt.block_size, kinds, num_kv_heads, tp_size, layers, group_layers)
     if fmt.kv_interleaved:
         groups = [
             replace(g, spec=replace(g.spec, kv_interleaved=True))

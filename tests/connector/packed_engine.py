@@ -61,6 +61,7 @@ class HndRepacker:
         remote_block_size: int,
         slots: np.ndarray,
         heads: tuple[int, int] | None = None,
+        layers: Sequence[str] = (),
     ) -> None:
         spec, b = self._spec(group_id), remote_block_size
         parts, width, size = spec.num_kv_parts, spec.part_head_size, spec.block_size
@@ -68,7 +69,7 @@ class HndRepacker:
         flat = np.asarray(slots, dtype=np.int64).reshape(-1)
         keep = torch.from_numpy(flat >= 0)
         where = torch.from_numpy(flat[flat >= 0])
-        names = self._buffers.config.groups[group_id].layer_names
+        names = tuple(layers) or self._buffers.config.groups[group_id].layer_names
         for name, layer_pages in zip(names, pages, strict=True):
             n = layer_pages.shape[0]
             elems = layer_pages.contiguous().view(spec.dtype).reshape(n, parts, count, b, width)

@@ -442,7 +442,8 @@ class RecordingRepacker:
     def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
         self.merges.append((group_id, sorted(int(b) for b in block_ids), remote_block_size))
 
-    def split(self, group_id, pages, remote_block_size, slots) -> None:
+    def split(self, group_id, pages, remote_block_size, slots, heads=None, layers=()) -> None:
+        assert heads is None and not layers, (heads, layers)  # one rank, every layer
         self.splits.append((group_id, [p.clone() for p in pages], remote_block_size, slots.copy()))
 
 

@@ -86,9 +86,9 @@ class LoggingRepacker(RecordingRepacker):
         super().__init__()
         self.log = log
 
-    def split(self, group_id, pages, remote_block_size, slots) -> None:
+    def split(self, group_id, pages, remote_block_size, slots, heads=None, layers=()) -> None:
         self.log.append(("split", ""))
-        super().split(group_id, pages, remote_block_size, slots)
+        super().split(group_id, pages, remote_block_size, slots, heads, layers)
 
 
 def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_hears(

@@ -11,9 +11,11 @@ stage that reads from it said ``Done``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -33,6 +35,7 @@ from tests.connector.tp_cluster import (
     load_all,
     load_spec,
     new_request,
+    packed,
     pump,
     send,
     window_lo,
@@ -72,20 +75,32 @@ def check_layers(prefill: Prefill, decode: DecodeRank, decode_tp: int, req: Requ
                 assert a.equal(b), (decode.pp_rank, decode.rank, name, s)
 
 
+# a hybrid model of 6 layers alternating its kinds (full attention 1, 3, 5; sliding
+# window 0, 2, 4), split 2|4 on prefill and 3|3 on decode: decode's stage 0 shares only a
+# sliding-window layer (2) with prefill's stage 1, and no full-attention one
+ALTERNATING = ((1, 3, 5), (0, 2, 4))
+SPLIT_24, SPLIT_33 = ((0, 2), (2, 6)), ((0, 3), (3, 6))
+
 CASES = {
-    # id: (prefill TP, prefill stages, decode TP, decode stages, formats)
-    "pp2-to-pp1": (1, PP2, 1, (), (PREFILL_FMT, DECODE_FMT)),
-    "pp1-to-pp2": (1, (), 1, PP2, (PER_LAYER, DECODE_FMT)),
-    "pp2-to-pp2": (1, PP2, 1, PP2, (PREFILL_FMT, DECODE_FMT)),
-    "pp2tp2-to-pp1tp1": (2, PP2, 1, (), (PER_LAYER, DECODE_FMT)),
+    # id: (prefill TP, prefill stages, decode TP, decode stages, formats, group layers)
+    "pp2-to-pp1": (1, PP2, 1, (), (PREFILL_FMT, DECODE_FMT), None),
+    "pp1-to-pp2": (1, (), 1, PP2, (PER_LAYER, DECODE_FMT), None),
+    "pp2-to-pp2": (1, PP2, 1, PP2, (PREFILL_FMT, DECODE_FMT), None),
+    "pp2tp2-to-pp1tp1": (2, PP2, 1, (), (PER_LAYER, DECODE_FMT), None),
+    "hybrid-2|4-to-3|3": (1, SPLIT_24, 1, SPLIT_33, (PER_LAYER, DECODE_FMT), ALTERNATING),
+    # larger prefill pages through decode's staging slots, which the engine splits layer
+    # by layer: a stage's pages must land in its own layers
+    "packed-staged-pp2-to-pp1": (1, PP2, 1, (), (packed(64), packed(32)), None),
 }
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_every_decode_layer_comes_from_the_prefill_stage_that_holds_it(setup, case, mode):
-    ptp, pstages, dtp, dstages, formats = CASES[case]
-    prefill, decodes = setup(dtp, ptp, 2, mode, formats=formats, stages=(pstages, dstages))
+    ptp, pstages, dtp, dstages, formats, groups = CASES[case]
+    prefill, decodes = setup(
+        dtp, ptp, 2, mode, formats=formats, stages=(pstages, dstages), group_layers=groups
+    )
     req = new_request(prefill, decodes[0].fmt, np.random.default_rng(1))
     send(prefill, req)
     spec = load_spec(prefill, req)
@@ -93,6 +108,24 @@ def test_every_decode_layer_comes_from_the_prefill_stage_that_holds_it(setup, ca
     assert all(not d.failed for d in decodes), [d.failed for d in decodes]
     for d in decodes:
         check_layers(prefill, d, dtp, req)
+
+
+def test_params_that_name_too_few_stages_fail_the_load_by_name(setup):
+    """A prefill at PP 2 whose params claim one stage (a proxy that dropped
+    ``remote_pp_layers``): decode reads stage 0 only, which holds layer 0 but not layer 1;
+    the load fails naming the layers nothing moved, never reported loaded."""
+    prefill, (decode,) = setup(1, 1, 2, formats=(PER_LAYER, DECODE_FMT), stages=(PP2, ()))
+    req = new_request(prefill, decode.fmt, np.random.default_rng(3))
+    send(prefill, req)
+    spec = load_spec(prefill, req)
+    params = msgspec.structs.replace(
+        spec.params, remote_pp_layers=[], remote_ports=prefill.ports[:1]
+    )
+    decode.load(dataclasses.replace(spec, params=params))
+    pump([decode], prefill, lambda: bool(decode.failed), "the load to fail")
+    assert spec.request_id not in decode.loaded
+    (reason,) = decode.failed.values()
+    assert "no source moves layers ['g0.b'] of group 0" in reason, reason
 
 
 def test_a_prefill_rank_read_by_two_decode_stages_frees_after_the_second_done(setup):

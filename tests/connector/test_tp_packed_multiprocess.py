@@ -20,9 +20,6 @@ import numpy as np
 import pytest
 
 from kvbridge.handshake import tp
-from kvbridge.layouts.layout import KVLayout
-from tests.connector.conftest import SideFormat
-from tests.connector.packed_engine import ENGINE_ORDER
 from tests.connector.tp_cluster import (
     KINDS,
     TOKENS,
@@ -31,21 +28,12 @@ from tests.connector.tp_cluster import (
     load_all,
     load_spec,
     new_request,
+    packed,
     send,
     window_lo,
 )
 
 pytestmark = pytest.mark.integration
-
-
-def packed(block_size: int) -> SideFormat:
-    return SideFormat(
-        block_size=block_size,
-        layout=KVLayout.HND,
-        block_packing=ENGINE_ORDER,
-        packed_heads_major=True,
-        kv_interleaved=True,
-    )
 
 
 @pytest.fixture

@@ -70,16 +70,18 @@ class Child:
         rewrites_in_place: bool = True,
         pp_rank: int = 0,
         pp_layers: tuple[tuple[int, int], ...] = (),
+        group_layers: tuple[tuple[int, ...], ...] | None = None,
     ):
         """``pp_rank`` of the stages ``pp_layers`` (model layers ``[first, end)`` each;
-        empty: no pipeline parallelism): the child holds only its stage's layers."""
+        empty: no pipeline parallelism): the child holds only its stage's layers, of each
+        group those of its ``group_layers`` (``make_groups``)."""
         from kvbridge.handshake.tp import rank_heads
 
         self.fmt, self.engine_id, self.seed, self.rank = fmt, engine_id, seed, rank
         heads = rank_heads(rank, tp_size, total_kv_heads).count
         layers = range(*pp_layers[pp_rank]) if pp_layers else (0, 1)
         self.buffers: KVCacheBuffers = make_buffers(
-            fmt, kinds, NUM_BLOCKS, heads, tp_size=tp_size, layers=layers
+            fmt, kinds, NUM_BLOCKS, heads, tp_size=tp_size, layers=layers, group_layers=group_layers
         )
         fill_buffers(self.buffers, seed)
         cfg = {
@@ -103,6 +105,7 @@ class Child:
             "rewrites_in_place": rewrites_in_place,
             "pp_rank": pp_rank,
             "pp_layers": [list(s) for s in pp_layers],
+            "group_layers": group_layers,
         }
         env = {**os.environ, "PYTHONPATH": str(REPO)}  # the tests package
         self.log = log

@@ -32,7 +32,7 @@ from tests.connector.conftest import (
     new_id,
     transfer_config,
 )
-from tests.connector.packed_engine import HndRepacker
+from tests.connector.packed_engine import ENGINE_ORDER, HndRepacker
 from tests.connector.test_worker_multiprocess import Child
 
 KINDS = "FS"
@@ -41,6 +41,17 @@ TOKENS = 96
 PREFILL_FMT = SideFormat(block_size=16, cross_layer=True)  # head-major: 1 desc per chunk
 DECODE_FMT = SideFormat(block_size=32, layout=KVLayout.HND, kernel_block_size=16)
 PUMP_TIMEOUT_S = 20.0
+
+
+def packed(block_size: int) -> SideFormat:
+    """vLLM CPU's engine-packed pages, heads kept in runs (``tests.connector.packed_engine``)."""
+    return SideFormat(
+        block_size=block_size,
+        layout=KVLayout.HND,
+        block_packing=ENGINE_ORDER,
+        packed_heads_major=True,
+        kv_interleaved=True,
+    )
 
 
 class Prefill:
@@ -58,6 +69,7 @@ class Prefill:
         fmt: SideFormat = PREFILL_FMT,
         rewrites_in_place: bool = True,
         pp_layers: tuple[tuple[int, int], ...] = (),
+        group_layers: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.engine_id = new_id("P")
         self.tp_size, self.heads, self.kinds, self.fmt = tp_size, heads, kinds, fmt
@@ -78,6 +90,7 @@ class Prefill:
                 rewrites_in_place=rewrites_in_place,
                 pp_rank=s,
                 pp_layers=pp_layers,
+                group_layers=group_layers,
             )
             for s in range(len(pp_layers) or 1)
             for r in range(tp_size)
@@ -103,6 +116,7 @@ class DecodeRank:
         fmt: SideFormat = DECODE_FMT,
         pp_rank: int = 0,
         pp_layers: tuple[tuple[int, int], ...] = (),
+        group_layers: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.rank, self.fmt, self.pp_rank = rank, fmt, pp_rank
         self.buffers: KVCacheBuffers = make_buffers(
@@ -112,6 +126,7 @@ class DecodeRank:
             tp.rank_heads(rank, tp_size, heads).count,
             tp_size=tp_size,
             layers=range(*pp_layers[pp_rank]) if pp_layers else (0, 1),
+            group_layers=group_layers,
         )
         self.worker = KVBridgeWorker(
             transfer_config(
@@ -161,6 +176,7 @@ class TPCluster:
         formats: tuple[SideFormat, SideFormat] = (PREFILL_FMT, DECODE_FMT),
         prefill_rewrites: bool = True,
         stages: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = ((), ()),
+        group_layers: tuple[tuple[int, ...], ...] | None = None,
     ) -> tuple[Prefill, list[DecodeRank]]:
         """``prefill_rewrites=False``: prefill may not rewrite its blocks (read natively).
         ``stages``: the model layers ``[first, end)`` of each pipeline stage of prefill and
@@ -174,10 +190,11 @@ class TPCluster:
             formats[0],
             rewrites_in_place=prefill_rewrites,
             pp_layers=stages[0],
+            group_layers=group_layers,
         )
         self._prefills.append(prefill)
         decodes = [
-            DecodeRank(d, decode_tp, heads, mode, kinds, formats[1], s, stages[1])
+            DecodeRank(d, decode_tp, heads, mode, kinds, formats[1], s, stages[1], group_layers)
             for s in range(len(stages[1]) or 1)
             for d in range(decode_tp)
         ]

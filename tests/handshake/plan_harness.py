@@ -87,13 +87,16 @@ def make_groups(
     num_kv_heads: int = 2,
     tp_size: int = 1,
     layers: Sequence[int] = (0, 1),
+    group_layers: Sequence[Sequence[int]] | None = None,
 ) -> list[KVCacheGroup]:
     """kinds: 'F' full, 'S' sliding window, 'M' state (sharding not described), 'T' state
     whose TP sharding is described (:func:`sharded_state` at ``tp_size``), 'R' state
     described as replicated on every rank, 'L' MLA latent (one head, replicated on every
     tensor-parallel rank). The model has two layers, each with one layer of every group
     (``g{i}.a`` in model layer 0, ``g{i}.b`` in layer 1); ``layers``: the model layers this
-    side holds (a pipeline stage holds some)."""
+    side holds (a pipeline stage holds some). ``group_layers``: instead, the model layers
+    each group has (up to 6: ``a``..``f``), as a hybrid model alternates its kinds; the side
+    holds those in ``layers``."""
     groups = []
     for i, k in enumerate(kinds):
         common = {
@@ -122,7 +125,8 @@ def make_groups(
             spec = StateSpec(
                 block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)
             )
-        names = tuple(f"g{i}.{'ab'[layer]}" for layer in layers)
+        mine = layers if group_layers is None else [n for n in group_layers[i] if n in layers]
+        names = tuple(f"g{i}.{'abcdef'[layer]}" for layer in mine)
         groups.append(KVCacheGroup(group_id=i, layer_names=names, spec=spec))
     return groups
 
@@ -145,13 +149,16 @@ def make_side(
     tp_size: int = 1,
     total_kv_heads: int = 2,
     layers: Sequence[int] = (0, 1),
+    group_layers: Sequence[Sequence[int]] | None = None,
+    pp: tuple[int, int] | None = None,
 ) -> Side:
     """A side of ``total_kv_heads`` model heads at rank ``rank`` of ``tp_size``, holding
-    the model ``layers`` (fewer than both: a pipeline stage, ``pp_size`` 2)."""
+    the model ``layers`` (fewer than both: a pipeline stage, ``pp_size`` 2; ``pp``:
+    ``(pp_rank, pp_size)`` instead), each group those of its ``group_layers``."""
     from kvbridge.handshake.tp import rank_heads
 
     heads = rank_heads(rank, tp_size, total_kv_heads).count
-    groups = make_groups(block_size, kinds, heads, tp_size, layers)
+    groups = make_groups(block_size, kinds, heads, tp_size, layers, group_layers)
     config = KVCacheConfig.uniform(groups, num_blocks)
     buffers = KVCacheBuffers(config, fmt)
     for t in buffers.tensors:
@@ -166,8 +173,8 @@ def make_side(
         head_size=4,
         rank=rank,
         tp_size=tp_size,
-        pp_rank=layers[0] if len(layers) < 2 else 0,
-        pp_size=2 if len(layers) < 2 else 1,
+        pp_rank=pp[0] if pp else layers[0] if len(layers) < 2 else 0,
+        pp_size=pp[1] if pp else 2 if len(layers) < 2 else 1,
     )
     desc = describe(
         identity,

@@ -269,12 +269,26 @@ def test_mamba_state_page_larger_than_the_attention_page_is_refused_by_name():
         translate.kv_cache_config(a.kv_cache_config)
 
 
-def test_mamba_speculative_scratch_blocks_are_refused_by_name():
-    spec = replace(mamba2_layer_spec(64, torch.float16), num_speculative_blocks=1)
+def test_mamba_speculative_scratch_blocks_move_only_the_running_state():
+    """Without prefix caching (mode "none") a request's state blocks are [running state,
+    scratch...]: kvbridge shows the group one block per request, the first, at every
+    position (vLLM's NixlConnector keeps the same one: ``clip_ssm_state_blocks``). With
+    prefix caching ("align") the scratch blocks are refused by name."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+
+    spec = replace(mamba2_layer_spec(64, torch.float16), num_speculative_blocks=2)
     config = SimpleNamespace(
         kv_cache_groups=[SimpleNamespace(layer_names=["m"], kv_cache_spec=spec)], num_blocks=8
     )
-    with pytest.raises(ConfigError, match="num_speculative_blocks=1"):
+    translate.kv_cache_config(config)  # served
+    single = translate.single_block_groups(config)
+    blocks = [5, 6, 7]  # running state, then two scratch blocks
+    assert translate.position_block_ids([blocks], single)[0][:1] == clip_ssm_state_blocks(blocks, 2)
+    aligned = replace(spec, mamba_cache_mode="align")
+    config.kv_cache_groups[0].kv_cache_spec = aligned
+    with pytest.raises(
+        ConfigError, match=r"num_speculative_blocks=2 with mamba_cache_mode='align'"
+    ):
         translate.kv_cache_config(config)
 
 

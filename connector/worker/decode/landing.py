@@ -58,6 +58,29 @@ def landing_groups(load: Load) -> list[GroupPlan]:
     return [chosen[gid] for gid in sorted(chosen)]
 
 
+def check_layers_covered(load: Load, buffers: KVCacheBuffers) -> None:
+    """Under pipeline parallelism each source moves only the layers its stage shares with
+    ours (``GroupPlan.layers``): together they must move every layer of each such group,
+    else a layer would be reported loaded that nothing wrote (the params named stages
+    that do not hold what they said). Raises :class:`KVBridgeError` naming the layers."""
+    moved: dict[int, set[str]] = {}
+    whole: set[int] = set()
+    for src in load.sources:
+        for g in src.plan.groups if src.plan is not None else ():
+            if g.layers:
+                moved.setdefault(g.group_id, set()).update(g.layers)
+            elif g.streams:
+                whole.add(g.group_id)
+    for gid, names in moved.items():
+        missing = [n for n in buffers.config.groups[gid].layer_names if n not in names]
+        if gid not in whole and missing:
+            raise KVBridgeError(
+                f"load {load.spec.request_id}: no source moves layers {missing} of group "
+                f"{gid} (sources {[s.key for s in load.sources]}): the prefill stages the "
+                f"params name (remote_pp_layers) do not hold them; the load fails"
+            )
+
+
 class Landing:
     """Finishes loads whose transfers all ended."""
 
@@ -79,8 +102,10 @@ class Landing:
     def finish(self, load: Load) -> None:
         """The load's blocks in the cache's own format, every kernel finished. Raises
         :class:`KVBridgeError` before touching a block when the sources' plans cannot
-        land it (:func:`landing_groups`)."""
+        land it (:func:`landing_groups`) or left a layer unwritten
+        (:func:`check_layers_covered`)."""
         groups = landing_groups(load)
+        check_layers_covered(load, self._buffers)
         if self._stage is not None:
             for group_id, ids in load.touched.items():
                 self._stage.to_device(group_id, ids)

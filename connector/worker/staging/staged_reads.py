@@ -42,10 +42,13 @@ class Repacker(Protocol):
         remote_block_size: int,
         slots: np.ndarray,
         heads: tuple[int, int] | None = None,
+        layers: Sequence[str] = (),
     ) -> None:
         """``pages[i]`` holds ``n`` larger remote pages of the group's layer ``i`` (uint8,
         ``[n, page_bytes]``); write token ``t`` of page ``j`` to local slot
         ``slots[j, t]`` (block id x block size + offset), skipping slots ``< 0``.
+        ``layers``: the group's layers the pages are for, in order, when a pipeline
+        stage's source holds only some of them (``GroupPlan.layers``); () every layer.
 
         ``heads`` ``(first, count)``: the pages hold only local heads ``first .. first +
         count - 1`` (tensor parallelism, when the local heads come from several remote
@@ -175,9 +178,11 @@ class StagedReads:
         if g.head_slice and g.head_slice[2] != getattr(spec, "num_kv_heads", 0):
             # this source holds some of the local heads (others come from other ranks)
             heads = (g.head_slice[0], g.head_slice[2])
-            self._repacker.split(g.group_id, pages, g.split_from, slots, heads=heads)
+            self._repacker.split(
+                g.group_id, pages, g.split_from, slots, heads=heads, layers=g.layers
+            )
         else:
-            self._repacker.split(g.group_id, pages, g.split_from, slots)
+            self._repacker.split(g.group_id, pages, g.split_from, slots, layers=g.layers)
         self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
         self._metrics.staging_rounds += 1
 
