@@ -132,8 +132,8 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     CPU platform, vLLM's own elsewhere. Linux's EEVDF scheduler (6.6 and later) all but
     stops a thread that spins on ``sched_yield`` while a busy thread shares its core, and
     on the CPU platform the engines' compute threads share cores with them: first loads
-    took 5-30 s and warm requests up to 1.7 s on two cores (``docs/handover.md``, third
-    round). Set ``"sleep0"`` on a GPU host whose cores are oversubscribed.
+    took 5-30 s and warm requests up to 1.7 s on two cores (``docs/handover.md``). Set
+    ``"sleep0"`` on a GPU host whose cores are oversubscribed.
     Read by: both (vLLM adapter only)."""
 
     max_quarantined_mib: float = DEFAULT_MAX_QUARANTINED_MIB

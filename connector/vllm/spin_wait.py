@@ -13,7 +13,7 @@ connector call of that step: decode's loads, prefill's answers to its claims. Wi
 wait switched to ``time.sleep(0)`` (a ``clock_nanosleep`` that releases the GIL and
 returns at once, leaving the thread its fair share of the core) the first load of a fresh
 pair took 0.08-0.25 s instead of up to 21 s, and a warm P/D request 0.08-0.15 s instead
-of up to 1.7 s (``docs/handover.md``, "Third round").
+of up to 1.7 s (``docs/handover.md``).
 
 kvbridge switches it in each vLLM process it is loaded in (the engine core for the
 scheduler side, each worker for the worker side) on vLLM's CPU platform, where engines'
