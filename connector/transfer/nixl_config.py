@@ -26,13 +26,11 @@ class MergeRuns(enum.Enum):
     The bytes move the same either way: NIXL's ``make_prepped_xfer`` already coalesces
     adjacent prepared descriptors itself (its telemetry counts 100 consecutive blocks as
     one), so ON changes how many descriptors kvbridge hands NIXL, not how many it moves.
-    It costs CPU instead. One ``read()`` posted and completed, 64-byte rows, by runs
-    against by index (``scripts/bench_merge_rule.py``, nixl 1.5.1, 2 shared cores, two
-    runs): 1.6-2.1x the time at 128-1,024 rows in one run, 1.3-1.5x at 4,096-32,768 rows
-    in one run, 1.07-1.3x at one run per 8-64 rows; never less. Finding runs and building
-    two lists in numpy costs more per row than NIXL's own pass over the indices in C++,
-    and ``initialize_xfer`` checks each built list against the registrations again.
-    Hence OFF by default; ON is for a NIXL that stops coalescing (``skip_desc_merge`` is
+    It costs CPU instead, never less time than posting by index (figures and command:
+    ``docs/performance.md``, "What the figures mean"): finding runs and building two lists
+    in numpy costs more per row than NIXL's own pass over the indices in C++, and
+    ``initialize_xfer`` checks each built list against the registrations again. Hence OFF
+    by default; ON is for a NIXL that stops coalescing (``skip_desc_merge`` is
     deprecated) or to see how fragmented requests are.
     """
 
