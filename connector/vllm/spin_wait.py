@@ -5,7 +5,7 @@ side that waits spins (``SpinCondition.wait``: for a second after each message) 
 ``vllm.distributed.utils.sched_yield``, i.e. ``os.sched_yield``. Under Linux's EEVDF
 scheduler (the default since 6.6) a thread that yields gives its core away to any busy
 thread there almost entirely. Measured on this project's 2-core VM (Linux 6.18;
-``python scripts/measure_sched_yield.py``): a ``sched_yield`` loop pinned beside a busy
+``python scripts/experiments/measure_sched_yield.py``): a ``sched_yield`` loop pinned beside a busy
 loop got 0.01 s of CPU in 3 s, a ``time.sleep(0)`` loop its fair half. When servers
 share cores (vLLM's CPU build pins each engine's worker to its cores; more servers than
 cores), a waiting engine then takes seconds to notice each step, and so does every

@@ -1,5 +1,6 @@
-"""The pure helpers of scripts/bench_layer_push.py: descriptor rows that pick one layer's
-page of a block the same way in per-layer and cross-layer caches, and the overlap model."""
+"""The pure helpers of scripts/experiments/bench_layer_push.py: descriptor rows that pick
+one layer's page of a block the same way in per-layer and cross-layer caches, and the
+overlap model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvbridge.layouts.descriptors import piece_indices
-from scripts.bench_layer_push import Setup, hidden_fraction, ideal_layered_s, page_rows
+from scripts.experiments.bench_layer_push import Setup, hidden_fraction, ideal_layered_s, page_rows
 
 SMALL = dict(layers=3, hidden=32, heads=2, kv_heads=2, head_size=8, intermediate=32)
 

@@ -15,7 +15,7 @@ that no WRITE of the prefill's can still land::
                     live loads it writes: failed by the receiver's next step
 
 A frozen prefill accepts the probes (its kernel still acknowledges TCP): its loads wait
-until it resumes or dies, measured in ``scripts/measure_frozen_peer.py``.
+until it resumes or dies, measured in ``scripts/experiments/measure_frozen_peer.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ to one core for ``--seconds``: a busy loop, and a waiter that spins with one pri
 does a little Python work per turn, as vLLM's wait does; it prints, per primitive, the
 CPU each got and the waiter's share against a fair half::
 
-    .venv/bin/python scripts/measure_sched_yield.py [--seconds 3] [--cpu 0]
+    .venv/bin/python scripts/experiments/measure_sched_yield.py [--seconds 3] [--cpu 0]
 """
 
 from __future__ import annotations

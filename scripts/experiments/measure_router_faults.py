@@ -14,7 +14,7 @@ per scenario, the answers by HTTP status before, during and after the fault, the
 error texts, and the seconds from the fault (and from the restart) to the first good
 answer and to the last failed one::
 
-    python scripts/measure_router_faults.py [--scenario prefill-killed] [--down 5]
+    python scripts/experiments/measure_router_faults.py [--scenario prefill-killed] [--down 5]
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ compute's resources (a GPU's copy engine or NIC), max(F + T/L, F/L + T) / (F + T
 The machine is shared: each sample starts once its busy share is below ``--quiet`` (or
 after ``--quiet-wait-s``), and ratios are taken per round, then the median.
 
-Run:  .venv/bin/python scripts/bench_layer_push.py --compute model --tokens 512,1024,2048
-      .venv/bin/python scripts/bench_layer_push.py --compute standin --ratio 0.1 \\
+Run:  .venv/bin/python scripts/experiments/bench_layer_push.py --compute model \\
+          --tokens 512,1024,2048
+      .venv/bin/python scripts/experiments/bench_layer_push.py --compute standin --ratio 0.1 \\
           --tokens 512,1024,2048,4096,8192   [--cross-layer] [--torch-threads 1]
 """
 
@@ -62,7 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402

@@ -14,7 +14,7 @@ a vLLM forward does, while a side thread wakes every 1 ms and records its worst 
 and prints, per kind, the op's time, the side thread's worst gap and their ratio (a gap
 close to the op's time: the GIL was held throughout). Used for docs/handover.md::
 
-    .venv/bin/python scripts/measure_gil_hold.py [--size 6000] [--repeat 3]
+    .venv/bin/python scripts/experiments/measure_gil_hold.py [--size 6000] [--repeat 3]
 """
 
 from __future__ import annotations

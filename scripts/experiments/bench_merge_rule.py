@@ -9,7 +9,7 @@ default UCX transport copies inside the post) plus the handle's release, after a
 the two engines take turns, so both see the same load on a shared machine.
 Both engines also check the bytes moved once per case.
 
-Run:  .venv/bin/python scripts/bench_merge_rule.py [--iterations 41]
+Run:  .venv/bin/python scripts/experiments/bench_merge_rule.py [--iterations 41]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch

@@ -23,7 +23,8 @@ shows a failure is detected at all. Each configuration runs in its own subproces
 script (UCX reads its environment when a context is created; a fresh process keeps the
 configurations apart) under a hard timeout, so a call that blocks shows as ``hung``.
 
-Run:  .venv/bin/python scripts/measure_frozen_peer.py [--window 60] [--only default,ucp-ka]
+Run:  .venv/bin/python scripts/experiments/measure_frozen_peer.py [--window 60] \\
+          [--only default,ucp-ka]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # name -> (UCX variables on top of UCX_TLS=tcp, fault: kill | stop (READ) | stop-write)
 CONFIGS: dict[str, tuple[dict[str, str], str]] = {
