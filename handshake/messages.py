@@ -171,7 +171,7 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     rewrites_on_save: bool = False
     # push mode, engine-packed pages: the registered staging arena (one block of its whole
     # size) whose slots a prefill with larger pages writes into
-    # (kvbridge.connector.worker.staging.staging)
+    # (kvbridge.connector.worker.staging.arenas)
     staging: WireRegion | None = None
     # pipeline parallel: this worker's stage; its groups list only that stage's layers
     pp_rank: int = 0

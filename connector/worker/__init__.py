@@ -1,6 +1,6 @@
 """The worker side: ``KVBridgeWorker`` and what both roles share.
 
-``worker`` (the object an engine's model runner calls), ``worker_setup`` (the NIXL engine,
+``worker`` (the object an engine's model runner calls), ``nixl_setup`` (the NIXL engine,
 the engine lock), ``side_channel`` and ``peers`` (handshakes,
 plans and descriptor lists per peer), ``inbox``/``outbox`` (notifications in and out),
 ``routing`` (which prefill ranks a decode rank reads from), ``load_rows`` (descriptor rows

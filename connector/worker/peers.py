@@ -43,7 +43,7 @@ import numpy as np
 
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
 from kvbridge.connector.worker.peer_setup import PeerSetup
-from kvbridge.connector.worker.staging.staging import slot_offsets, slot_region
+from kvbridge.connector.worker.staging.arenas import slot_offsets, slot_region
 from kvbridge.handshake.client import HandshakeClient
 from kvbridge.handshake.compat import check_compatible
 from kvbridge.handshake.description import PeerLayout, parse_description

@@ -42,6 +42,7 @@ from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.load_digests import region_units
+from kvbridge.connector.worker.nixl_setup import engine_call, nixl_engine
 from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
@@ -50,11 +51,10 @@ from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
+from kvbridge.connector.worker.staging.arenas import StagingPools
 from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, EngineCopies
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
 from kvbridge.connector.worker.staging.staged_reads import Repacker
-from kvbridge.connector.worker.staging.staging import StagingPools
-from kvbridge.connector.worker.worker_setup import engine_call, nixl_engine
 from kvbridge.handshake.affinity import unpinned
 from kvbridge.handshake.description import WorkerIdentity, parse_description
 from kvbridge.handshake.messages import WorkerDescription

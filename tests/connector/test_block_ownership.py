@@ -15,7 +15,7 @@ import torch
 
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LoadState
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.late_transport import LateTransport

@@ -23,7 +23,7 @@ from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.claims import RESEND_S, Claims
 from kvbridge.connector.worker.decode.load_records import Source
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.pair_harness import (

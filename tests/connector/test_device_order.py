@@ -20,7 +20,7 @@ from kvbridge.connector.common.notifications import Prepared
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferOp, XferState
 from kvbridge.connector.worker.device_order import DeviceOrder
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.packed_engine import PACKED
@@ -147,7 +147,7 @@ def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
     fence comes after the rewrite kernels and before the Prepared that lets decode read."""
     log: Log = []
     clock = FakeClock()
-    _logged(monkeypatch, "kvbridge.connector.worker.prefill.lending", "sender rewrite", log)
+    _logged(monkeypatch, "kvbridge.connector.worker.prefill.block_lending", "sender rewrite", log)
     prefill = make_side(
         "kv_producer",
         "prefill",

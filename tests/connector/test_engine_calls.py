@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.connector.common.engine_calls import RECENT_KEPT, EngineCallTimes
 from kvbridge.connector.common.metrics import ConnectorMetrics, parse_metrics
-from kvbridge.connector.worker.worker_setup import engine_call
+from kvbridge.connector.worker.nixl_setup import engine_call
 
 
 def test_each_call_lands_in_its_hooks_bucket_and_sum():

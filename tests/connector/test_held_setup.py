@@ -21,7 +21,7 @@ import torch
 
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.pair_harness import (

@@ -18,8 +18,8 @@ import torch
 
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.worker.decode.receiver import Receiver
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.peers import Peer, PeerState
-from kvbridge.connector.worker.worker_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.late_transport import LateTransport

@@ -43,7 +43,7 @@ from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.common.signing import ParamsSignatureError
 from kvbridge.connector.transfer.errors import TransferError
 from kvbridge.connector.transfer.transport import TransferEngine
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.late_transport import LateTransport

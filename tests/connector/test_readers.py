@@ -19,8 +19,8 @@ from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Done, Prepare
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.prefill.sender import Sender
-from kvbridge.connector.worker.worker_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.layout import KVLayout

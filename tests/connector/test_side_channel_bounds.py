@@ -16,10 +16,10 @@ import pytest
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.requester_agents import IDLE_S, RequesterAgents
 from kvbridge.connector.worker.side_channel import SideChannel
-from kvbridge.connector.worker.worker_setup import nixl_engine
 from kvbridge.handshake.client import ClientConfig, HandshakeClient
 from kvbridge.handshake.description import WorkerIdentity
 from kvbridge.handshake.errors import ErrorCode, PeerError

@@ -1,4 +1,4 @@
-"""Staging slots (connector/worker/staging/staging.py) on a real NIXL agent: leases, slot sizes
+"""Staging slots (connector/worker/staging/arenas.py) on a real NIXL agent: leases, slot sizes
 sharing one arena, and the descriptor rows a read (or a pushing writer) lands in
 (``extra.staging_mib`` itself: tests/connector/test_config_decoder.py)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
-from kvbridge.connector.worker.staging.staging import (
+from kvbridge.connector.worker.staging.arenas import (
     StagingPools,
     slot_offsets,
     slot_region,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbridge.connector.common.params import KVTransferParams
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.late_transport import LateTransport

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.connector.transfer.nixl_config import MergeRuns, ProgressMode
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvbridge.connector.worker.worker_setup import nixl_engine
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 
 
 def main() -> None:

@@ -64,9 +64,9 @@ from kvbridge.connector.worker.decode.verifier import Verifier
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
+from kvbridge.connector.worker.staging.arenas import StagingPools
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.connector.worker.staging.staged_reads import Repacker, StageBatch, StagedReads
-from kvbridge.connector.worker.staging.staging import StagingPools
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
 

@@ -74,7 +74,7 @@ from kvbridge.connector.common.notifications import (
     Prepared,
 )
 from kvbridge.connector.worker.device_order import DeviceOrder
-from kvbridge.connector.worker.prefill.lending import BlockLending
+from kvbridge.connector.worker.prefill.block_lending import BlockLending
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers

@@ -2,7 +2,7 @@
 
 Such a page (``GroupPlan.split_from``) cannot be cut into local blocks by byte ranges, so
 it lands whole (or its slice of the heads) in a staging slot
-(``kvbridge.connector.worker.staging.staging``): read by decode (pull,
+(``kvbridge.connector.worker.staging.arenas``): read by decode (pull,
 :meth:`StagedReads.post_round`), or written by prefill into the slots decode leased for the round
 (push, :meth:`StagedReads.lease_round` and ``kvbridge.connector.worker.decode.push_rounds``). The
 engine then writes the tokens a load needs into its blocks (:meth:`Repacker.split`) and the slots go
@@ -21,7 +21,7 @@ import torch
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
 from kvbridge.connector.worker.peers import Peer
-from kvbridge.connector.worker.staging.staging import StagingPool, StagingPools, slot_offsets
+from kvbridge.connector.worker.staging.arenas import StagingPool, StagingPools, slot_offsets
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.digest import row_sums
