@@ -89,5 +89,5 @@ class PullReads:
     def _stage_next(self, load: Load, src: Source, peer: Peer | None) -> None:
         if peer is None:
             raise KVBridgeError(f"peer {src.key} went away before the read")
-        src.batch, num_bytes = self._staged.post_round(src.staged, peer)
+        src.batch, num_bytes = self._staged.post_round(src.staged, peer.remote_lists)
         load.num_bytes += num_bytes

@@ -11,7 +11,7 @@ back. A load moves in rounds of as many slots as are free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
-from kvbridge.connector.worker.peers import Peer
+from kvbridge.connector.transfer.transport import DescList, TransferEngine, XferHandle
 from kvbridge.connector.worker.staging.arenas import StagingPool, StagingPools, slot_offsets
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -122,9 +121,12 @@ class StagedReads:
             queue.pop(0)
         return StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
 
-    def post_round(self, queue: list[Staged], peer: Peer) -> tuple[StageBatch | None, int]:
+    def post_round(
+        self, queue: list[Staged], remote_lists: Mapping[tuple[int, int], DescList]
+    ) -> tuple[StageBatch | None, int]:
         """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
-        free: None, wait for another load's round). Returns the round and its bytes."""
+        free: None, wait for another load's round), from the peer's prepared lists
+        (``remote_lists``, by group and stream). Returns the round and its bytes."""
         batch = self.lease_round(queue)
         if batch is None:
             return None, 0
@@ -133,7 +135,7 @@ class StagedReads:
         num_bytes = 0
         for i, (stream, offset) in enumerate(zip(g.streams, slot_offsets(g), strict=True)):
             local = batch.pool.local_list(offset, stream.length)
-            remote = peer.remote_lists[(g.group_id, i)]
+            remote = remote_lists[(g.group_id, i)]
             handle = self._engine.read(local, batch.slots, remote, rrows)
             batch.handles.append(handle)
             num_bytes += int(batch.slots.size) * stream.length
