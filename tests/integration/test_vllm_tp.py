@@ -19,8 +19,9 @@ in about a minute. ``KVBRIDGE_VLLM_TP=0`` skips it.
 - TP 2 -> TP 1 (T32 -> L64; ``KVBRIDGE_VLLM_TP21=0`` skips it): decode reads each 32-token
   page from both prefill ranks (each holds one KV head) and merges them into its 64-token
   blocks. With vLLM's own wait, on the shared 2-core machine busy with other tests, it
-  failed in 3 of 3 runs (CHANGELOG.md): L64's first handshakes with the TP-2 prefill took
-  1.4 s to 2 min, and L64's and T32's engines then went minutes without a step.
+  failed in 3 of 3 runs (docs/history/measurements-0.1.0.md): L64's first handshakes with
+  the TP-2 prefill took 1.4 s to 2 min, and L64's and T32's engines then went minutes
+  without a step.
 
 Settings as in ``scripts/run_vllm_pd.sh``: one core per engine thread
 (``VLLM_CPU_OMP_THREADS_BIND``), ``extra.engine_thread_nice`` (more busy-waiting engine
@@ -55,7 +56,7 @@ from tests.verified_loads import verifying
 WITH_TP = os.environ.get("KVBRIDGE_VLLM_TP", "1") != "0"
 # Opt-in: on the shared 2-core machine the TP 1 -> 2 test passed 4 of 8 runs (loads stuck in
 # `reading` for the 60 s timeout, or the prefill's handshake listener silent for 4 x 5 s;
-# CHANGELOG.md, known limits).
+# docs/history/measurements-0.1.0.md, known limits).
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.integration,
