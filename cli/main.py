@@ -99,7 +99,11 @@ def _serve(role: str, rest: list[str]) -> int:
 
 
 def _bench(name: str, rest: list[str]) -> int:
-    names = sorted(p.stem.removeprefix("bench_") for p in REPO_SCRIPTS.glob("bench_*.py"))
+    names = sorted(  # a benchmark runs as a script; bench_json.py is their shared helper
+        p.stem.removeprefix("bench_")
+        for p in REPO_SCRIPTS.glob("bench_*.py")
+        if '__name__ == "__main__"' in p.read_text()
+    )
     if name not in names:
         where = f"one of {', '.join(names)}" if names else "run from a source checkout"
         print(f"error: no benchmark {name!r}: {where}", file=sys.stderr)

@@ -140,6 +140,9 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert rc == 2 and "HOST:PORT" in text, text
     rc, text = in_process(capsys, "bench", "nope")
     assert rc == 2 and "handshake" in text, text  # lists the benchmarks there are
+    assert "json" not in text, text  # the benchmarks' helper is not one
+    rc, text = in_process(capsys, "bench", "json")
+    assert rc == 2 and "no benchmark 'json'" in text, text
 
 
 @pytest.mark.parametrize("prompt_tokens", [23, 100])
