@@ -4,16 +4,13 @@ vLLM's engine core and workers hand each step over through shared-memory queues,
 side that waits spins (``SpinCondition.wait``: for a second after each message) calling
 ``vllm.distributed.utils.sched_yield``, i.e. ``os.sched_yield``. Under Linux's EEVDF
 scheduler (the default since 6.6) a thread that yields gives its core away to any busy
-thread there almost entirely. Measured on this project's 2-core VM (Linux 6.18;
-``python scripts/experiments/measure_sched_yield.py``): a ``sched_yield`` loop pinned beside a busy
-loop got 0.01 s of CPU in 3 s, a ``time.sleep(0)`` loop its fair half. When servers
-share cores (vLLM's CPU build pins each engine's worker to its cores; more servers than
-cores), a waiting engine then takes seconds to notice each step, and so does every
-connector call of that step: decode's loads, prefill's answers to its claims. With vLLM's
-wait switched to ``time.sleep(0)`` (a ``clock_nanosleep`` that releases the GIL and
-returns at once, leaving the thread its fair share of the core) the first load of a fresh
-pair took 0.08-0.25 s instead of up to 21 s, and a warm P/D request 0.08-0.15 s instead
-of up to 1.7 s (``docs/handover.md``).
+thread there almost entirely. When servers share cores (vLLM's CPU build pins each
+engine's worker to its cores; more servers than cores), a waiting engine then takes
+seconds to notice each step, and so does every connector call of that step: decode's
+loads, prefill's answers to its claims. ``time.sleep(0)`` (a ``clock_nanosleep`` that
+releases the GIL and returns at once) polls as tightly and leaves the thread its fair
+share of the core. The figures before and after, with their commands:
+``docs/handover.md``.
 
 kvbridge switches it in each vLLM process it is loaded in (the engine core for the
 scheduler side, each worker for the worker side) on vLLM's CPU platform, where engines'
