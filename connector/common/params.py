@@ -16,6 +16,8 @@ class ParamsError(KVBridgeError, ValueError):
 
 
 MAX_TOKENS = 1 << 24  # bounds num_tokens and block sizes (and so every block list)
+# keys an older decode does not know: sent only when set (pipeline stages)
+_NEWER_KEYS = ("remote_pp_layers",)
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,10 +70,17 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return self.remote_port - self.remote_rank + rank
 
     def to_json(self) -> bytes:
-        return msgspec.json.encode(self)
+        return msgspec.json.encode(self.to_dict())
 
     def to_dict(self) -> dict:
-        return msgspec.to_builtins(self)
+        """The params as JSON-ready builtins. Keys added after a release are left out at
+        their default, so that a decode of that release (which refuses unknown keys)
+        still reads the params of a prefill that does not use them."""
+        out = msgspec.to_builtins(self)
+        for key in _NEWER_KEYS:
+            if not out[key]:
+                del out[key]
+        return out
 
     @classmethod
     def from_json(cls, data: bytes | str) -> KVTransferParams:

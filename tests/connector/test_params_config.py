@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
 import pytest
 
 from kvbridge.connector.common.config import ConfigError, FailurePolicy, KVRole, KVTransferConfig
@@ -40,6 +41,35 @@ def test_params_dict_round_trip_through_plain_json() -> None:
     raw = json.loads(json.dumps(FULL_PARAMS.to_dict()))
     assert raw["remote_first_block"] == [0, 2, 1]
     assert KVTransferParams.from_dict(raw) == FULL_PARAMS
+
+
+def _older_params() -> type:
+    """KVTransferParams as the release before pipeline stages declared it: every field but
+    ``remote_pp_layers``, unknown keys refused."""
+    fields = []
+    for f in msgspec.structs.fields(KVTransferParams):
+        if f.name == "remote_pp_layers":
+            continue
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        else:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+    return msgspec.defstruct(
+        "OlderParams", fields, kw_only=True, frozen=True, forbid_unknown_fields=True
+    )
+
+
+def test_params_without_pipeline_stages_read_in_a_decode_that_predates_them() -> None:
+    """A decode of the release before pipeline stages refuses unknown keys: params that
+    name no stages leave the key out, params that do carry it and round-trip."""
+    older = _older_params()
+    assert "remote_pp_layers" not in FULL_PARAMS.to_dict()
+    assert msgspec.json.decode(FULL_PARAMS.to_json(), type=older).remote_port == 5600
+    staged = msgspec.structs.replace(FULL_PARAMS, remote_pp_layers=[[0, 2], [2, 4]])
+    assert staged.to_dict()["remote_pp_layers"] == [[0, 2], [2, 4]]
+    assert KVTransferParams.from_json(staged.to_json()) == staged
+    with pytest.raises(msgspec.ValidationError, match="remote_pp_layers"):
+        msgspec.json.decode(staged.to_json(), type=older)  # refused by name
 
 
 def test_params_defaults_ask_for_nothing() -> None:
