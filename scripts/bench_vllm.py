@@ -37,8 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvbridge.examples.vllm.client import RequestError, compare, complete, make_prompts
-from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
+from kvbridge.examples.vllm.scraped_metrics import scrape
 from scripts.bench_json import add_json_argument, write_json
 
 # Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors

@@ -20,12 +20,12 @@ from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LoadState, SendState
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
-from kvbridge.connector.vllm.metadata import (
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
+from kvbridge.connector.vllm.step_metadata import (
     KVBridgeHandshakeMetadata,
     KVBridgeMetadata,
     KVBridgeWorkerMetadata,
 )
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
 from kvbridge.connector.vllm.translate import (
     engine_block_ids,
     parse_params,

@@ -18,13 +18,13 @@ import torch
 
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
-from kvbridge.connector.vllm.metadata import (
+from kvbridge.connector.vllm.packing import CpuAttnRepacker
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
+from kvbridge.connector.vllm.step_metadata import (
     KVBridgeHandshakeMetadata,
     KVBridgeMetadata,
     KVBridgeWorkerMetadata,
 )
-from kvbridge.connector.vllm.packing import CpuAttnRepacker
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
 from kvbridge.connector.vllm.translate import kv_element_format
 from kvbridge.connector.worker.engine_thread import lower_calling_thread_priority
 from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, engine_copies_for

@@ -45,10 +45,10 @@ from kvbridge.examples.vllm.client import (
     complete,
     make_prompts,
 )
-from kvbridge.examples.vllm.metrics import connector_names, scrape, transfer_figures
 from kvbridge.examples.vllm.models import MAX_POSITIONS, MODELS
 from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
 from kvbridge.examples.vllm.procs import ServiceError
+from kvbridge.examples.vllm.scraped_metrics import connector_names, scrape, transfer_figures
 from kvbridge.examples.vllm.servers import (
     CONNECTORS,
 )

@@ -3,7 +3,7 @@ label sets, prompt tokens also per source, counters under their ``_total`` names
 
 from __future__ import annotations
 
-from kvbridge.examples.vllm.metrics import EXTERNAL_TOKENS, parse_metrics, transfer_figures
+from kvbridge.examples.vllm.scraped_metrics import EXTERNAL_TOKENS, parse_metrics, transfer_figures
 
 TEXT = """\
 # HELP vllm:prompt_tokens_by_source Prompt tokens by source.

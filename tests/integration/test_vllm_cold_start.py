@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import pytest
 
 from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
-from kvbridge.examples.vllm.metrics import kvbridge_delta, kvbridge_deltas, scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta, kvbridge_deltas, scrape
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
 from tests.verified_loads import verify_all
 

@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvbridge.examples.vllm.client import compare, make_prompts
-from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
-from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
-from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.procs import Service
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.scraped_metrics import scrape
 from tests.integration.vllm_both import prefilled, run, serving, spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]

@@ -39,12 +39,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from kvbridge.examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
-from kvbridge.examples.vllm.metrics import KVBRIDGE as M
-from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
-from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
-from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, http_get, start_all, stop_all
+from kvbridge.examples.vllm.scraped_metrics import KVBRIDGE as M
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.scraped_metrics import scrape
 from kvbridge.examples.vllm.servers import ServerSpec, router_service, vllm_service
 from tests.engine_call_bounds import (
     ENGINE_CALL_BOUND_S,

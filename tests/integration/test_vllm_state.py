@@ -26,11 +26,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
-from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
-from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
-from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.scraped_metrics import scrape
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
 from tests.verified_loads import verifying
 

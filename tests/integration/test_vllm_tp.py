@@ -45,11 +45,11 @@ from typing import Any
 import pytest
 
 from kvbridge.examples.vllm.client import Completion, RequestError, compare, complete, make_prompts
-from kvbridge.examples.vllm.metrics import kvbridge_delta as _delta
-from kvbridge.examples.vllm.metrics import kvbridge_deltas as _deltas
-from kvbridge.examples.vllm.metrics import scrape
 from kvbridge.examples.vllm.models import ensure_model
 from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
+from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
+from kvbridge.examples.vllm.scraped_metrics import scrape
 from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
 from tests.verified_loads import verifying
 

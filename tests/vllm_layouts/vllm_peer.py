@@ -18,7 +18,7 @@ from vllm.config.kv_transfer import KVTransferConfig as VLLMTransferConfig
 
 from kvbridge.connector.common.metadata import ConnectorMetadata
 from kvbridge.connector.vllm import translate
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata
+from kvbridge.connector.vllm.step_metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 from kvbridge.handshake.tp import rank_heads
 from tests.verified_loads import is_decode, verify_all

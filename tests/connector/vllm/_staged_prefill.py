@@ -19,7 +19,7 @@ import sys
 import traceback
 
 from kvbridge.connector.common.metadata import ConnectorMetadata, SendSpec
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata
+from kvbridge.connector.vllm.step_metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 from tests.connector.vllm.staged_peer import StagedSpec, staged_cache, staged_side
 from tests.connector.vllm.vllm_copy_ops import RecordingCopyOp

@@ -23,7 +23,7 @@ import pytest
 
 from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
 from kvbridge.connector.common.params import KVTransferParams
-from kvbridge.connector.vllm.metadata import KVBridgeMetadata
+from kvbridge.connector.vllm.step_metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
 from tests.connector.conftest import new_id
 from tests.connector.vllm.staged_peer import StagedCache, StagedSpec, staged_cache, staged_side

@@ -35,8 +35,8 @@ from vllm.v1.request import Request, RequestStatus
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.vllm import translate
-from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
+from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
 from tests.vllm_layouts.vllm_alloc import Model
 
 pytestmark = pytest.mark.vllm

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("vllm")
 
 from kvbridge.connector.common.config import KVTransferConfig
-from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
+from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.specs import FullAttentionSpec
 
@@ -63,7 +63,7 @@ def test_tp_ranks_reports_count_apart_and_one_failed_rank_recomputes_the_load():
     rank 1's timed out, in the same step. The load is recomputed, not loaded."""
     from kvbridge.connector.common.metadata import LoadFailure, WorkerOutput
     from kvbridge.connector.common.params import KVTransferParams
-    from kvbridge.connector.vllm.metadata import KVBridgeWorkerMetadata
+    from kvbridge.connector.vllm.step_metadata import KVBridgeWorkerMetadata
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(
@@ -106,7 +106,7 @@ def test_handshake_metadata_hands_every_rank_port_to_the_params():
     """vLLM gathers each worker's ``get_handshake_metadata`` into
     ``set_xfer_handshake_metadata``: a kv_port-0 prefill advertises the bound ports."""
     from kvbridge.connector.common.config import ConfigError
-    from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
+    from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(
@@ -133,7 +133,7 @@ def test_pipeline_stages_advertise_every_stage_rank_and_its_layers():
     """PP 2 x TP 2: vLLM hands the metadata over keyed by (pp_rank, tp_rank); the params
     list the four ports stage-major and each stage's layers."""
     from kvbridge.connector.vllm.connector import KVBridgeConnector
-    from kvbridge.connector.vllm.metadata import KVBridgeHandshakeMetadata
+    from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(
