@@ -238,7 +238,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     Read by: both."""
 
     kv_port: int = 5600
-    """Side-channel base port: rank ``r`` binds ``kv_port + r``. 0: every rank binds an
+    """Side-channel base port: rank ``r`` binds ``kv_port + r`` (``r``: the worker's engine
+    rank, ``pp_rank * tp_size + tp_rank``). 0: every rank binds an
     ephemeral port, which the engine hands to the scheduler
     (``KVBridgeScheduler.set_side_channel_ports``) and the params carry.
     Read by: both."""
