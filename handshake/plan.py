@@ -142,7 +142,10 @@ def negotiate(
                 peer=peer,
                 hint=f"cannot bridge the block formats: {exc}",
             ) from None
-    plans = [replace(p, layers=cut) if (cut := window.layers[p.group_id]) else p for p in plans]
+    plans = [  # the layers a cut plan moves (none for a plan without streams)
+        replace(p, layers=cut) if (cut := window.layers[p.group_id]) and p.streams else p
+        for p in plans
+    ]
     if local.transfer_mode is TransferMode.PUSH:
         _check_push_staging(local, [p for p in plans if p.split_from], peer)
     return TransferPlan(
@@ -166,6 +169,7 @@ def _nothing(group: KVCacheGroup) -> GroupPlan:
         sender=None,
         receiver=None,
         streams=(),
+        skipped=True,
     )
 
 

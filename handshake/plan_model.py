@@ -96,6 +96,9 @@ class GroupPlan:
     # ranks share only some of the group's (kvbridge.handshake.layer_window); () when it
     # moves every layer, or (with no streams) none. Left out of the repr (the plan digest)
     layers: tuple[str, ...] = field(default=(), repr=False)
+    # pipeline stages: the two ranks hold no layer of this group in common, so this plan
+    # moves nothing of it (another stage does); the reader claims none of its blocks
+    skipped: bool = field(default=False, repr=False)
 
     @property
     def staging_bytes(self) -> int:
@@ -207,6 +210,11 @@ class TransferPlan:
         sender = any(g.sender for g in self.groups)
         receiver = any(g.receiver for g in self.groups)
         return _side(sender, receiver)
+
+    def skipped_groups(self) -> list[int]:
+        """The groups this plan moves nothing of because another pipeline stage holds
+        their layers (what a reader's claim leaves out)."""
+        return [g.group_id for g in self.groups if g.skipped]
 
     def sender_rewrites(self) -> dict[int, Rewrite]:
         return {g.group_id: g.sender for g in self.groups if g.sender}

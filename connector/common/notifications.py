@@ -141,6 +141,9 @@ class Prepare(msgspec.Struct, frozen=True, tag=True):
     plan_digest: str = ""
     start_token: int = 0
     end_token: int = 0
+    # pipeline stages: groups the reader moves nothing of (another stage holds their
+    # layers); prefill neither claims nor checks their blocks for this reader
+    skipped_groups: list[int] = msgspec.field(default_factory=list)
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
@@ -205,6 +208,7 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     round: int = 0
     staged: list[StagedPages] = msgspec.field(default_factory=list)
     verify: bool = False  # answer round 0 with the digests of the rows written
+    skipped_groups: list[int] = msgspec.field(default_factory=list)  # as Prepare's
 
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):

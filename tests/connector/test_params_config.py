@@ -72,6 +72,31 @@ def test_params_without_pipeline_stages_read_in_a_decode_that_predates_them() ->
         msgspec.json.decode(staged.to_json(), type=older)  # refused by name
 
 
+def test_signatures_agree_with_a_decode_that_predates_pipeline_stages() -> None:
+    """Signed params are checked by re-encoding them: a decode of the previous release
+    encodes its own struct, without ``remote_pp_layers``. A prefill's signature over
+    params that name no stages is the one that decode computes, and a decode reads params
+    signed by the previous release's prefill."""
+    import hashlib
+    import hmac
+
+    from kvbridge.connector.common.signing import _LABEL, ParamsSigner
+
+    secret = b"s3cret"
+    signer = ParamsSigner(secret, wall_clock=lambda: 1000.0)
+    signed = signer.sign(FULL_PARAMS, ttl_s=60)
+    older = msgspec.convert(msgspec.to_builtins(signed.to_dict()), type=_older_params())
+    key = hmac.new(secret, _LABEL, hashlib.sha256).digest()
+    theirs = msgspec.msgpack.encode(msgspec.structs.replace(older, signature=""))
+    assert hmac.new(key, theirs, hashlib.sha256).hexdigest() == signed.signature
+    # and the other way: the previous release's prefill signed its own struct's bytes
+    old_signed = msgspec.structs.replace(
+        msgspec.structs.replace(older, signature=""),
+        signature=hmac.new(key, theirs, hashlib.sha256).hexdigest(),
+    )
+    signer.verify(KVTransferParams.from_dict(msgspec.to_builtins(old_signed)))
+
+
 def test_params_defaults_ask_for_nothing() -> None:
     params = KVTransferParams.from_json(b"{}")
     assert not params.do_remote_prefill and not params.do_remote_decode

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.integration
 
 PP2 = ((0, 1), (1, 2))  # model layers [first, end) of stage 0 and stage 1
 PER_LAYER = SideFormat(block_size=16, layout=KVLayout.HND)  # a prefill read in part
+NHD_PER_LAYER = SideFormat(block_size=16)  # rewritten after save for an HND decode
 
 
 @pytest.fixture
@@ -88,6 +89,10 @@ CASES = {
     "pp2-to-pp2": (1, PP2, 1, PP2, (PREFILL_FMT, DECODE_FMT), None),
     "pp2tp2-to-pp1tp1": (2, PP2, 1, (), (PER_LAYER, DECODE_FMT), None),
     "hybrid-2|4-to-3|3": (1, SPLIT_24, 1, SPLIT_33, (PER_LAYER, DECODE_FMT), ALTERNATING),
+    # the same, NHD prefill blocks rewritten for an HND decode: a stage reading one group
+    # of a prefill stage must not claim the other group's blocks as they are, which
+    # another decode stage has rewritten
+    "hybrid-rewritten": (1, SPLIT_24, 1, SPLIT_33, (NHD_PER_LAYER, DECODE_FMT), ALTERNATING),
     # larger prefill pages through decode's staging slots, which the engine splits layer
     # by layer: a stage's pages must land in its own layers
     "packed-staged-pp2-to-pp1": (1, PP2, 1, (), (packed(64), packed(32)), None),
@@ -126,6 +131,32 @@ def test_params_that_name_too_few_stages_fail_the_load_by_name(setup):
     assert spec.request_id not in decode.loaded
     (reason,) = decode.failed.values()
     assert "no source moves layers ['g0.b'] of group 0" in reason, reason
+
+
+def test_a_group_no_source_moves_fails_the_load_by_name(setup):
+    """8 layers alternating their kinds, prefill split 4|4, decode 3|2|3; params that name
+    only prefill's first stage. Decode's middle stage (layers 3-4) then reads full
+    attention (layer 3) from it, and shares no sliding-window layer with it: layer 4 is
+    moved by nobody, and the load fails naming it instead of being reported loaded."""
+    prefill, decodes = setup(
+        1,
+        1,
+        2,
+        formats=(PER_LAYER, DECODE_FMT),
+        stages=(((0, 4), (4, 8)), ((0, 3), (3, 5), (5, 8))),
+        group_layers=((1, 3, 5, 7), (0, 2, 4, 6)),
+    )
+    middle = decodes[1]
+    req = new_request(prefill, middle.fmt, np.random.default_rng(4))
+    send(prefill, req)
+    spec = load_spec(prefill, req)
+    params = msgspec.structs.replace(
+        spec.params, remote_pp_layers=[], remote_ports=prefill.ports[:1]
+    )
+    middle.load(dataclasses.replace(spec, params=params))
+    pump([middle], prefill, lambda: bool(middle.failed), "the load to fail")
+    (reason,) = middle.failed.values()
+    assert "no source moves layers ['g1.e'] of group 1" in reason, reason
 
 
 def test_a_prefill_rank_read_by_two_decode_stages_frees_after_the_second_done(setup):

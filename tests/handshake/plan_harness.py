@@ -95,7 +95,7 @@ def make_groups(
     tensor-parallel rank). The model has two layers, each with one layer of every group
     (``g{i}.a`` in model layer 0, ``g{i}.b`` in layer 1); ``layers``: the model layers this
     side holds (a pipeline stage holds some). ``group_layers``: instead, the model layers
-    each group has (up to 6: ``a``..``f``), as a hybrid model alternates its kinds; the side
+    each group has (up to 8: ``a``..``h``), as a hybrid model alternates its kinds; the side
     holds those in ``layers``."""
     groups = []
     for i, k in enumerate(kinds):
@@ -126,7 +126,7 @@ def make_groups(
                 block_size=block_size, shapes=((3, 4), (5,)), dtypes=(torch.float32, torch.float16)
             )
         mine = layers if group_layers is None else [n for n in group_layers[i] if n in layers]
-        names = tuple(f"g{i}.{'abcdef'[layer]}" for layer in mine)
+        names = tuple(f"g{i}.{'abcdefgh'[layer]}" for layer in mine)
         groups.append(KVCacheGroup(group_id=i, layer_names=names, spec=spec))
     return groups
 

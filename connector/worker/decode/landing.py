@@ -60,24 +60,25 @@ def landing_groups(load: Load) -> list[GroupPlan]:
 
 def check_layers_covered(load: Load, buffers: KVCacheBuffers) -> None:
     """Under pipeline parallelism each source moves only the layers its stage shares with
-    ours (``GroupPlan.layers``): together they must move every layer of each such group,
-    else a layer would be reported loaded that nothing wrote (the params named stages
-    that do not hold what they said). Raises :class:`KVBridgeError` naming the layers."""
-    moved: dict[int, set[str]] = {}
-    whole: set[int] = set()
-    for src in load.sources:
-        for g in src.plan.groups if src.plan is not None else ():
-            if g.layers:
-                moved.setdefault(g.group_id, set()).update(g.layers)
-            elif g.streams:
-                whole.add(g.group_id)
-    for gid, names in moved.items():
-        missing = [n for n in buffers.config.groups[gid].layer_names if n not in names]
-        if gid not in whole and missing:
+    ours (``GroupPlan.layers``; a group it shares none of, nothing: ``GroupPlan.skipped``).
+    Together they must move every layer of every group, else a layer would be reported
+    loaded that nothing wrote (the params named stages that do not hold what they said).
+    Raises :class:`KVBridgeError` naming the layers; loads without stages pass as they
+    are."""
+    plans = [g for src in load.sources if src.plan is not None for g in src.plan.groups]
+    if not any(g.layers or g.skipped for g in plans):
+        return  # no pipeline window cut anything: every source moves its groups whole
+    for group in buffers.config.groups:
+        mine = [g for g in plans if g.group_id == group.group_id and g.streams]
+        if any(not g.layers for g in mine):
+            continue  # a source moves the whole group
+        moved = {name for g in mine for name in g.layers}
+        missing = [n for n in group.layer_names if n not in moved]
+        if missing:
             raise KVBridgeError(
                 f"load {load.spec.request_id}: no source moves layers {missing} of group "
-                f"{gid} (sources {[s.key for s in load.sources]}): the prefill stages the "
-                f"params name (remote_pp_layers) do not hold them; the load fails"
+                f"{group.group_id} (sources {[s.key for s in load.sources]}): the prefill "
+                f"stages the params name (remote_pp_layers) do not hold them; the load fails"
             )
 
 

@@ -98,6 +98,7 @@ class PushRounds:
             plan_digest=peer.plan.digest,
             timeout_s=1.0,  # each round sets its own
             verify=load.verify,  # round 0's answer brings the digests of what it wrote
+            skipped_groups=peer.plan.skipped_groups(),
         )
         try:
             encode_notification(src.push)  # too many blocks for one notification: this load

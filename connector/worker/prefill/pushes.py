@@ -251,7 +251,12 @@ class Pusher:
             return
         prepared = self._sender.on_prepare(
             # the push claims the blocks for its reader (claim 0: decode's Done names it)
-            Prepare(request_id=msg.request_id, rewrites=msg.rewrites, reader_rank=msg.reader_rank),
+            Prepare(
+                request_id=msg.request_id,
+                rewrites=msg.rewrites,
+                reader_rank=msg.reader_rank,
+                skipped_groups=msg.skipped_groups,
+            ),
             push.agent,
         )
         if prepared is None or not prepared.ok:

@@ -228,17 +228,20 @@ class Sender:
         wanted = {
             rw.group_id: (rw.src.to_arrangement(), rw.dst.to_arrangement()) for rw in msg.rewrites
         }
+        # a pipeline stage's reader reads nothing of these groups: it neither claims their
+        # blocks nor minds how another stage's reader has them
+        skipped = set(msg.skipped_groups) - set(wanted)
         before = dict(pending.rewritten)
         if pending.eager:
             pending.eager = False  # a reader claims the format from now on
-            if pending.rewritten != wanted:
+            if {g: a for g, a in pending.rewritten.items() if g not in skipped} != wanted:
                 self._metrics.eager_misses += 1
                 self._lending.restore(pending)  # a guess no reader has read
             else:
                 self._metrics.eager_hits += 1
         kept = set(pending.rewritten)  # what earlier readers were promised stays as is
         try:
-            self._lending.check_native(pending, set(wanted))
+            self._lending.check_native(pending, set(wanted) | skipped)
             for group_id, (src, dst) in wanted.items():
                 self._lending.rewrite(pending, group_id, src, dst)
         except KVBridgeError as exc:
@@ -248,7 +251,9 @@ class Sender:
             return Prepared(request_id=msg.request_id, ok=False, reason=str(exc), claim=msg.claim)
         if wanted:
             self._learned = wanted
-        self._lending.claim_native(pending, set(range(len(pending.spec.block_ids))) - set(wanted))
+        self._lending.claim_native(
+            pending, set(range(len(pending.spec.block_ids))) - set(wanted) - skipped
+        )
         if pending.rewritten != before:
             self._stage_out(pending)
         now = self._clock()
