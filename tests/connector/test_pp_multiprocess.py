@@ -115,12 +115,10 @@ def test_every_decode_layer_comes_from_the_prefill_stage_that_holds_it(setup, ca
         check_layers(prefill, d, dtp, req)
 
 
-def test_params_that_name_too_few_stages_fail_the_load_by_name(setup):
-    """A prefill at PP 2 whose params claim one stage (a proxy that dropped
-    ``remote_pp_layers``): decode reads stage 0 only, which holds layer 0 but not layer 1;
-    the load fails naming the layers nothing moved, never reported loaded."""
-    prefill, (decode,) = setup(1, 1, 2, formats=(PER_LAYER, DECODE_FMT), stages=(PP2, ()))
-    req = new_request(prefill, decode.fmt, np.random.default_rng(3))
+def _fail_naming_one_stage(prefill: Prefill, decode: DecodeRank, seed: int) -> str:
+    """Load a request on ``decode`` with params that name only prefill's first stage (a
+    proxy that dropped ``remote_pp_layers``); wait for the load to fail and return why."""
+    req = new_request(prefill, decode.fmt, np.random.default_rng(seed))
     send(prefill, req)
     spec = load_spec(prefill, req)
     params = msgspec.structs.replace(
@@ -130,6 +128,15 @@ def test_params_that_name_too_few_stages_fail_the_load_by_name(setup):
     pump([decode], prefill, lambda: bool(decode.failed), "the load to fail")
     assert spec.request_id not in decode.loaded
     (reason,) = decode.failed.values()
+    return reason
+
+
+def test_params_that_name_too_few_stages_fail_the_load_by_name(setup):
+    """A prefill at PP 2 whose params claim one stage (a proxy that dropped
+    ``remote_pp_layers``): decode reads stage 0 only, which holds layer 0 but not layer 1;
+    the load fails naming the layers nothing moved, never reported loaded."""
+    prefill, (decode,) = setup(1, 1, 2, formats=(PER_LAYER, DECODE_FMT), stages=(PP2, ()))
+    reason = _fail_naming_one_stage(prefill, decode, seed=3)
     assert "no source moves layers ['g0.b'] of group 0" in reason, reason
 
 
@@ -146,16 +153,7 @@ def test_a_group_no_source_moves_fails_the_load_by_name(setup):
         stages=(((0, 4), (4, 8)), ((0, 3), (3, 5), (5, 8))),
         group_layers=((1, 3, 5, 7), (0, 2, 4, 6)),
     )
-    middle = decodes[1]
-    req = new_request(prefill, middle.fmt, np.random.default_rng(4))
-    send(prefill, req)
-    spec = load_spec(prefill, req)
-    params = msgspec.structs.replace(
-        spec.params, remote_pp_layers=[], remote_ports=prefill.ports[:1]
-    )
-    middle.load(dataclasses.replace(spec, params=params))
-    pump([middle], prefill, lambda: bool(middle.failed), "the load to fail")
-    (reason,) = middle.failed.values()
+    reason = _fail_naming_one_stage(prefill, decodes[1], seed=4)  # the middle stage
     assert "no source moves layers ['g1.e'] of group 1" in reason, reason
 
 
