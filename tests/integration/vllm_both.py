@@ -5,6 +5,7 @@ data parallelism. Each module starts its own set once (:func:`serving`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from kvbridge.examples.vllm.procs import Service, start_all, stop_all
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.scraped_metrics import scrape
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
 from tests.verified_loads import verifying
 
 MODEL = "tiny-llama"
@@ -49,7 +50,19 @@ def spec(name: str, model: str = MODEL, **fields: object) -> ServerSpec:
 
 @contextlib.contextmanager
 def serving(specs: list[ServerSpec], logs: Path) -> Iterator[dict[str, Service]]:
-    """The servers of ``specs``, started together, by name; stopped on exit."""
+    """The servers of ``specs``, started together, by name; stopped on exit.
+
+    When their workers (one busy-waiting engine thread each) outnumber the cores, every
+    server lowers its engine threads (``extra.engine_thread_nice``, as the docs tell such a
+    machine to): a CI run of PP 2 + PP 2 + PP 1 servers on two cores without it starved a
+    decode's transfer threads for 48 s and its load timed out."""
+    busy = sum(
+        s.tensor_parallel_size * s.pipeline_parallel_size * s.data_parallel_size for s in specs
+    )
+    specs = [
+        dataclasses.replace(s, kv_extra=with_engine_nice(s.kv_extra, s.connector or "", busy))
+        for s in specs
+    ]
     services = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
     try:
         start_all(list(services.values()), timeout_s=START_TIMEOUT_S)
