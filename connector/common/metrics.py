@@ -35,7 +35,7 @@ from kvbridge.connector.common.engine_calls import (
     EngineCallTimes,
 )
 
-# the phases of a decode load (kvbridge.connector.worker.decode.load_timeline)
+# the phases of a decode load (kvbridge.connector.worker.decode.inflight)
 LOAD_PHASES = ("peer", "prepare", "data", "finish")
 LOAD_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -100,7 +100,7 @@ class ConnectorMetrics:
     bytes_written: int = 0  # prefill: bytes written into decode's blocks
     staged_to_host_bytes: int = 0  # host staging: cache -> host mirror (sender)
     staged_to_device_bytes: int = 0  # host staging: host mirror -> cache (receiver)
-    # where decode's loads spent their time (kvbridge.connector.worker.decode.load_timeline):
+    # where decode's loads spent their time (kvbridge.connector.worker.decode.inflight):
     # waiting for the peer (handshake), the Prepare round trip, the data (READs or pushes),
     # finishing
     load_peer_seconds: float = 0.0

@@ -4,7 +4,7 @@
 :class:`~kvbridge.connector.scheduler.lifecycle.LoadState` machine, from
 ``get_num_new_matched_tokens`` to its outcome, and queues what the next metadata carries: loads,
 releases (nothing to read), aborts and heartbeats for requests still waiting for blocks. Which
-tokens and blocks a load covers: :mod:`kvbridge.connector.scheduler.load_range`.
+tokens and blocks a load covers: :mod:`kvbridge.connector.scheduler.prompt_span`.
 :class:`~kvbridge.connector.scheduler.scheduler.KVBridgeScheduler` owns one and forwards the
 engine's calls.
 """
@@ -21,7 +21,7 @@ from kvbridge.connector.common.metadata import LoadFailure, LoadSpec, WorkerOutp
 from kvbridge.connector.common.params import KVTransferParams, ParamsError
 from kvbridge.connector.common.signing import ParamsSigner
 from kvbridge.connector.scheduler.lifecycle import Ignored, LifecycleError, LoadRecord, LoadState
-from kvbridge.connector.scheduler.load_range import load_block_ids, load_end
+from kvbridge.connector.scheduler.prompt_span import load_block_ids, load_end
 from kvbridge.layouts.specs import KVCacheSpec
 
 Queued = tuple[tuple[str, KVTransferParams], ...]

@@ -35,13 +35,13 @@ from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
-from kvbridge.connector.worker.decode.load_records import PushEndpoint
+from kvbridge.connector.worker.decode.inflight import PushEndpoint
+from kvbridge.connector.worker.decode.landing import Verifier
 from kvbridge.connector.worker.decode.receiver import Receiver
-from kvbridge.connector.worker.decode.verifier import Verifier
 from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.digests import region_units
 from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
-from kvbridge.connector.worker.load_digests import region_units
 from kvbridge.connector.worker.nixl_setup import engine_call, nixl_engine
 from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peer_setup import PeerSetup

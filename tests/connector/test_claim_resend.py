@@ -22,7 +22,7 @@ from kvbridge.connector.common.notifications import Prepared, decode_notificatio
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.claims import RESEND_S, Claims
-from kvbridge.connector.worker.decode.load_records import Source
+from kvbridge.connector.worker.decode.inflight import Source
 from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvbridge.connector.common.notifications import Prepared
 from kvbridge.connector.worker.decode.claims import Claims
-from kvbridge.connector.worker.decode.load_records import Source
+from kvbridge.connector.worker.decode.inflight import Source
 
 
 def _answered(src: Source, held_s: float) -> str:

@@ -1,4 +1,4 @@
-"""``kvbridge.connector.worker.load_rows.staged_rows``: the rows of one push round through decode's
+"""``kvbridge.connector.worker.rows.staged_rows``: the rows of one push round through decode's
 staging slots, and what a prefill refuses in a Push before it writes anything."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.connector.worker.load_rows import staged_rows
+from kvbridge.connector.worker.rows import staged_rows
 from kvbridge.handshake.plan_model import GroupPlan, PieceStream
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.specs import KVCacheKind

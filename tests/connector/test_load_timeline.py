@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvbridge.connector.common.metrics import ConnectorMetrics, parse_metrics
-from kvbridge.connector.worker.decode.load_timeline import SLOW_LOAD_S, LoadTimeline
+from kvbridge.connector.worker.decode.inflight import SLOW_LOAD_S, LoadTimeline
 
 
 def test_phases_split_the_load_at_its_marks():
@@ -39,7 +39,7 @@ def test_record_adds_each_phase_to_its_counter():
 
 def test_a_slow_load_is_logged_with_its_phases(caplog):
     metrics = ConnectorMetrics()
-    with caplog.at_level(logging.INFO, logger="kvbridge.connector.worker.decode.load_timeline"):
+    with caplog.at_level(logging.INFO, logger="kvbridge.connector.worker.decode.inflight"):
         LoadTimeline(added=0.0, started=0.1, posted=0.2, arrived=0.3).record("fast", 0.4, metrics)
         slow = SLOW_LOAD_S + 1.0
         LoadTimeline(added=0.0, started=slow - 0.5, posted=slow - 0.5, arrived=slow).record(

@@ -13,7 +13,7 @@ from kvbridge.connector.common.notifications import (
     decode_notification,
     encode_notification,
 )
-from kvbridge.connector.worker.decode.push_rounds import MAX_PAGES_PER_ROUND
+from kvbridge.connector.worker.decode.transfers import MAX_PAGES_PER_ROUND
 
 
 def _push(**fields: object) -> Push:

@@ -22,7 +22,7 @@ Killed instead of resumed, the child answers nothing: decode ends the hold once 
 the prefill gone, which takes a notification that fails (NIXL tells a passive side
 nothing about a dead peer; NIXL_NOTES.md): its Done(ok=False), or the empty Heartbeat it
 sends every ``PROBE_S`` to each prefill that owes it a push round
-(``kvbridge.connector.worker.decode.liveness``).
+(``kvbridge.connector.worker.decode.claims``).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvbridge.connector.common.params import KVTransferParams
-from kvbridge.connector.worker.decode.load_records import outside
-from kvbridge.connector.worker.load_rows import group_rows
+from kvbridge.connector.worker.decode.inflight import outside
 from kvbridge.connector.worker.peers import Peer
+from kvbridge.connector.worker.rows import group_rows
 from kvbridge.handshake.plan import negotiate
 from tests.handshake.plan_harness import cache_format, execute, make_side
 

@@ -1,6 +1,14 @@
 """Decode role of the worker side: receive a request's KV.
 
-``receiver`` turns load specs into NIXL READs (pull, ``pull_reads``) or Push requests (push,
-``push_rounds``) and reports loads done or failed; ``load_records`` is the per-load state,
-``load_timeline`` where a load's time goes. Never imports the prefill role.
+A load's life, one room each::
+
+    receiver     the load state machine: takes load specs, drives each source, reports
+                 loads done or failed
+    inflight     what it tracks per load: the load, its sources, where its time goes
+    claims       is prefill still holding what we read (pull claims) or alive (push)
+    transfers    how the bytes arrive: READs we post (pull), rounds prefill writes (push)
+    landing      once every transfer ended: verify, rewrite, fence
+    quarantine   failed loads whose transfers may still run
+
+Never imports the prefill role.
 """

@@ -2,10 +2,10 @@
 
 A load reads from one prefill rank, or from several under tensor parallelism (each holds
 some of this decode rank's KV heads; ``kvbridge.connector.worker.routing``). Each source moves
-through the states of ``kvbridge.connector.worker.decode.load_records``::
+through the states of ``kvbridge.connector.worker.decode.inflight``::
 
     pull  WAITING_PEER --> PREPARING (a sender rewrite is due) --> READING --> done
-    push  WAITING_PEER --> PUSHED <--> STAGING (push rounds, decode.push_rounds) --> done
+    push  WAITING_PEER --> PUSHED <--> STAGING (push rounds, decode.transfers) --> done
                `--- handshake failed / Prepared or Pushed not ok / TransferError /
                     deadline / the READ outlived the claimed hold --> failed
 
@@ -21,8 +21,8 @@ fenced before a load is reported (``kvbridge.connector.worker.device_order``).
 
 Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) land
 whole in staging slots, in rounds of as many slots as are free: read by decode
-(``kvbridge.connector.worker.decode.pull_reads``), or written by prefill into the slots each Push
-round names (``kvbridge.connector.worker.decode.push_rounds``); after each round the engine splits
+(``kvbridge.connector.worker.decode.transfers``), or written by prefill into the slots each Push
+round names (``kvbridge.connector.worker.decode.transfers``); after each round the engine splits
 the loaded tokens into its blocks and the slots go back.
 """
 
@@ -44,23 +44,20 @@ from kvbridge.connector.common.notifications import (
 )
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
-from kvbridge.connector.worker.decode.claims import Claims
-from kvbridge.connector.worker.decode.landing import Landing
-from kvbridge.connector.worker.decode.liveness import Writers
-from kvbridge.connector.worker.decode.load_records import (
+from kvbridge.connector.worker.decode.claims import Claims, Writers
+from kvbridge.connector.worker.decode.inflight import (
     Load,
     LoadState,
+    LoadTimeline,
     PushEndpoint,
     Source,
     describe_source,
     failure,
     outside,
 )
-from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
-from kvbridge.connector.worker.decode.pull_reads import PullReads
-from kvbridge.connector.worker.decode.push_rounds import PushRounds
+from kvbridge.connector.worker.decode.landing import Landing, Verifier
 from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
-from kvbridge.connector.worker.decode.verifier import Verifier
+from kvbridge.connector.worker.decode.transfers import PullReads, PushRounds
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router

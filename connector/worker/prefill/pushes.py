@@ -21,7 +21,7 @@ rewrites are not undone, whatever ends the lease).
 
 Prefill looks decode up with its own handshake (``PeerDirectory(writer=True)``), so it
 plans exactly as decode did: the same pure ``negotiate`` on the same two descriptions,
-checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.worker.load_rows``, the
+checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.worker.rows``, the
 very function decode uses to READ; here they become WRITEs from this worker's blocks (rewritten
 after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
 ``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
@@ -31,7 +31,7 @@ ones posted ended.
 Engine-packed pages decode must stage (``GroupPlan.split_from``) go whole into the slots of
 decode's staging arena (advertised in its description, addressed by slot id), one ``Push``
 per round of slots decode leased (``Push.staged``): round 0 also writes every other group,
-a later round only its pages (``kvbridge.connector.worker.load_rows.staged_rows``). Each round is
+a later round only its pages (``kvbridge.connector.worker.rows.staged_rows``). Each round is
 answered with one ``Pushed`` naming it, also when decode's ``Done`` cancels it: decode lends those
 slots to no other load before that answer.
 """
@@ -62,11 +62,11 @@ from kvbridge.connector.transfer.transport import (
     XferState,
     release_if_ended,
 )
-from kvbridge.connector.worker.load_rows import group_rows, staged_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.prefill.answers import Answers
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
+from kvbridge.connector.worker.rows import group_rows, staged_rows
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
 

@@ -3,7 +3,7 @@
 A decode that verifies a load asks for digests with its claim (``Prepare.verify``, with
 the load's token range and the digest of the plan it reads by) or its Push
 (``Push.verify``). Prefill names the rows of that load with decode's own plan and the
-same row function decode uses (``kvbridge.connector.worker.load_rows``), on its own
+same row function decode uses (``kvbridge.connector.worker.rows``), on its own
 request's block ids, and digests them where NIXL moves them from (the cache, or its host
 mirror), after the rewrites the reader asked for::
 
@@ -28,8 +28,8 @@ import torch
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.notifications import GroupDigest
-from kvbridge.connector.worker.load_digests import PlanSide, load_digests
-from kvbridge.connector.worker.load_rows import GroupRows, group_rows
+from kvbridge.connector.worker.digests import PlanSide, load_digests
+from kvbridge.connector.worker.rows import GroupRows, group_rows
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.errors import IncompatiblePeerError
 from kvbridge.handshake.plan import negotiate

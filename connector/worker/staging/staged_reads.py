@@ -4,7 +4,7 @@ Such a page (``GroupPlan.split_from``) cannot be cut into local blocks by byte r
 it lands whole (or its slice of the heads) in a staging slot
 (``kvbridge.connector.worker.staging.arenas``): read by decode (pull,
 :meth:`StagedReads.post_round`), or written by prefill into the slots decode leased for the round
-(push, :meth:`StagedReads.lease_round` and ``kvbridge.connector.worker.decode.push_rounds``). The
+(push, :meth:`StagedReads.lease_round` and ``kvbridge.connector.worker.decode.transfers``). The
 engine then writes the tokens a load needs into its blocks (:meth:`Repacker.split`) and the slots go
 back. A load moves in rounds of as many slots as are free.
 """

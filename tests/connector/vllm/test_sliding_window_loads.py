@@ -31,7 +31,7 @@ pytest.importorskip("vllm")
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
-from kvbridge.connector.worker.load_rows import group_rows
+from kvbridge.connector.worker.rows import group_rows
 from kvbridge.handshake.plan import negotiate
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts import specs as kb

@@ -1,4 +1,5 @@
-"""What a decode worker tracks per load in flight: the load, and one source per prefill rank.
+"""What a decode worker tracks per load in flight: the load, one source per prefill rank, and
+where its time goes.
 
 A load reads from one prefill rank, or from several under tensor parallelism. Each source
 moves through::
@@ -12,24 +13,39 @@ moves through::
                                    STAGING (no staging slot free yet)
 
 ``kvbridge.connector.worker.decode.receiver`` drives the machine;
-``kvbridge.connector.worker.decode.push_rounds`` asks the pushes.
+``kvbridge.connector.worker.decode.transfers`` asks the pushes.
+
+**Where a load's time goes** (:class:`LoadTimeline`), the handover profile of one decode
+request:
+
+::
+
+    added --peer--> started --prepare--> posted --data--> arrived --finish--> finished
+      |  handshake   | Prepare round trip | READs, or     | stage in,
+      |  (first      | (rewrite on the    | prefill's     | receiver rewrites,
+      |  contact)    | sender), or none   | WRITEs (push) | repacks
+
+Each phase's seconds add up in :class:`ConnectorMetrics` (``load_<phase>_seconds``, and
+the ``kvbridge_load_phase_seconds`` histogram), so a slow handover shows which phase is
+slow; a load slower than ``SLOW_LOAD_S`` is logged with its phases.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbridge.connector.common.metadata import LoadFailure, LoadSpec
+from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import GroupDigest, GroupRewrite, Push
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import XferHandle
-from kvbridge.connector.worker.decode.load_timeline import LoadTimeline
-from kvbridge.connector.worker.load_rows import GroupRows, group_rows
 from kvbridge.connector.worker.peers import Peer, PeerKey
 from kvbridge.connector.worker.routing import Route
+from kvbridge.connector.worker.rows import GroupRows, group_rows
 from kvbridge.connector.worker.staging.staged_reads import StageBatch, Staged, StagedSums
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.specs import KVCacheSpec
@@ -109,7 +125,7 @@ class Load:
         self.touched[group_id] = np.unique(ids if before is None else np.concatenate([before, ids]))
 
     def rows(self, g: GroupPlan, local_spec: KVCacheSpec) -> GroupRows:
-        """The rows of group ``g`` this load moves (``kvbridge.connector.worker.load_rows``)."""
+        """The rows of group ``g`` this load moves (``kvbridge.connector.worker.rows``)."""
         spec, params = self.spec, self.spec.params
         return group_rows(
             g,
@@ -163,3 +179,39 @@ def describe_source(src: Source, now: float) -> str:
     if src.claim_sent:
         parts.append(f"claim unanswered for {now - src.claim_sent:.1f} s ({len(src.claims)} sent)")
     return "; ".join(parts)
+
+
+logger = logging.getLogger(__name__)
+
+SLOW_LOAD_S = 1.0  # log a load's phases at INFO when it took longer than this
+
+
+@dataclass
+class LoadTimeline:
+    """Clock readings at a load's phase boundaries (0.0: not reached yet)."""
+
+    added: float
+    started: float = 0.0  # the peer was ready: Prepare, Push or READ went out
+    posted: float = 0.0  # the first READ (or the Push) went out
+    arrived: float = 0.0  # every source's data is in place
+
+    def phases(self, finished: float) -> dict[str, float]:
+        """Seconds per phase; a phase a load skipped (no Prepare) counts 0."""
+        started = self.started or self.added
+        posted = self.posted or started
+        arrived = self.arrived or posted
+        return {
+            "peer": started - self.added,
+            "prepare": posted - started,
+            "data": arrived - posted,
+            "finish": finished - arrived,
+        }
+
+    def record(self, request_id: str, finished: float, metrics: ConnectorMetrics) -> None:
+        phases = self.phases(finished)
+        metrics.observe_load(phases)
+        total = finished - self.added
+        level = logging.INFO if total > SLOW_LOAD_S else logging.DEBUG
+        if logger.isEnabledFor(level):
+            text = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in phases.items())
+            logger.log(level, "load %s took %.1f ms: %s", request_id, 1e3 * total, text)

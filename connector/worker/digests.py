@@ -1,7 +1,7 @@
 """Digests of one load's rows, per group, on either side of the plan.
 
 Decode and prefill name the rows of a load with the very same function
-(:func:`kvbridge.connector.worker.load_rows.group_rows`, on decode's plan): decode its own
+(:func:`kvbridge.connector.worker.rows.group_rows`, on decode's plan): decode its own
 rows (the *reader* side, where the bytes land), prefill its rows (the *writer* side, what
 decode READs or prefill WRITEs). Each side digests its rows in its own memory
 (:mod:`kvbridge.layouts.digest`), in the plan's order, so equal digests mean decode holds,
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.common.notifications import GroupDigest
-from kvbridge.connector.worker.load_rows import GroupRows
+from kvbridge.connector.worker.rows import GroupRows
 from kvbridge.connector.worker.staging.staged_reads import Staged, StagedSums
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
