@@ -6,7 +6,7 @@
     kvbridge plan prefill.json decode.json [--prompt-tokens 1000]
     kvbridge probe 10.0.0.1:5600 [--as decode.json] [--secret-env KVBRIDGE_SECRET]
     kvbridge serve prefill|decode|both [example server arguments]
-    kvbridge bench NAME [benchmark arguments]      (NAME: scripts/bench_NAME.py)
+    kvbridge bench [--list | NAME [benchmark arguments]]   (kvbridge.cli.bench.NAME)
 
 Exit status: ``plan`` 0 when the pair works, 1 when it is refused (the fields, both
 values and the fix are printed), 2 on bad input; ``probe`` 0 when the worker answered
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from pathlib import Path
 
 OK, REFUSED, BAD_INPUT, UNREACHABLE = 0, 1, 2, 3
-REPO_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -98,22 +96,17 @@ def _serve(role: str, rest: list[str]) -> int:
     return serve(["--role", role, *rest])
 
 
-def _bench(name: str, rest: list[str]) -> int:
-    names = sorted(  # a benchmark runs as a script; bench_json.py is their shared helper
-        p.stem.removeprefix("bench_")
-        for p in REPO_SCRIPTS.glob("bench_*.py")
-        if '__name__ == "__main__"' in p.read_text()
-    )
-    if name not in names:
-        where = f"one of {', '.join(names)}" if names else "run from a source checkout"
-        print(f"error: no benchmark {name!r}: {where}", file=sys.stderr)
-        return BAD_INPUT
-    sys.argv = [str(REPO_SCRIPTS / f"bench_{name}.py"), *rest]
+def _bench(args: argparse.Namespace) -> int:
+    from kvbridge.cli.bench import UnknownBenchmarkError, listing, run
+
+    if args.list or args.name is None:
+        print(listing())
+        return OK
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return OK
+        return run(args.name, args.args)
+    except UnknownBenchmarkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -142,8 +135,18 @@ def make_parser() -> argparse.ArgumentParser:
         "serve", help="an example prefill/decode server (python -m kvbridge.examples.server)"
     )
     s.add_argument("role", choices=("prefill", "decode", "both"))
-    b = sub.add_parser("bench", help="a benchmark: scripts/bench_NAME.py")
-    b.add_argument("name")
+    from kvbridge.cli.bench import listing
+
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark (kvbridge bench --list names them)",
+        description="Run benchmark NAME with its own arguments (NAME --help: its options; "
+        "every one takes --json PATH). Benchmarks:\n\n" + listing(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    b.add_argument("name", nargs="?", help="the benchmark (none: list them)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     return parser
 
 
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = make_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.cmd not in ("serve", "bench", "describe"):
+    if rest and args.cmd not in ("serve", "describe"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.cmd == "plan":
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             return _describe(args, rest)
         if args.cmd == "serve":
             return _serve(args.role, rest)
-        return _bench(args.name, rest)
+        return _bench(args)
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT

@@ -33,8 +33,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.bench_json import read_json
+from kvbridge.cli.bench.results import read_json
 
 Doc = dict[str, Any]
 PHASES = ("peer", "prepare", "data", "finish")

@@ -30,8 +30,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from kvbridge.examples.check import CORPUS
 from kvbridge.examples.launch import MODEL, Cluster, Proc
 from kvbridge.examples.reference import load_model, reference_generate

@@ -8,6 +8,7 @@ import every module from there, not from the checkout.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import sysconfig
@@ -134,3 +135,12 @@ def test_every_module_imports_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert len(modules) > 100
+    # a benchmark runs from the wheel (no checkout: cwd is elsewhere) and its --json parses
+    out = tmp_path / "tp.json"
+    bench = [str(python), "-m", "kvbridge.cli", "bench", "tp", "--tokens", "64", "--layers", "2"]
+    run = subprocess.run(
+        [*bench, "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "bench_tp" and doc["config"]["tokens"] == 64 and doc["rows"], doc

@@ -2,7 +2,7 @@
 
 ::
 
-    .venv/bin/python scripts/bench_block_sizes.py [--tokens 2048] [--layers 32] [--heads 8]
+    kvbridge bench block_sizes [--tokens 2048] [--layers 32] [--heads 8]
 
 Per (prefill block, decode block) pair, for cross-layer and per-layer caches on both
 sides, negotiates the real plan and counts the descriptors one request of ``--tokens``
@@ -21,11 +21,11 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.handshake.compat import compat_hash
 from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
 from kvbridge.handshake.plan import negotiate
@@ -35,9 +35,6 @@ from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout
 from kvbridge.layouts.specs import FullAttentionSpec
 from kvbridge.layouts.transforms import rewrite_group
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.bench_json import add_json_argument, write_json
 
 PAIRS = [(64, 64), (64, 32), (80, 32), (96, 64), (528, 64), (48, 32), (32, 48)]
 
@@ -98,7 +95,7 @@ def split_vs_copy(block_size: int, end: int, sender: Rewrite, args) -> str:
     return f"{t_rewrite * 1e3:.1f} ms vs {t_copy * 1e3:.1f} ms ({t_copy / t_rewrite:.2f}x)"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=32)
@@ -106,7 +103,7 @@ def main() -> None:
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     add_json_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     end = args.tokens - 1  # decode computes the last prompt token itself
     print(
@@ -149,7 +146,8 @@ def main() -> None:
             }
         )
     write_json(args.json, "bench_block_sizes", rows, **vars(args) | {"json": None})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,7 @@ mean transfer time per load (decode: post to done), bytes and descriptors per re
 beyond moving the bytes (the router's second request, decode scheduling, notifications,
 polling). One warm-up request per configuration first (handshake, NIXL connection).
 
-Run:  .venv/bin/python scripts/bench_e2e.py [--lengths 128,512,2048] [--concurrency 1,4,16]
+Run:  kvbridge bench e2e [--lengths 128,512,2048] [--concurrency 1,4,16]
       [--device cuda]    (every server's weights and KV cache; default cpu)
 """
 
@@ -34,14 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from kvbridge.examples.device import DeviceError, add_device_argument, parse_device  # noqa: E402
-from kvbridge.examples.launch import Cluster, Proc  # noqa: E402
-from scripts.bench_json import add_json_argument, write_json  # noqa: E402
+from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.examples.device import DeviceError, add_device_argument, parse_device
+from kvbridge.examples.launch import Cluster, Proc
 
 TIMEOUT_S = 120.0
 PHASES = ("peer", "prepare", "data", "finish")
@@ -53,7 +50,7 @@ class Point:
     transfer_ms: float = 0.0  # mean per load (decode's transfer_seconds / transfers)
     bytes_per_req: float = 0.0
     descs_per_req: float = 0.0
-    # decode's mean ms per load in each phase (kvbridge.connector.worker.decode.load_timeline)
+    # decode's mean ms per load in each phase (kvbridge.connector.worker.decode.inflight)
     phases_ms: dict[str, float] = field(default_factory=dict)
 
     def p(self, q: float) -> float:
@@ -247,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{last.bytes_per_req / 1024:8.0f} {last.descs_per_req:8.0f}")
             print(" ".join(cells))
     print(
-        "\ndecode's load, phase by phase"
-        " (mean ms per load; connector/worker/decode/load_timeline.py):"
+        "\ndecode's load, phase by phase (mean ms per load; connector/worker/decode/inflight.py):"
     )
     header = f"{'tokens':>6} {'conc':>4} " + " ".join(
         f"{m + ' ' + '/'.join(PHASES):>30}" for m in modes

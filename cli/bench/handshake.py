@@ -6,7 +6,7 @@ publishes its metadata. This process plays decode:
     latency:    N x [ fetch() -> add_remote_agent(metadata) ]  (remove_remote_agent untimed)
     throughput: C threads, each with its own HandshakeClient, fetch() as fast as they can
 
-Run:  .venv/bin/python scripts/bench_handshake.py [--iterations 500] [--clients 50]
+Run:  kvbridge bench handshake [--iterations 500] [--clients 50]
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nixl._api import nixl_agent, nixl_agent_config
 
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.handshake import (
     PROTOCOL_VERSION,
     ClientConfig,
@@ -184,17 +182,18 @@ def run_mode(cfg: BenchConfig) -> tuple[dict[str, list[float]], float]:
             proc.join(5)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--per-client", type=int, default=40)
-    args = parser.parse_args()
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
     size = len(encode(describe("bench-prefill-0", b"\x00" * 331, 5600)))
     print(f"description: {NUM_LAYERS} regions, ~{size} bytes on the wire; N={args.iterations}")
     print(f"{'auth':<6} {'what':<18} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
-    rates = []
+    rates, rows = [], []
     for label, secret in (("none", None), ("hmac", SECRET)):
         cfg = BenchConfig(
             iterations=args.iterations,
@@ -208,10 +207,16 @@ def main() -> None:
             p50, p99 = percentile(samples, 0.50) * 1e3, percentile(samples, 0.99) * 1e3
             mean = statistics.fmean(samples) * 1e3
             print(f"{label:<6} {what:<18} {p50:8.3f} {p99:8.3f} {mean:8.3f}")
+            rows.append(
+                {"auth": label, "what": what, "p50_ms": p50, "p99_ms": p99, "mean_ms": mean}
+            )
         rates.append((label, rate))
     for label, rate in rates:
         print(f"{label:<6} throughput, {args.clients} concurrent clients: {rate:,.0f} handshakes/s")
+        rows.append({"auth": label, "what": "throughput", "handshakes_per_s": rate})
+    write_json(args.json, "bench_handshake", rows, **vars(args) | {"json": None})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

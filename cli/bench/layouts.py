@@ -19,21 +19,23 @@ with ``--check``) suits a GPU check script. Descriptor timings build ``block_des
 for 100k random block ids and the full ``descriptor_table`` of a 100k-block region, warm,
 median of repeats.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_layouts.py [--threads 1] [--repeats 5]
-    PYTHONPATH=. .venv/bin/python scripts/bench_layouts.py --device cuda [--scratch-mib 16]
-    PYTHONPATH=. .venv/bin/python scripts/bench_layouts.py --strategy batched  # GPU path, CPU
+    kvbridge bench layouts [--threads 1] [--repeats 5]
+    kvbridge bench layouts --device cuda [--scratch-mib 16]
+    kvbridge bench layouts --strategy batched  # GPU path, CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.descriptors import block_descriptors, descriptor_table, piece_offsets
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
@@ -177,7 +179,7 @@ def bench_descriptors(args) -> list[tuple]:
     return [(name, _median_seconds(fn, args.repeats * 4) * 1e3) for name, fn in cases.items()]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--layers", type=int, default=32)
@@ -201,7 +203,8 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="64 MiB pool, 2 rounds of 2, with --check"
     )
-    args = parser.parse_args()
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
     if args.quick:
         args.pool_mib, args.rounds, args.repeats, args.check = 64, 2, 2, True
     args.pool_bytes = args.pool_mib << 20
@@ -228,7 +231,7 @@ def main() -> None:
         f"{'block':>5} {'alloc':<11} {'op':<8} {'blocks':>6} {'MiB':>6} "
         f"{'GB/s':>6} {'copy GB/s':>9} {'x copy':>6}"
     )
-    worst = float("inf")
+    worst, rows = float("inf"), []
     for bs, kind, op, nblk, moved, gbs, copy_gbs, ratio in bench_transforms(args):
         worst = min(worst, ratio)
         flag = "" if ratio >= TARGET_RATIO else "  < target"
@@ -236,13 +239,35 @@ def main() -> None:
             f"{bs:>5} {kind:<11} {op:<8} {nblk:>6} {moved / 2**20:>6.0f} "
             f"{gbs:>6.2f} {copy_gbs:>9.2f} {ratio:>6.2f}{flag}"
         )
+        rows.append(
+            {
+                "block_size": bs,
+                "alloc": kind,
+                "op": op,
+                "blocks": nblk,
+                "bytes": moved,
+                "gb_per_s": gbs,
+                "copy_gb_per_s": copy_gbs,
+                "x_copy": ratio,
+            }
+        )
     print(f"worst transform / copy ratio: {worst:.2f} (target >= {TARGET_RATIO})")
     print()
     slowest = 0.0
     for name, ms in bench_descriptors(args):
         slowest = max(slowest, ms)
         print(f"{name:<42} {ms:8.2f} ms")
+        rows.append({"op": name, "ms": ms})
     print(f"slowest descriptor build: {slowest:.2f} ms (target < {TARGET_DESCRIPTOR_MS} ms)")
+    config = {
+        "device": str(args.device),
+        "strategy": strategy.value,
+        "scratch_budget_bytes": budget,
+        **{k: getattr(args, k) for k in ("threads", "layers", "heads", "head_size", "pool_mib")},
+        **{k: getattr(args, k) for k in ("block_sizes", "repeats", "rounds", "check")},
+    }
+    write_json(args.json, "bench_layouts", rows, **config)
+    return 0
 
 
 def _device_name(device: torch.device) -> str:
@@ -260,4 +285,4 @@ def _budget_text(strategy: RewriteStrategy, budget: int | None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

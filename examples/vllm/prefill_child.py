@@ -1,6 +1,6 @@
-"""Prefill vLLM workers' connectors in one OS process, for test_vllm_pairs.py.
+"""Prefill vLLM workers' connectors in one OS process (``prefill_host.PrefillHost``).
 
-Each ``open`` builds one prefill rank: vLLM's allocation (``vllm_peer.build_allocation``)
+Each ``open`` builds one prefill rank: vLLM's allocation (``layout_peer.build_allocation``)
 filled with seeded bytes, registered through the adapter's
 ``VLLMWorkerSide.register_kv_caches`` (its own NIXL agent and side channel). One process
 serves the whole test module, so vLLM is imported once. JSON lines on stdin,
@@ -19,7 +19,7 @@ serves the whole test module, so vLLM is imported once. JSON lines on stdin,
 It drives every worker (``transfer_results``) between commands and exits when stdin
 closes, shutting each worker down.
 
-    python tests/vllm_layouts/_vllm_prefill.py
+    python -m kvbridge.examples.vllm.prefill_child
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import traceback
 
 from kvbridge.connector.common.metadata import ConnectorMetadata, SendSpec
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
-from tests.vllm_layouts.vllm_peer import SideSpec, bind, build_allocation, fill, worker_side
+from kvbridge.examples.vllm.layout_peer import SideSpec, bind, build_allocation, fill, worker_side
 
 
 def _say(**event: object) -> None:

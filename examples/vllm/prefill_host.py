@@ -1,11 +1,10 @@
-"""The prefill side of vLLM layout pairs: one OS process (``_vllm_prefill.py``) that
-holds prefill ranks, driven over JSON lines (not a test; shared with
-scripts/bench_vllm_layouts.py)."""
+"""The prefill side of vLLM layout pairs: one OS process (``prefill_child.py``) that
+holds prefill ranks, driven over JSON lines (``kvbridge bench vllm_layouts`` and the
+vLLM layout tests)."""
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -13,29 +12,27 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-CHILD = Path(__file__).with_name("_vllm_prefill.py")
+CHILD = "kvbridge.examples.vllm.prefill_child"  # run with python -m
 START_TIMEOUT_S = 120.0  # the host imports torch, vLLM and NIXL on a shared 2-core machine
 EVENT_TIMEOUT_S = 30.0
 
 
 class PrefillHost:
-    """The prefill ranks of every pair, in one process of their own (``_vllm_prefill.py``),
+    """The prefill ranks of every pair, in one process of their own (``prefill_child.py``),
     with a replica of each rank's bytes."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, child: str = CHILD, cwd: Path | None = None) -> None:
+        """``child``: the module the prefill process runs (``python -m``), speaking
+        ``prefill_child``'s protocol; ``cwd``: its directory (default: ours)."""
         self._log = log
         self._log_file = log.open("w")
-        # the parent's PYTHONPATH: kvbridge may come from a checkout, not the install
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD)],
+            [sys.executable, "-m", child],
+            cwd=cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log_file,
             text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": path},
         )
         self._events: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -82,7 +79,7 @@ class PrefillHost:
         self.proc.stdin.flush()
 
     def open_rank(self, key: str, spec: dict, engine_id: str, mode: str, seed: int) -> int:
-        """Build one prefill rank (``vllm_peer.SideSpec`` fields in ``spec``); its port."""
+        """Build one prefill rank (``layout_peer.SideSpec`` fields in ``spec``); its port."""
         self.command(cmd="open", key=key, spec=spec, engine_id=engine_id, mode=mode, seed=seed)
         return self.wait_for("ready")["port"]
 

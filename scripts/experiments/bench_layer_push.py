@@ -61,25 +61,21 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine  # noqa: E402
-from kvbridge.connector.transfer.transport import DescList, XferHandle, wait_done  # noqa: E402
-from kvbridge.examples.model import FULL, ModelCaches, ModelConfig, TinyModel  # noqa: E402
-from kvbridge.examples.model import SeqInput as ModelInput  # noqa: E402
-from kvbridge.examples.paged_attention import AttentionCache, write_kv  # noqa: E402
-from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers  # noqa: E402
-from kvbridge.layouts.descriptors import descriptor_table, piece_indices, piece_offsets  # noqa: E402
-from kvbridge.layouts.groups import KVCacheConfig  # noqa: E402
-from kvbridge.layouts.layout import KVLayout  # noqa: E402
-from kvbridge.layouts.region import KVRegion, MemoryKind  # noqa: E402
-from scripts.bench_transfer import TIMEOUT_S, Child, kv_digest  # noqa: E402
+from kvbridge.cli.bench.transfer import TIMEOUT_S, Child, kv_digest
+from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
+from kvbridge.connector.transfer.transport import DescList, XferHandle, wait_done
+from kvbridge.examples.model import FULL, ModelCaches, ModelConfig, TinyModel
+from kvbridge.examples.model import SeqInput as ModelInput
+from kvbridge.examples.paged_attention import AttentionCache, write_kv
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
+from kvbridge.layouts.descriptors import descriptor_table, piece_indices, piece_offsets
+from kvbridge.layouts.groups import KVCacheConfig
+from kvbridge.layouts.layout import KVLayout
+from kvbridge.layouts.region import KVRegion, MemoryKind
 
 POLL_S = 0.0002  # decode's notification poll: the resolution of "in place"
 Hook = Callable[[int], None]

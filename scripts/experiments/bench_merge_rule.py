@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch

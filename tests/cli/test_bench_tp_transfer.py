@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvbridge.cli.bench.tp_transfer import Pair, head_mismatches, share_bytes
+from kvbridge.cli.bench.transfer import Shape, fill, kv_digest, parse_format
 from kvbridge.handshake import tp
 from kvbridge.layouts.allocation import KVCacheBuffers
-from scripts.bench_tp_transfer import Pair, head_mismatches, share_bytes
-from scripts.bench_transfer import Shape, fill, kv_digest, parse_format
 
 SHAPE = Shape(layers=2, heads=8, head_size=8, block_size=4, tokens=16)
 REMOTE_IDS = [5, 0, 9, 2]

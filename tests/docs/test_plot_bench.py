@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_json import BenchJSONError, read_json, write_json
+from kvbridge.cli.bench.results import BenchJSONError, read_json, write_json
 from scripts.plot_bench import main, phase_rows, transfer_series
 
 TRANSFER_ROWS = [

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from tests.multihost.netns import unavailable
+from kvbridge.examples.netns import unavailable
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""kvbridge's example servers on the two hosts of a :class:`~tests.multihost.netns.Link`.
+"""kvbridge's example servers on the two hosts of a :class:`~kvbridge.examples.netns.Link`.
 
 :class:`HostCluster` is :class:`kvbridge.examples.launch.Cluster` with prefill in the ``p``
 namespace (HTTP and side channel on its link address: ``--host`` and ``kv_ip``) and decode
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from kvbridge.connector.common.metrics import parse_metrics
 from kvbridge.examples.check import complete
 from kvbridge.examples.launch import Cluster, Proc, worker_args
-from tests.multihost.netns import Link
+from kvbridge.examples.netns import Link
 from tests.verified_loads import verifying
 
 SIDE = {"prefill": "p", "decode": "d", "router": "d"}

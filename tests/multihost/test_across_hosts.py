@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 
 from kvbridge.examples.check import make_prompts
+from kvbridge.examples.netns import Link
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
 from tests.engine_call_bounds import ENGINE_CALL_BOUND_S, slowest_engine_calls
 from tests.multihost.hosts import HostCluster
-from tests.multihost.netns import Link
 from tests.streamed_latency import LOCAL_REQUESTS, Latency, latency, within_ratio
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]

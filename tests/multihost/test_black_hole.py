@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multihost.netns import Link
+from kvbridge.examples.netns import Link
 
 pytestmark = pytest.mark.multihost
 

@@ -28,10 +28,10 @@ import pytest
 
 from kvbridge.examples.check import complete, make_prompts
 from kvbridge.examples.launch import worker_args
+from kvbridge.examples.netns import Link, unavailable
 from kvbridge.examples.reference import load_model, reference_generate
 from kvbridge.examples.tokenizer import ByteTokenizer
 from tests.multihost.hosts import HostProc
-from tests.multihost.netns import Link, unavailable
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.connector.vllm import translate
+from kvbridge.examples.vllm.layout_peer import TOTAL_HEADS, SideSpec, build_allocation
 from kvbridge.handshake.description import PeerLayout, WorkerIdentity, describe, parse_description
 from kvbridge.handshake.errors import IncompatiblePeerError
 from kvbridge.handshake.plan import negotiate
 from kvbridge.layouts.external import adopt_kv_caches
-from tests.vllm_layouts.vllm_peer import TOTAL_HEADS, SideSpec, build_allocation
 
 pytestmark = pytest.mark.vllm
 

@@ -15,8 +15,8 @@ from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge.connector.vllm.translate import preferred_layout
+from kvbridge.examples.vllm.allocation import backend, get_supported_kv_cache_layouts
 from kvbridge.examples.vllm.models import ensure_model
-from tests.vllm_layouts.vllm_alloc import backend, get_supported_kv_cache_layouts
 
 pytestmark = pytest.mark.vllm
 

@@ -21,12 +21,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 
 from kvbridge.connector.common.config import ConfigError
 from kvbridge.connector.vllm import translate
-from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
-from kvbridge.layouts.arrangement import HeadOrder
-from kvbridge.layouts.errors import KVBridgeError, LayoutError
-from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
-from kvbridge.layouts.specs import KVCacheKind
-from tests.vllm_layouts.vllm_alloc import (
+from kvbridge.examples.vllm.allocation import (
     BACKENDS,
     MLA_BACKENDS,
     Allocation,
@@ -37,6 +32,11 @@ from tests.vllm_layouts.vllm_alloc import (
     get_supported_kv_cache_layouts,
     mamba2_layer_spec,
 )
+from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers, read_group_token_major
+from kvbridge.layouts.arrangement import HeadOrder
+from kvbridge.layouts.errors import KVBridgeError, LayoutError
+from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
+from kvbridge.layouts.specs import KVCacheKind
 
 pytestmark = pytest.mark.vllm
 

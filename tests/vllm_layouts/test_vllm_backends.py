@@ -23,11 +23,17 @@ from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 
 import tests.vllm_layouts.test_vllm_pairs as pairs
 from kvbridge.connector.common.config import ConfigError
+from kvbridge.examples.vllm.allocation import KVCacheLayout, Model, allocate, backend
+from kvbridge.examples.vllm.attention_backends import (
+    SHIMS,
+    BackendImportError,
+    class_path,
+    import_cause,
+    load,
+)
+from kvbridge.examples.vllm.layout_peer import SideSpec
 from kvbridge.layouts.arrangement import HeadOrder
-from tests.vllm_layouts.backends import SHIMS, BackendImportError, class_path, import_cause, load
 from tests.vllm_layouts.test_vllm_allocation import BLOCK_SIZES, adopt, check_every_token
-from tests.vllm_layouts.vllm_alloc import KVCacheLayout, Model, allocate, backend
-from tests.vllm_layouts.vllm_peer import SideSpec
 
 pytestmark = pytest.mark.vllm
 

@@ -24,11 +24,8 @@ import pytest
 
 from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
 from kvbridge.connector.common.params import KVTransferParams
-from kvbridge.handshake import tp
-from tests.connector.conftest import new_id
-from tests.vllm_layouts.prefill_host import EVENT_TIMEOUT_S, PrefillHost
-from tests.vllm_layouts.vllm_alloc import Allocation
-from tests.vllm_layouts.vllm_peer import (
+from kvbridge.examples.vllm.allocation import Allocation
+from kvbridge.examples.vllm.layout_peer import (
     NUM_BLOCKS,
     TOTAL_HEADS,
     SideSpec,
@@ -39,6 +36,9 @@ from tests.vllm_layouts.vllm_peer import (
     tokens,
     worker_side,
 )
+from kvbridge.examples.vllm.prefill_host import EVENT_TIMEOUT_S, PrefillHost
+from kvbridge.handshake import tp
+from tests.connector.conftest import new_id
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

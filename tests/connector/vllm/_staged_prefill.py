@@ -1,6 +1,6 @@
 """Staged prefill workers for test_host_buffer_pair.py, in one OS process of their own.
 
-The JSON-lines protocol of ``tests/vllm_layouts/_vllm_prefill.py`` (driven by its
+The JSON-lines protocol of ``kvbridge.examples.vllm.prefill_child`` (driven by its
 ``PrefillHost``), where ``open`` takes a ``staged_peer.StagedSpec`` as a dict and builds
 the side with ``staged_peer.staged_side`` (host staging, vLLM's copy operation recorded),
 plus one command::
@@ -8,7 +8,7 @@ plus one command::
     -> {"cmd": "calls", "key": "k"}
     <- @@ {"event": "calls", "key": "k", "path": "vllm", "calls": [[direction, [ids]], ..]}
 
-    python tests/connector/vllm/_staged_prefill.py
+    python -m tests.connector.vllm._staged_prefill
 """
 
 from __future__ import annotations

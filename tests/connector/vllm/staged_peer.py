@@ -4,7 +4,7 @@ a test).
 ``kv_buffer_device: "cpu"`` with a GPU cache stages through a host mirror; here the
 cache is in host memory, so the stage is forced (``host_staging=True``, the path a CUDA
 cache takes minus the device). The cache is either what vLLM's own allocation code
-builds (``tests.vllm_layouts.vllm_alloc``: per-layer ``[kernel blocks, H, N, C]`` views,
+builds (``kvbridge.examples.vllm.allocation``: per-layer ``[kernel blocks, H, N, C]`` views,
 which vLLM's copy operation indexes correctly) or, with ``split=True``, per-layer
 ``[2, blocks, H, N, D]`` tensors (K and V apart), whose dim 0 vLLM's operation would
 index wrongly: kvbridge's copies must serve those. vLLM's operation is recorded
@@ -21,10 +21,10 @@ from vllm.config.kv_transfer import KVTransferConfig as VLLMTransferConfig
 
 from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
+from kvbridge.examples.vllm.allocation import Allocation
+from kvbridge.examples.vllm.layout_peer import SideSpec, build_allocation, fill
 from tests.connector.vllm.vllm_copy_ops import RecordingCopyOp, vllm_copy_kv_blocks
 from tests.verified_loads import is_decode, verifying
-from tests.vllm_layouts.vllm_alloc import Allocation
-from tests.vllm_layouts.vllm_peer import SideSpec, build_allocation, fill
 
 TOTAL_HEADS = 4  # SideSpec's default; TP 1 here
 

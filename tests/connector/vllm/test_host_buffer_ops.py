@@ -23,6 +23,8 @@ from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.connector import KVBridgeConnector
 from kvbridge.connector.worker.staging.engine_copies import EngineCopies, engine_copies_for
 from kvbridge.connector.worker.staging.host_stage import HostStage
+from kvbridge.examples.vllm.allocation import KVCacheLayout, Model, allocate
+from kvbridge.examples.vllm.layout_peer import NUM_BLOCKS, SideSpec, fill
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.external import adopt_kv_caches
 from tests.connector.vllm.staged_peer import StagedSpec, staged_cache, staged_side
@@ -32,8 +34,6 @@ from tests.connector.vllm.vllm_copy_ops import (
     cuda_platform_copies,
     vllm_copy_kv_blocks,
 )
-from tests.vllm_layouts.vllm_alloc import KVCacheLayout, Model, allocate
-from tests.vllm_layouts.vllm_peer import NUM_BLOCKS, SideSpec, fill
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from unittest import mock
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,18 +25,18 @@ from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.vllm.step_metadata import KVBridgeMetadata
 from kvbridge.connector.vllm.worker_side import VLLMWorkerSide
+from kvbridge.examples.vllm.layout_peer import NUM_BLOCKS, SideSpec
+from kvbridge.examples.vllm.prefill_host import EVENT_TIMEOUT_S, PrefillHost
 from tests.connector.conftest import new_id
 from tests.connector.vllm.staged_peer import StagedCache, StagedSpec, staged_cache, staged_side
 from tests.connector.vllm.vllm_copy_ops import CopyCall, RecordingCopyOp
-from tests.vllm_layouts import prefill_host
-from tests.vllm_layouts.prefill_host import EVENT_TIMEOUT_S, PrefillHost
-from tests.vllm_layouts.vllm_peer import NUM_BLOCKS, SideSpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 TOKENS = 120  # not a multiple of any block size: the last block is partial
 FA = "FLASH_ATTN"
-CHILD = prefill_host.CHILD.parents[1] / "connector" / "vllm" / "_staged_prefill.py"
+CHILD = "tests.connector.vllm._staged_prefill"  # the staged prefill process
+REPO = Path(__file__).resolve().parents[3]
 
 # (prefill, decode, mode): layouts, block sizes, pull and push; vLLM's copies or kvbridge's
 CASES = [
@@ -59,8 +59,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillHost]:
-    with mock.patch.object(prefill_host, "CHILD", CHILD):  # the staged prefill process
-        h = PrefillHost(tmp_path_factory.mktemp("staged-prefill") / "prefill.log")
+    h = PrefillHost(tmp_path_factory.mktemp("staged-prefill") / "prefill.log", CHILD, REPO)
     try:
         yield h
     finally:

@@ -37,7 +37,7 @@ from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.vllm import translate
 from kvbridge.connector.vllm.scheduler_side import VLLMSchedulerSide
 from kvbridge.connector.vllm.step_metadata import KVBridgeHandshakeMetadata
-from tests.vllm_layouts.vllm_alloc import Model
+from kvbridge.examples.vllm.allocation import Model
 
 pytestmark = pytest.mark.vllm
 

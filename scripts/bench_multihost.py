@@ -1,0 +1,14 @@
+"""Moved to ``kvbridge bench multihost`` (``kvbridge.cli.bench.multihost``);
+this shim, and the module's names read from here, stay for one release."""
+
+import sys
+
+from kvbridge.cli.bench import multihost as _moved
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_moved, name)
+
+
+if __name__ == "__main__":
+    sys.exit(_moved.main())
