@@ -1,11 +1,16 @@
-"""Child process for test_nixl_multiprocess.py (a helper script, not a test).
+"""A NIXL peer in its own process, for tests and experiments that need a real remote agent.
 
-Registers ``num_blocks`` blocks of known bytes, prints one ``@@`` JSON line with its agent
-metadata and descriptors, then keeps driving NIXL (no progress thread: ``get_notifs`` is
-what progresses) and reports every notification it receives as another ``@@`` line.
-Exits when stdin closes (the parent died or is done) or on a ``quit`` line.
+The child (this module run as a script) registers ``num_blocks`` blocks of known bytes,
+prints one ``@@`` JSON line with its agent metadata and descriptors, then keeps driving
+NIXL (no progress thread: ``get_notifs`` is what progresses) and reports every notification
+it receives as another ``@@`` line. It exits when stdin closes (the parent died or is done)
+or on a ``quit`` line::
 
-    python tests/connector/_nixl_peer.py AGENT_NAME NUM_BLOCKS BLOCK_BYTES SEED
+    python -m kvbridge.examples.nixl_peer AGENT_NAME NUM_BLOCKS BLOCK_BYTES SEED
+
+:class:`Peer` starts one from the parent and speaks that line protocol
+(``tests/connector/test_nixl_multiprocess.py``,
+``scripts/experiments/measure_frozen_peer.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import base64
 import json
 import os
 import select
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +67,69 @@ def main(agent_name: str, num_blocks: int, block_bytes: int, seed: int) -> None:
                 line = sys.stdin.readline()
                 if not line or line.strip() == "quit":
                     return
+
+
+TIMEOUT_S = 10.0  # a child's answer, and its exit once killed
+
+
+class Peer:
+    """One child process and the line protocol to it."""
+
+    def __init__(
+        self, agent_name: str, seed: int, log: Path, num_blocks: int, block_bytes: int
+    ) -> None:
+        self.agent_name = agent_name
+        self.seed = seed
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.examples.nixl_peer",
+                agent_name,
+                str(num_blocks),
+                str(block_bytes),
+                str(seed),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self._buf = b""
+        hello = self.next_msg()
+        self.metadata = base64.b64decode(hello["metadata"])
+        self.descs = np.array(hello["descs"], dtype=np.int64)
+        if hello["agent"] != agent_name or hello["pid"] != self.proc.pid:
+            raise RuntimeError(f"child {agent_name} introduced itself as {hello}")
+
+    def next_msg(self, timeout_s: float = TIMEOUT_S) -> dict:
+        """The next ``@@`` line as JSON; other output (NIXL logging) is skipped."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None  # stdout=PIPE
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                if line.startswith(b"@@ "):
+                    return json.loads(line[3:])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"child {self.agent_name} said nothing within {timeout_s} s")
+            readable, _, _ = select.select([fd], [], [], left)
+            if readable:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"child {self.agent_name} exited: rc={self.proc.poll()}")
+                self._buf += chunk
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=TIMEOUT_S)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._log.close()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 For each configuration (a set of UCX environment variables, given to both processes) a
 fresh pair of processes: this one plays decode (a ``NixlTransferEngine`` with no progress
-thread, as kvbridge's workers run), the child (``tests/connector/_nixl_peer.py``) plays
+thread, as kvbridge's workers run), the child (``kvbridge.examples.nixl_peer``) plays
 prefill: it registers ``--blocks`` x ``--block-kib`` of known bytes and drives NIXL from its
 own loop. After a warm READ and a warm notification (the connection is up), the child is
 SIGSTOPped; then::
@@ -82,8 +82,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from kvbridge.connector.transfer.errors import TransferError
     from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
     from kvbridge.connector.transfer.transport import XferState, wait_done
-    from tests.connector._nixl_peer import block_bytes_of
-    from tests.connector.test_nixl_multiprocess import Peer
+    from kvbridge.examples.nixl_peer import Peer, block_bytes_of
 
     _, fault = CONFIGS[args.single]
     block_bytes, num_blocks = args.block_kib << 10, args.blocks
@@ -220,7 +219,7 @@ def main() -> None:
     rows = []
     for name in names:
         env_vars, _ = CONFIGS[name]
-        env = {**os.environ, "UCX_TLS": "tcp", **env_vars, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "UCX_TLS": "tcp", **env_vars}
         cmd = [sys.executable, __file__, "--single", name]
         cmd += ["--window", str(args.window), "--notif-every", str(args.notif_every)]
         cmd += ["--flood-mib", str(args.flood_mib), "--blocks", str(args.blocks)]

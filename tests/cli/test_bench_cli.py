@@ -102,9 +102,6 @@ def test_the_old_script_paths_still_run():
 
 SYS_PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend)")
 TESTS_IMPORT = re.compile(r"^\s*(from tests[. ]|import tests\b)", re.M)
-# an experiment that still drives a test's NIXL peer process (tests/connector); left to
-# move with that harness
-STILL_IMPORTS_TESTS = {"scripts/experiments/measure_frozen_peer.py"}
 
 
 def test_scripts_edit_no_sys_path_and_import_nothing_from_tests():
@@ -113,4 +110,4 @@ def test_scripts_edit_no_sys_path_and_import_nothing_from_tests():
     edits = [str(p.relative_to(REPO)) for p in scripts if SYS_PATH_EDIT.search(p.read_text())]
     assert edits == [], f"sys.path edits where the package is installed: {edits}"
     imports = {str(p.relative_to(REPO)) for p in scripts if TESTS_IMPORT.search(p.read_text())}
-    assert imports == STILL_IMPORTS_TESTS, f"scripts that import tests: {imports}"
+    assert imports == set(), f"scripts that import tests: {imports}"

@@ -1,20 +1,13 @@
 """NixlTransferEngine between real OS processes: read, peer death, recovery.
 
-The child (``_nixl_peer.py``) registers blocks of known bytes and reports its metadata,
-descriptors and every notification it receives as ``@@ {json}`` lines on stdout. Each
-child is SIGKILLed in ``finally`` whatever happens, and exits by itself if the parent
+The child (``kvbridge.examples.nixl_peer``) registers blocks of known bytes and reports its
+metadata, descriptors and every notification it receives as ``@@ {json}`` lines on stdout.
+Each child is SIGKILLed in ``finally`` whatever happens, and exits by itself if the parent
 dies (stdin closes).
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,74 +20,13 @@ import torch
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
 from kvbridge.connector.transfer.transport import DescList, XferState, wait_done
-from tests.connector._nixl_peer import block_bytes_of
+from kvbridge.examples.nixl_peer import Peer, block_bytes_of
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-PEER_SCRIPT = Path(__file__).with_name("_nixl_peer.py")
 NUM_BLOCKS = 256
 BLOCK_BYTES = 4096
 TIMEOUT_S = 10.0
-
-
-class Peer:
-    """One child process and the line protocol to it."""
-
-    def __init__(
-        self, agent_name: str, seed: int, log: Path, num_blocks: int, block_bytes: int
-    ) -> None:
-        self.agent_name = agent_name
-        self.seed = seed
-        self._log = log.open("wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}  # the tests package
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(PEER_SCRIPT),
-                agent_name,
-                str(num_blocks),
-                str(block_bytes),
-                str(seed),
-            ],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-        )
-        self._buf = b""
-        hello = self.next_msg()
-        self.metadata = base64.b64decode(hello["metadata"])
-        self.descs = np.array(hello["descs"], dtype=np.int64)
-        assert hello["agent"] == agent_name and hello["pid"] == self.proc.pid
-
-    def next_msg(self, timeout_s: float = TIMEOUT_S) -> dict:
-        """The next ``@@`` line as JSON; other output (NIXL logging) is skipped."""
-        deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(b"@@ "):
-                    return json.loads(line[3:])
-            left = deadline - time.monotonic()
-            assert left > 0, f"child {self.agent_name} said nothing within {timeout_s} s"
-            readable, _, _ = select.select([fd], [], [], left)
-            if readable:
-                chunk = os.read(fd, 65536)
-                assert chunk, f"child {self.agent_name} exited: rc={self.proc.poll()}"
-                self._buf += chunk
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=TIMEOUT_S)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-        self._log.close()
 
 
 @pytest.fixture
