@@ -6,8 +6,9 @@ directory (to read from others), a :class:`Sender` (prefill role) and a :class:`
 (decode role); in push mode also a :class:`Pusher` and a second peer directory of the
 decode workers it writes to (prefill role). What arrives from peers goes through an
 :class:`~kvbridge.connector.worker.inbox.Inbox`, what leaves through an
-:class:`~kvbridge.connector.worker.outbox.Outbox`. This module wires them together at
-``register_kv_caches`` and runs them once per engine step.
+:class:`~kvbridge.connector.worker.outbox.Outbox`. ``assembly`` builds and wires them at
+``register_kv_caches``; this module is the engine-facing facade that runs them once per
+engine step.
 
 Threads: the engine's calls and the idle-progress thread take turns under the worker's
 lock and run a progress round only when the agent gate is free (``agent_gate``); what may
@@ -28,18 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.connector.common.config import FailurePolicy, KVTransferConfig
+from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, WorkerOutput
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
-from kvbridge.connector.worker.decode.inflight import PushEndpoint
-from kvbridge.connector.worker.decode.landing import Verifier
+from kvbridge.connector.worker.assembly import Wiring, assemble
 from kvbridge.connector.worker.decode.receiver import Receiver
 from kvbridge.connector.worker.device_order import DeviceOrder
-from kvbridge.connector.worker.digests import region_units
 from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.nixl_setup import engine_call, nixl_engine
@@ -47,18 +46,14 @@ from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.prefill.pushes import Pusher
-from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
-from kvbridge.connector.worker.staging.arenas import StagingPools
 from kvbridge.connector.worker.staging.engine_copies import CopyBlocksOp, EngineCopies
-from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
+from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.connector.worker.staging.staged_reads import Repacker
-from kvbridge.handshake.affinity import unpinned
-from kvbridge.handshake.description import WorkerIdentity, parse_description
+from kvbridge.handshake.description import WorkerIdentity
 from kvbridge.handshake.messages import WorkerDescription
-from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
 
@@ -110,10 +105,8 @@ class KVBridgeWorker:
         self.rewrites_in_place = rewrites_in_place
         self._repacker: Repacker | None = None  # see set_repacker
         extra = config.extra
-        self._staging_bytes = extra.staging_bytes
         self.transfer_mode = extra.transfer_mode
         self.rewrite_on_save = extra.rewrite_on_save and rewrites_in_place
-        self._warm_peers = extra.warm_peer_addresses
         self._router = Router(
             rank, tp_size, model.num_kv_heads, pp_rank=pp_rank, pp_layers=pp_layers
         )
@@ -221,30 +214,6 @@ class KVBridgeWorker:
 
     def _register(self, buffers: KVCacheBuffers) -> None:
         self._buffers = buffers
-        self._stage = host_stage_for(
-            self.config.kv_buffer_device,
-            buffers,
-            self.metrics,
-            forced=self._host_staging,
-            repacks=self._repacker is not None,
-            engine_copies=self._engine_copies,
-        )
-        moved = self._stage.host_buffers if self._stage is not None else buffers
-        with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
-            engine = self._engine_factory(self.agent_name)
-        self._engine = engine
-        if hasattr(engine, "guard"):  # every NIXL call from now on checks the gate
-            engine.guard = self._gate.held
-        # kvbridge's own threads: started now, before the engine lowers its step thread's
-        # priority (a thread inherits its creator's), on every core
-        with unpinned():
-            self._setup = setup = PeerSetup(engine, self._gate)
-        engine.register(moved.tensors)
-        staging = StagingPools(engine, self._staging_bytes, device=buffers.device)
-        if self._stages_pages(buffers, TransferMode.PUSH):
-            # prefill writes whole pages into these slots: registered before the
-            # description, so the NIXL metadata prefill gets in the handshake covers them
-            staging.open()
         identity = WorkerIdentity(
             engine_id=self.config.engine_id,
             agent_name=self.agent_name,
@@ -258,105 +227,26 @@ class KVBridgeWorker:
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
         )
-        self._side = side = SideChannel(
-            self.config,
-            identity,
-            moved,
-            engine,
-            setup,
-            rewrites_in_place=self.rewrites_in_place,
-            transfer_mode=self.transfer_mode,
-            can_repack=self._repacker is not None,
-            rewrites_on_save=self.rewrite_on_save,
-            staging=staging.region,
-        )
-        if self._stages_pages(buffers, TransferMode.PULL):
-            # pull: larger prefill pages land in these slots. Allocated and registered
-            # now, on the engine's thread at startup, not inside the first such load
-            # (docs/handover.md); after the description, which advertises slots only
-            # to pushing prefills
-            staging.open()
-        self._peers = side.directory(can_repack=self._repacker is not None)
-        order = self._device_order(buffers.device)
-        extra = self.config.extra
-        self._outbox = outbox = Outbox(
-            engine, self._peers, self._router, self.metrics, ensure_agent=side.ensure_agent
-        )
-        units = region_units(moved)  # where NIXL moves from and to: digests read them there
-        digests = ReaderDigests(parse_description(side.description), units, side.agents.layout)
-        self._sender = Sender(
-            buffers,
-            self.metrics,
+        wiring = Wiring(
+            config=self.config,
+            identity=identity,
+            router=self._router,
+            gate=self._gate,
+            metrics=self.metrics,
             clock=self._clock,
+            engine_factory=self._engine_factory,
+            device_order=self._device_order,
+            repacker=self._repacker,
+            engine_copies=self._engine_copies,
+            host_staging=self._host_staging,
             rewrites_in_place=self.rewrites_in_place,
             rewrite_on_save=self.rewrite_on_save,
-            stage=self._stage,
-            order=order,
-            # a Prepare or Push may come before the engine hands this worker the request
-            # (its next step, seconds away under load): wait for it as long as the lease
-            early_wait_s=self.config.lease_s,
-            digests=digests,
         )
-        push = None
-        if self.transfer_mode is TransferMode.PUSH:
-            self._targets = side.directory(writer=True)
-            self._pusher = Pusher(
-                engine,
-                self._targets,
-                self._sender,
-                self.metrics,
-                outbox.send_raw,
-                clock=self._clock,
-                digests=digests,
-            )
-            push = PushEndpoint(
-                self.config.engine_id, self._router.engine_rank, self.config.kv_ip, side.port
-            )
-        self._receiver = Receiver(
-            engine,
-            self._peers,
-            buffers,
-            self.metrics,
-            outbox.send,
-            timeout_s=self.config.transfer_timeout_s,
-            clock=self._clock,
-            repacker=self._repacker,
-            staging=staging,
-            router=self._router,
-            notify=outbox.queue_to,
-            push=push,
-            stage=self._stage,
-            order=order,
-            verifier=Verifier(extra.verify, extra.verify_rate, moved, units, self.metrics)
-            if self.config.is_consumer
-            else None,
-            max_quarantined_bytes=extra.max_quarantined_bytes,
-            fail_early=self.config.failure_policy is FailurePolicy.FAIL,
-        )
-        self._inbox = Inbox(
-            engine,
-            outbox,
-            self.metrics,
-            sender=self._sender,
-            receiver=self._receiver,
-            pusher=self._pusher,
-        )
-        for host, peer_port in self._warm_peers:
-            if self.config.is_consumer:
-                self._peers.warm(host, peer_port)
-            elif self._targets is not None:
-                self._targets.warm(host, peer_port)
-
-    def _stages_pages(self, buffers: KVCacheBuffers, mode: TransferMode) -> bool:
-        """A decode in ``mode`` whose engine repacks packed pages: prefill's larger (or
-        non-dividing) pages land in its staging slots (read there in pull mode, written
-        there by prefill in push mode)."""
-        return (
-            self.transfer_mode is mode
-            and self.config.is_consumer
-            and self._repacker is not None
-            and bool(buffers.format.block_packing)
-        )
+        parts = assemble(wiring, buffers)
+        self._engine, self._setup, self._stage = parts.engine, parts.setup, parts.stage
+        self._side, self._peers, self._targets = parts.side, parts.peers, parts.targets
+        self._outbox, self._inbox = parts.outbox, parts.inbox
+        self._sender, self._pusher, self._receiver = parts.sender, parts.pusher, parts.receiver
 
     # -- per step -------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ until it resumes or dies, measured in ``scripts/experiments/measure_frozen_peer.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
@@ -64,6 +65,8 @@ from kvbridge.connector.common.notifications import Heartbeat, Prepare, Prepared
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
+
+logger = logging.getLogger(__name__)
 
 RESEND_S = 2.0  # a claim unanswered this long goes out again
 CLAIM_IDS_KEPT = 64  # claim numbers a source names in its Done (its latest ones)
@@ -179,6 +182,71 @@ class Claims:
             return None
         sent, ended = settled
         return self._clock() - sent if ended else 0.0
+
+    def claim(self, load: Load, src: Source, peer: Peer) -> str:
+        """Claim the blocks: '' or why the load fails (prefill unreachable)."""
+        if self.send(load, src, peer):
+            return ""
+        return f"prefill {peer.key} unreachable for a claim (Prepare)"
+
+    def refresh(self, load: Load, src: Source, peer: Peer | None, now: float) -> str:
+        """READs still running past half the hold we know of: claim again (``peer``: the
+        source's, None when not connected). '' or why the load fails."""
+        if not self.due(src, now):
+            return ""
+        if peer is None:
+            return f"peer {src.key} went away during the read"
+        return self.claim(load, src, peer)
+
+    def again(self, load: Load, src: Source, peer: Peer | None, now: float) -> str:
+        """The claim in flight is unanswered for ``RESEND_S``: send it again. '' or why the
+        load fails."""
+        if peer is None:
+            return f"peer {src.key} went away with a claim unanswered"
+        if len(src.claims) == 1:
+            logger.warning(
+                "load %s: claim (Prepare) to prefill %s unanswered for %.1f s (%s); sending "
+                "it again",
+                load.spec.request_id,
+                src.key,
+                now - src.claim_sent,
+                "its READs ended" if src.reads_done else "READs not posted or running",
+            )
+        return self.claim(load, src, peer)
+
+    @staticmethod
+    def numbered(peer: Peer | None) -> bool:
+        """``peer`` (a source's, connected) echoes claim numbers: a claim may be sent again."""
+        return bool(peer and peer.description and peer.description.numbered_claims)
+
+    def reads_ended(self, src: Source) -> str:
+        """The source's READs ended: DONE within the hold, or wait while a claim is
+        unanswered (''); else why the load fails."""
+        verdict = self.verdict(src)
+        if verdict:
+            self.settle(src, ended=False)  # a refresh in flight: not needed now
+            src.state = LoadState.DONE
+        elif verdict is False:
+            return (
+                f"read from {src.key} ended {src.reads_done - src.held_until:.1f} s after the "
+                f"hold prefill promised: its blocks may have been given back, nothing kept"
+            )
+        return ""
+
+    def stray_answer(self, msg: Prepared, agent: str) -> None:
+        """A ``Prepared`` no claim in flight waits for: an answer to a claim settled before
+        (another answer came first, or the load ended: logged), or a bad notification."""
+        late = self.late_answer(msg)
+        if late is None:
+            self._metrics.bad_notifications += 1
+        elif late > 0:
+            logger.warning(
+                "prefill %s answered a claim on %s %.1f s after it was sent, after the load "
+                "had ended without an answer",
+                agent or "?",
+                msg.request_id,
+                late,
+            )
 
     @staticmethod
     def verdict(src: Source) -> bool | None:

@@ -232,7 +232,7 @@ class Receiver:
         we know of the hold under READs already posted."""
         found = self._claimant(msg, agent)
         if found is None:
-            self._late_answer(msg, agent)
+            self._claims.stray_answer(msg, agent)
             return
         load, src = found
         if not msg.ok:
@@ -246,7 +246,7 @@ class Receiver:
         if src.state is LoadState.PREPARING:
             self._post(load, src)
         elif src.reads_done:
-            self._settle_claim(load, src)
+            self._fail(load, self._claims.reads_ended(src))
 
     def _claimant(self, msg: Prepared, agent: str) -> tuple[Load, Source] | None:
         """The load and source with a claim in flight that ``msg`` (from ``agent``)
@@ -259,21 +259,6 @@ class Receiver:
             if Claims.answers(src, msg) and (not agent or self._agent_of(src.key) == agent):
                 return load, src
         return None
-
-    def _late_answer(self, msg: Prepared, agent: str) -> None:
-        """A ``Prepared`` for a claim settled before (another answer came first, or the
-        load ended: logged), or a bad notification."""
-        late = self._claims.late_answer(msg)
-        if late is None:
-            self._metrics.bad_notifications += 1
-        elif late > 0:
-            logger.warning(
-                "prefill %s answered a claim on %s %.1f s after it was sent, after the load "
-                "had ended without an answer",
-                agent or "?",
-                msg.request_id,
-                late,
-            )
 
     def on_pushed(self, msg: Pushed, agent: str = "") -> None:
         """Prefill wrote a round of a load into our blocks and slots (or says why not)."""
@@ -323,14 +308,15 @@ class Receiver:
                     if not src.reads_done:
                         self._poll_reads(load, src)
                     if load.spec.request_id in self._loads and not src.reads_done:
-                        self._refresh_claim(load, src, now)
+                        peer = self._ready_peer(src)
+                        self._fail(load, self._claims.refresh(load, src, peer, now))
                 if (
                     load.spec.request_id in self._loads
                     and now <= load.deadline
                     and src.state in (LoadState.PREPARING, LoadState.READING)
-                    and self._claims.resend_due(src, now, self._numbered(src))
+                    and self._claims.resend_due(src, now, Claims.numbered(self._ready_peer(src)))
                 ):
-                    self._claim_again(load, src, now)
+                    self._fail(load, self._claims.again(load, src, self._ready_peer(src), now))
             if load.spec.request_id not in self._loads:
                 continue
             if all(s.state is LoadState.DONE for s in load.sources):
@@ -387,13 +373,6 @@ class Receiver:
             return
         self._post(load, src)
 
-    def _claim(self, load: Load, src: Source, peer: Peer) -> bool:
-        """Claim the blocks; False: prefill is unreachable and the load failed."""
-        if self._claims.send(load, src, peer):
-            return True
-        self._finish_failed(load, f"prefill {peer.key} unreachable for a claim (Prepare)")
-        return False
-
     def _first_claim(self, load: Load, src: Source, peer: Peer) -> bool:
         """The claim before any READ; False: the load failed, or waits for the peer."""
         if self._claims.send(load, src, peer):
@@ -417,51 +396,6 @@ class Receiver:
             peer.key,
         )
         return False
-
-    def _refresh_claim(self, load: Load, src: Source, now: float) -> None:
-        """READs still running past half the hold we know of: claim again."""
-        if not self._claims.due(src, now):
-            return
-        peer = self._ready_peer(src)
-        if peer is None:
-            self._finish_failed(load, f"peer {src.key} went away during the read")
-            return
-        self._claim(load, src, peer)
-
-    def _claim_again(self, load: Load, src: Source, now: float) -> None:
-        """The claim in flight is unanswered for ``claims.RESEND_S``: send it again."""
-        peer = self._ready_peer(src)
-        if peer is None:
-            self._finish_failed(load, f"peer {src.key} went away with a claim unanswered")
-            return
-        if len(src.claims) == 1:
-            logger.warning(
-                "load %s: claim (Prepare) to prefill %s unanswered for %.1f s (%s); sending "
-                "it again",
-                load.spec.request_id,
-                src.key,
-                now - src.claim_sent,
-                "its READs ended" if src.reads_done else "READs not posted or running",
-            )
-        self._claim(load, src, peer)
-
-    def _numbered(self, src: Source) -> bool:
-        """The source's prefill echoes claim numbers (a claim may be sent again)."""
-        peer = self._ready_peer(src)
-        return bool(peer and peer.description and peer.description.numbered_claims)
-
-    def _settle_claim(self, load: Load, src: Source) -> None:
-        """The READs ended: done within the hold; wait while a claim is unanswered."""
-        verdict = self._claims.verdict(src)
-        if verdict:
-            self._claims.settle(src, ended=False)  # a refresh in flight: not needed now
-            src.state = LoadState.DONE
-        elif verdict is False:
-            self._finish_failed(
-                load,
-                f"read from {src.key} ended {src.reads_done - src.held_until:.1f} s after the "
-                f"hold prefill promised: its blocks may have been given back, nothing kept",
-            )
 
     def _ask_push(self, load: Load, src: Source, peer: Peer, rewrites: list[GroupRewrite]) -> None:
         """Push mode: name our blocks (and slots, round by round) to prefill; it writes
@@ -520,7 +454,7 @@ class Receiver:
         if done:
             self._release_source(load, src)
             src.reads_done = self._clock()
-            self._settle_claim(load, src)
+            self._fail(load, self._claims.reads_ended(src))
 
     def _complete(self, load: Load) -> None:
         """Every source's transfers ended: finish the blocks (landing) by the plans the
@@ -625,6 +559,11 @@ class Receiver:
         held = self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
         if held and early and self._fail_early:
             self._failing.append(failure(load.spec, reason))
+
+    def _fail(self, load: Load, reason: str) -> None:
+        """Fail ``load`` when there is a ``reason`` (a step that may fail it said why)."""
+        if reason:
+            self._finish_failed(load, reason)
 
     def _forget(self, load: Load) -> None:
         for src in load.sources:
