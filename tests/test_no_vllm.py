@@ -1,0 +1,52 @@
+"""Without vLLM (a GPU host running ``scripts/gpu_check.sh`` is the usual case), the suite
+still collects: every module that needs vLLM is skipped by name, none fails collection.
+Runs the GPU tier's own collection (``pytest -m gpu tests``) with vLLM made unimportable
+(``tests/no_vllm.py``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# modules that import vLLM at their top (directly or through a helper): skipped by name
+NEED_VLLM = [
+    "tests/connector/vllm/test_translate.py",
+    "tests/connector/vllm/test_spin_wait.py",
+    "tests/vllm_layouts/test_vllm_pairs.py",
+    "tests/vllm_layouts/test_vllm_backends.py",
+]
+
+
+def test_the_gpu_tier_collects_without_vllm_and_names_what_it_skips():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plugins = ["-p", "tests.no_vllm", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *plugins,
+            "--collect-only",
+            "-q",
+            "-rs",
+            "-m",
+            "gpu",
+            "tests",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert not re.search(r"^ERROR", out, re.M), out[-4000:]
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    for module in NEED_VLLM:
+        named = [s for s in skipped if module in s and "needs vLLM" in s]
+        assert named, f"{module} is not skipped by name: {skipped}"
