@@ -3,8 +3,8 @@
 #   1. pytest -m gpu: the worker matrix, the connector pair and the example servers end
 #      to end with CUDA caches (NIXL VRAM), and the same with host staging
 #      (kv_buffer_device "cpu": pinned host mirrors);
-#   2. scripts/bench_layouts.py --device cuda: rewrites vs a device copy of the same bytes;
-#   3. scripts/bench_transfer.py --device cuda --host-staging compare: connector loads vs
+#   2. kvbridge bench layouts --device cuda: rewrites vs a device copy of the same bytes;
+#   3. kvbridge bench transfer --device cuda --host-staging compare: connector loads vs
 #      raw NIXL READ / WRITE on VRAM, direct and host-staged;
 #   4. when `import vllm` finds a CUDA build and a GPU: real vLLM prefill + decode servers
 #      on the GPU (scripts/run_vllm_pd.sh, tiny generated models, TP 1; a Mamba2 hybrid
@@ -14,14 +14,17 @@
 #      and logprobs compared with a single server; "skipped: no CUDA vLLM" otherwise.
 #
 # Python: $PYTHON (default: .venv/bin/python if present, else python3), which must hold a
-# CUDA build of torch. Packages missing there (nixl, msgspec, pyzmq) are installed from the
-# wheels in $WHEELS (default .whl/, made on a networked machine by
-# `bash scripts/gpu_wheels.sh`) into a private folder, never into the system.
+# CUDA build of torch. The wheels in $WHEELS (default .whl/, made on a networked machine by
+# `bash scripts/gpu_wheels.sh`: NIXL, msgspec, pyzmq, the example servers' HTTP stack and
+# vllm-router) are installed into a private folder, never into the system, and put first
+# on the import path and PATH; without wheels, $PYTHON must already import them all.
 # Logs go to $OUT (default gpu_check_out/). Exit status: non-zero if a step failed.
 #
 #   bash scripts/gpu_check.sh            # everything (about 5-8 minutes on an H100)
 #   QUICK=1 bash scripts/gpu_check.sh    # smaller benchmarks
 #   bash scripts/gpu_check.sh vllm       # step 4 only (prints the skip line without a GPU)
+#   bash scripts/gpu_check.sh setup      # the set-up alone: wheels, imports, the router;
+#                                        # prints where each comes from (no GPU needed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,8 +36,8 @@ WHEELS="${WHEELS:-.whl}"
 mkdir -p "$OUT"
 
 ONLY="${1:-}"
-if [ -n "$ONLY" ] && [ "$ONLY" != vllm ]; then
-    echo "gpu_check: unknown argument $ONLY (the only one is: vllm)" >&2
+if [ -n "$ONLY" ] && [ "$ONLY" != vllm ] && [ "$ONLY" != setup ]; then
+    echo "gpu_check: unknown argument $ONLY (one of: vllm, setup)" >&2
     exit 2
 fi
 
@@ -43,27 +46,64 @@ if [ -z "$ONLY" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda
     exit 2
 fi
 
-if ! "$PYTHON" -c "import nixl._api, msgspec, zmq" 2>/dev/null; then
-    if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-        echo "gpu_check: nixl, msgspec or pyzmq is missing and $WHEELS/ has no wheels" \
-            "(run scripts/gpu_wheels.sh where pip works)" >&2
-        exit 2
-    fi
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     SITE="$(mktemp -d)/site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$SITE" "$WHEELS"/*.whl || exit 2
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    # console scripts of those wheels (vllm-router: the example servers' front door)
+    export PATH="$SITE/bin:$PATH"
 fi
 # kvbridge is not pip-installed on the lent machine (no network, no build backend there):
 # a kvbridge/ namespace folder of links to the checkout's packages gives the same import
 # root as an install (kvbridge.layouts, kvbridge.connector, ...); "." keeps tests importable.
 ROOT_LINKS="$(mktemp -d)"
+trap 'rm -rf "$ROOT_LINKS" ${SITE:+"$(dirname "$SITE")"}' EXIT
 mkdir "$ROOT_LINKS/kvbridge"
-for pkg in layouts handshake connector examples; do
+for pkg in layouts handshake connector examples cli; do
     ln -s "$PWD/$pkg" "$ROOT_LINKS/kvbridge/$pkg"
 done
 export PYTHONPATH=".:$ROOT_LINKS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+
+# everything the tier imports, and the router; what is missing is named, with the fix
+if ! "$PYTHON" - <<'EOF' 2>&1 | tee "$OUT/setup.txt"; then
+import importlib
+import shutil
+import sys
+
+NEEDED = ["nixl._api", "msgspec", "zmq", "fastapi", "uvicorn", "prometheus_client",
+          "kvbridge.connector.worker.worker", "kvbridge.cli.bench"]
+missing = []
+print(f"python: {sys.executable} {sys.version.split()[0]}")
+for name in NEEDED:
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:
+        missing.append(name)
+        print(f"{name}: MISSING ({type(exc).__name__}: {exc})")
+    else:
+        print(f"{name}: {getattr(module, '__file__', '?')}")
+try:  # as the example servers find it: next to this Python, else on PATH
+    from kvbridge.examples.router import router_binary
+
+    router = router_binary()
+except Exception as exc:
+    router = None
+    print(f"vllm-router: MISSING ({exc})")
+else:
+    print(f"vllm-router: {router} (on PATH: {shutil.which('vllm-router') or 'none'})")
+if missing or router is None:
+    print("gpu_check: missing " + ", ".join(missing + ([] if router else ["vllm-router"]))
+          + ": put their wheels in $WHEELS (bash scripts/gpu_wheels.sh where pip works)")
+    sys.exit(2)
+EOF
+    exit 2
+fi
+if [ "$ONLY" = setup ]; then
+    echo "gpu_check: set-up ok (wheels, imports, router)"
+    exit 0
+fi
 
 if [ -z "$ONLY" ]; then
 "$PYTHON" - <<'EOF' | tee "$OUT/device.txt"
@@ -92,12 +132,12 @@ step() {
 if [ -z "$ONLY" ]; then
 step tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
 if [ -n "${QUICK:-}" ]; then
-    step layouts "$PYTHON" scripts/bench_layouts.py --device cuda --quick
-    step transfer "$PYTHON" scripts/bench_transfer.py --device cuda --layers 8 \
+    step layouts "$PYTHON" -m kvbridge.cli bench layouts --device cuda --quick
+    step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --layers 8 \
         --iterations 5 --host-staging compare
 else
-    step layouts "$PYTHON" scripts/bench_layouts.py --device cuda
-    step transfer "$PYTHON" scripts/bench_transfer.py --device cuda --host-staging compare
+    step layouts "$PYTHON" -m kvbridge.cli bench layouts --device cuda
+    step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --host-staging compare
 fi
 fi
 

@@ -609,7 +609,13 @@ def measure_raw(
             assert region.block_bytes * shape.blocks_per_request == nbytes, "cross-layer region"
         assert nbytes <= min(region.span_bytes, dst.numel() * dst.element_size()), nbytes
         peer = raw.add_peer(desc.nixl_metadata)
-        remote = raw.prep_remote(peer, np.array([[region.base_addr, nbytes, region.device_id]]))
+        # the prefill's memory as it described it: a VRAM region prepared as DRAM has no
+        # backend to move it (NIXL_ERR_NOT_FOUND on a GPU)
+        remote = raw.prep_remote(
+            peer,
+            np.array([[region.base_addr, nbytes, region.device_id]]),
+            memory_kind=region.memory_kind,
+        )
         device_id = dst.device.index or 0
         local = raw.prep_local(np.array([[dst.data_ptr(), nbytes, device_id]]))
         one = np.zeros(1, dtype=np.int64)

@@ -116,7 +116,11 @@ def raw_read_s(host: PrefillHost, port: int, engine_id: str, nbytes: int, iters:
         region = parse_description(desc).regions[0].region
         assert region.span_bytes >= nbytes, (region.span_bytes, nbytes)
         peer = raw.add_peer(desc.nixl_metadata)
-        remote = raw.prep_remote(peer, np.array([[region.base_addr, nbytes, 0]]))
+        remote = raw.prep_remote(
+            peer,
+            np.array([[region.base_addr, nbytes, region.device_id]]),
+            memory_kind=region.memory_kind,  # as the prefill described it (VRAM on a GPU)
+        )
         local = raw.prep_local(np.array([[dst.data_ptr(), nbytes, 0]]))
         one = np.zeros(1, dtype=np.int64)
         times = []
