@@ -46,7 +46,12 @@ logger = logging.getLogger(__name__)
 # NIXL call of the agent with it. With y the add returns in milliseconds and an unreachable
 # peer fails its first transfer instead (docs/nixl-holds.md). Only TCP connects this way:
 # RDMA and cuda_ipc lanes wire up without a blocking connect.
-UCX_ENGINE_CONFIG = "TCP_CONN_NB=y"
+# CUDA_IPC_ENABLE_GET_ZCOPY: UCX's default leaves a GET from another process's GPU memory
+# to "software emulation" over TCP loopback (a raw 256 MiB READ on one H100: 0.55 GB/s);
+# with y it is a cuda_ipc zero-copy (1,399 GB/s), as a PUT already is. decode pulls (READ)
+# by default, so on a host whose GPUs prefill and decode this is the load path.
+# UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n in the environment turns it off (docs/gpu-memory.md).
+UCX_ENGINE_CONFIG = "TCP_CONN_NB=y,CUDA_IPC_ENABLE_GET_ZCOPY=y"  # NIXL splits at ","
 _BACKEND_PARAMS = {"UCX": {"engine_config": UCX_ENGINE_CONFIG}}
 
 NIXL_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
