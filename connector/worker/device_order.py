@@ -12,9 +12,12 @@ Who touches a block, in what order::
                                                                  or a WRITE is posted
     NIXL       READ (decode) or WRITE (prefill) of the blocks
     decode     NIXL says every READ is done (or prefill answered Pushed)
-               rewrite / merge / host mirror to the cache (kvbridge kernels)
+               rewrite / merge / host mirror to the cache (kvbridge kernels),
+               the engine's splits of staged pages
                -> fence("load complete")                      before the load is
                                                                  reported to the engine
+                  (only when one of those ran: a load NIXL moved as it lands is
+                  complete when NIXL says so, and is reported without a fence)
     engine     next forward pass reads the blocks (any stream)
 
 kvbridge's kernels run on whatever stream is current on the calling thread (the engine's

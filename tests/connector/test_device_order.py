@@ -142,6 +142,37 @@ def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_h
         prefill.worker.shutdown()
 
 
+def test_a_load_that_lands_as_nixl_moved_it_is_reported_without_a_fence():
+    """Same format on both sides, pull: no kernel of kvbridge's or the engine's touches
+    the blocks after NIXL's READs, so nothing is fenced (on a GPU a fence is a device-wide
+    synchronize on the engine's thread)."""
+    log: Log = []
+    clock = FakeClock()
+    fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+    prefill = make_side("kv_producer", "prefill", 16, fmt, "F", clock, lease_s=30.0)
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        fmt,
+        "F",
+        clock,
+        device_order=lambda device: RecordingOrder(device, log),
+    )
+    try:
+        p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
+        params = prefill_finish(prefill, p)
+        d = Request("d1", p.prompt_token_ids, params)
+        decode_admit(decode, d)
+        run_until([prefill, decode], lambda: loaded(decode, "d1"), "the load")
+        assert decode.worker.metrics.receiver_rewrites == 0
+        assert decode.worker.metrics.transfers == 1
+        assert log == [], log
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
 def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
     """Prefill rewrites its blocks into decode's arrangement (permute after save): the
     fence comes after the rewrite kernels and before the Prepared that lets decode read."""

@@ -115,6 +115,9 @@ class Load:
     num_bytes: int = 0
     started: float = 0.0
     verify: bool = False  # prove what moved (extra.verify): claims and Push ask digests
+    # kernels (the engine's splits of staged pages, kvbridge's copies and rewrites) wrote
+    # the load's blocks: landing fences them before the engine hears of the load
+    kernels: bool = False
 
     def source(self, key: PeerKey) -> Source | None:
         return next((s for s in self.sources if s.key == key), None)

@@ -29,7 +29,8 @@ Push round (push), and before the load is reported to the engine::
     host staging    mirror -> cache (the READs landed in the host mirror)
     receiver        rewrite the wire arrangement into the cache's own (GroupPlan.receiver)
     engine merge    whole smaller remote pages side by side -> the engine's page order
-    fence           every kernel above finished (kvbridge.connector.worker.device_order)
+    fence           every kernel above finished (kvbridge.connector.worker.device_order),
+                    when there was one: a load NIXL moved as it lands needs none
 
 so the engine's next forward pass, on whatever stream, reads finished blocks.
 
@@ -220,6 +221,7 @@ class Landing:
         if self._stage is not None:
             for group_id, ids in load.touched.items():
                 self._stage.to_device(group_id, ids)
+                load.kernels = True
         for g in groups:
             ids = load.touched.get(g.group_id)
             if ids is None:
@@ -229,8 +231,11 @@ class Landing:
                     self._buffers, g.group_id, ids, g.receiver.src, g.receiver.dst
                 )
                 self._metrics.receiver_rewrites += stats.num_blocks
+                load.kernels = True
             if g.repack_from:
                 assert self._repacker is not None  # negotiation needs one for repacks
                 self._repacker.merge(g.group_id, ids, g.repack_from)
                 self._metrics.receiver_rewrites += int(ids.size)
-        self._order.fence("load complete")
+                load.kernels = True
+        if load.kernels:  # NIXL's own writes are complete when it reports a READ done
+            self._order.fence("load complete")

@@ -104,6 +104,7 @@ class PullReads:
         if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
             src.batch = None
             self._staged.split(batch, src.staged_sums if load.verify else None)
+            load.kernels = True
         if src.batch is None and src.staged:
             self._stage_next(load, src, peer)
         return not (pending or src.batch or src.staged)
@@ -264,6 +265,7 @@ class PushRounds:
             src.digests = list(msg.digests)  # [] when prefill digested no group
         if batch is not None:
             self._staged.split(batch, src.staged_sums if load.verify else None)
+            load.kernels = True
         src.round += 1
         if src.staged:
             self.next_round(load, src, peer)
