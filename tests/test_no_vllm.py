@@ -50,3 +50,24 @@ def test_the_gpu_tier_collects_without_vllm_and_names_what_it_skips():
     for module in NEED_VLLM:
         named = [s for s in skipped if module in s and "needs vLLM" in s]
         assert named, f"{module} is not skipped by name: {skipped}"
+
+
+def test_a_module_missing_inside_an_installed_vllm_fails_collection():
+    """An installed vLLM whose API moved is a failure, never a skip."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "KVBRIDGE_TESTS_BLOCK": "vllm.config.kv_transfer",
+    }
+    plugins = ["-p", "tests.no_vllm", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *plugins, "--collect-only", "-q", NEED_VLLM[0]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "vllm.config.kv_transfer" in out, out[-4000:]
+    assert "needs vLLM" not in out, out[-4000:]
