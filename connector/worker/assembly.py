@@ -18,11 +18,14 @@ failed holds no agent, thread or listener.
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.common.config import FailurePolicy
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.agent_gate import AgentGate
 from kvbridge.connector.worker.decode.inflight import PushEndpoint
 from kvbridge.connector.worker.decode.landing import Verifier
 from kvbridge.connector.worker.decode.receiver import Receiver
@@ -42,14 +45,13 @@ from kvbridge.handshake.description import WorkerIdentity, parse_description
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import KVCacheBuffers
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.common.config import KVTransferConfig
     from kvbridge.connector.common.metrics import ConnectorMetrics
-    from kvbridge.connector.worker.agent_gate import AgentGate
     from kvbridge.connector.worker.device_order import DeviceOrder
     from kvbridge.connector.worker.routing import Router
     from kvbridge.connector.worker.staging.engine_copies import EngineCopies
@@ -106,11 +108,28 @@ def stages_pages(w: Wiring, buffers: KVCacheBuffers, mode: TransferMode) -> bool
 
 
 def assemble(w: Wiring, buffers: KVCacheBuffers) -> WorkerParts:
-    """Build a worker's parts for ``buffers``; the caller holds the agent gate."""
-    with contextlib.ExitStack() as built:  # closes what was built if a later part fails
-        parts = _assemble(w, buffers, built)
+    """Build a worker's parts for ``buffers``, under the agent gate. When a part fails,
+    what was built before it is closed as a shutdown closes it: the gate released first
+    (the set-up thread's jobs take it, and closing joins that thread), the side channel
+    and the engine under the gate again; a close that fails is logged, and the error that
+    stopped the build is the one raised."""
+    with contextlib.ExitStack() as built:
+        with w.gate.setup():
+            parts = _assemble(w, buffers, built)
         built.pop_all()
         return parts
+
+
+def _close(what: str, close: Callable[[], None], gate: AgentGate | None) -> None:
+    """Close one part of a build that failed; never raise over the build's own error."""
+    try:
+        if gate is None:
+            close()
+        else:
+            with gate.setup():
+                close()
+    except Exception:
+        logger.exception("kvbridge: closing %s after a failed registration failed", what)
 
 
 def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -> WorkerParts:
@@ -127,14 +146,14 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
     moved = stage.host_buffers if stage is not None else buffers
     with unpinned():  # NIXL/UCX helper threads must not share an engine-pinned core
         engine = w.engine_factory(w.identity.agent_name)
-    built.callback(engine.close)
+    built.callback(_close, "the NIXL engine", engine.close, w.gate)
     if hasattr(engine, "guard"):  # every NIXL call from now on checks the gate
         engine.guard = w.gate.held
     # kvbridge's own threads: started now, before the engine lowers its step thread's
     # priority (a thread inherits its creator's), on every core
     with unpinned():
         setup = PeerSetup(engine, w.gate)
-    built.callback(setup.close)
+    built.callback(_close, "the set-up threads", setup.close, None)
     engine.register(moved.tensors)
     staging = StagingPools(engine, extra.staging_bytes, device=buffers.device)
     if stages_pages(w, buffers, TransferMode.PUSH):
@@ -153,7 +172,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         rewrites_on_save=w.rewrite_on_save,
         staging=staging.region,
     )
-    built.callback(side.close)
+    built.callback(_close, "the side channel", side.close, w.gate)
     if stages_pages(w, buffers, TransferMode.PULL):
         # pull: larger prefill pages land in these slots. Allocated and registered now, on
         # the engine's thread at startup, not inside the first such load

@@ -207,8 +207,7 @@ class KVBridgeWorker:
     def register_kv_caches(self, buffers: KVCacheBuffers) -> None:
         if self._engine is not None:
             raise KVBridgeError("KV caches are already registered")
-        with self._gate.setup():
-            self._register(buffers)
+        self._register(buffers)  # under the agent gate (assembly)
         if self._idle is not None:
             self._idle.start()
 

@@ -20,7 +20,10 @@ def _kvbridge_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("kvbridge-")}
 
 
-def test_a_registration_that_fails_closes_what_it_built():
+@pytest.mark.parametrize("close_fails", [False, True], ids=["closes", "a-close-fails"])
+def test_a_registration_that_fails_closes_what_it_built(close_fails):
+    """``a-close-fails``: the engine's close raises too; the caller still gets the error
+    that stopped the registration, and the other parts are closed."""
     closed: list[str] = []
 
     def engine(name: str) -> TransferEngine:
@@ -30,6 +33,8 @@ def test_a_registration_that_fails_closes_what_it_built():
         def recorded_close() -> None:
             closed.append(name)
             close()
+            if close_fails:
+                raise KVBridgeError("deregistering failed")
 
         real.close = recorded_close  # type: ignore[method-assign]
         return real
