@@ -16,8 +16,8 @@
 # Python: $PYTHON (default: .venv/bin/python if present, else python3), which must hold a
 # CUDA build of torch. The wheels in $WHEELS (default .whl/, made on a networked machine by
 # `bash scripts/gpu_wheels.sh`: NIXL, msgspec, pyzmq, the example servers' HTTP stack and
-# vllm-router) are installed into a private folder, never into the system, and put first
-# on the import path and PATH; without wheels, $PYTHON must already import them all.
+# vllm-router) whose distributions $PYTHON lacks are installed into a private folder, never
+# into the system, and put on the import path and PATH; what is still missing is named.
 # Logs go to $OUT (default gpu_check_out/). Exit status: non-zero if a step failed.
 #
 #   bash scripts/gpu_check.sh            # everything (about 5-8 minutes on an H100)
@@ -46,10 +46,33 @@ if [ -z "$ONLY" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda
     exit 2
 fi
 
+SITE=""
+ROOT_LINKS=""
+trap 'rm -rf ${ROOT_LINKS:+"$ROOT_LINKS"} ${SITE:+"$(dirname "$SITE")"}' EXIT
+# the wheels of $WHEELS whose distributions $PYTHON does not have (a host's own packages,
+# say a vLLM's pinned pydantic, are never shadowed by ours)
+MISSING_WHEELS=()
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    mapfile -t MISSING_WHEELS < <("$PYTHON" - "$WHEELS"/*.whl <<'EOF'
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+for wheel in sys.argv[1:]:
+    dist = re.sub(r"[-_.]+", "-", Path(wheel).name.split("-")[0]).lower()
+    try:
+        version(dist)
+    except PackageNotFoundError:
+        print(wheel)
+EOF
+    )
+fi
+if [ "${#MISSING_WHEELS[@]}" -gt 0 ]; then
     SITE="$(mktemp -d)/site"
+    echo "gpu_check: installing ${#MISSING_WHEELS[@]} wheels of $WHEELS into $SITE"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$SITE" "$WHEELS"/*.whl || exit 2
+        --target "$SITE" "${MISSING_WHEELS[@]}" || exit 2
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     # console scripts of those wheels (vllm-router: the example servers' front door)
     export PATH="$SITE/bin:$PATH"
@@ -58,7 +81,6 @@ fi
 # a kvbridge/ namespace folder of links to the checkout's packages gives the same import
 # root as an install (kvbridge.layouts, kvbridge.connector, ...); "." keeps tests importable.
 ROOT_LINKS="$(mktemp -d)"
-trap 'rm -rf "$ROOT_LINKS" ${SITE:+"$(dirname "$SITE")"}' EXIT
 mkdir "$ROOT_LINKS/kvbridge"
 for pkg in layouts handshake connector examples cli; do
     ln -s "$PWD/$pkg" "$ROOT_LINKS/kvbridge/$pkg"

@@ -17,7 +17,10 @@ Who touches a block, in what order::
                -> fence("load complete")                      before the load is
                                                                  reported to the engine
                   (only when one of those ran: a load NIXL moved as it lands is
-                  complete when NIXL says so, and is reported without a fence)
+                  complete when NIXL says so, and is reported without a fence. So on
+                  one host, where UCX's cuda_ipc and cuda_copy signal completion from a
+                  CUDA event; GPUDirect RDMA between hosts would also need the NIC's
+                  writes flushed to the GPU, which no fence here ever did)
     engine     next forward pass reads the blocks (any stream)
 
 kvbridge's kernels run on whatever stream is current on the calling thread (the engine's

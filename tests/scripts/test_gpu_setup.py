@@ -1,12 +1,12 @@
 """The GPU tier's set-up path, run on CPU so that it cannot rot between GPU runs:
-``scripts/gpu_check.sh setup`` installs the wheels of ``$WHEELS`` into a private folder,
-puts them first on the import path and their console scripts on PATH, imports everything
-the tier imports and finds vllm-router; ``scripts/slim_nixl_wheel.py`` drops NIXL's
-expert-parallel extensions from a wheel and nothing else.
+``scripts/gpu_check.sh setup`` installs the wheels of ``$WHEELS`` that this Python lacks
+into a private folder, puts them on the import path and their console scripts on PATH,
+imports everything the tier imports and finds vllm-router; ``scripts/slim_nixl_wheel.py``
+drops NIXL's expert-parallel extensions from a wheel and nothing else.
 
-The wheels here are built by the test (a router stand-in: the real ones come from
-``scripts/gpu_wheels.sh`` on a networked machine, 57 MB, and were run through this path by
-hand: docs/vllm-gpu.md)."""
+The wheels here are built by the test (a router stand-in and a would-be shadow of a host
+package). The real ones come from ``scripts/gpu_wheels.sh`` on a networked machine (57 MB)
+and were run through this path by hand (docs/gpu-memory.md)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def test_setup_installs_the_wheels_privately_and_finds_every_import_and_the_rout
         },
         purelib=False,
     )
+    # a distribution this Python has: its wheel is not installed over the host's own
+    _wheel(wheels, "msgspec", {"msgspec/__init__.py": "raise ImportError('shadowed')\n"})
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -86,6 +88,7 @@ def test_setup_installs_the_wheels_privately_and_finds_every_import_and_the_rout
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     for module in ("nixl._api", "msgspec", "zmq", "fastapi", "uvicorn", "prometheus_client"):
         assert not lines[module].startswith("MISSING"), out
+    assert "installing 1 wheels" in out, out  # the router's, not msgspec's
     # kvbridge from this checkout, through the script's namespace links
     assert lines["kvbridge.cli.bench"].endswith("kvbridge/cli/bench/__init__.py"), out
     on_path = lines["vllm-router"].split("(on PATH: ", 1)[1].rstrip(")")
