@@ -11,7 +11,11 @@ Who touches a block, in what order::
                current stream)  -> fence("sender rewrite")    before a claim is answered
                                                                  or a WRITE is posted
     NIXL       READ (decode) or WRITE (prefill) of the blocks
-    decode     NIXL says every READ is done (or prefill answered Pushed)
+    decode     a staging round arrived: the engine splits its pages into blocks
+               -> fence("staged split")                       before the slots go back
+                                                                 (the next round's READs
+                                                                 land in them)
+               NIXL says every READ is done (or prefill answered Pushed)
                rewrite / merge / host mirror to the cache (kvbridge kernels),
                the engine's splits of staged pages
                -> fence("load complete")                      before the load is

@@ -21,6 +21,7 @@ from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferOp, XferState
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.nixl_setup import nixl_engine
+from kvbridge.connector.worker.staging.arenas import StagingPool
 from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout
 from tests.connector.packed_engine import PACKED
@@ -96,11 +97,19 @@ def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_h
 ):
     """Larger engine-packed prefill pages through two staging slots, in two rounds: the
     engine's split of a round's pages (and any receiver rewrite) runs only after NIXL
-    reported that round's READs done, and a fence closes every kernel before the engine
-    is told the load is complete."""
+    reported that round's READs done, its slots go back only after a fence (the next
+    round's READs land there), and a fence closes every kernel before the engine is told
+    the load is complete."""
     log: Log = []
     clock = FakeClock()
     _logged(monkeypatch, "kvbridge.connector.worker.decode.landing", "receiver rewrite", log)
+    give_back = StagingPool.give_back
+
+    def logged_give_back(pool: StagingPool, slots: np.ndarray) -> None:
+        log.append(("slots back", ""))
+        give_back(pool, slots)
+
+    monkeypatch.setattr(StagingPool, "give_back", logged_give_back)
     prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
     slot = sum(
         prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
@@ -137,6 +146,10 @@ def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_h
             assert kinds[:i].count("read done") >= n, log
         fence = log.index(("fence", "load complete"))
         assert max(kernels) < fence < kinds.index("engine told"), log
+        # each round's split is fenced before its slots go back for the next round's READs
+        for i, k in enumerate(kinds):
+            if k == "split":
+                assert log[i + 1 : i + 3] == [("fence", "staged split"), ("slots back", "")], log
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()

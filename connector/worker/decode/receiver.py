@@ -108,7 +108,8 @@ class Receiver:
         request and keeps its blocks until the failure itself is reported)."""
         self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
-        self._staged = StagedReads(engine, staging, buffers, metrics, repacker)
+        order = order or DeviceOrder(buffers.device)
+        self._staged = StagedReads(engine, staging, buffers, metrics, repacker, order)
         self._reads = PullReads(engine, peers, buffers, self._staged, metrics)
         self._rounds = (
             PushRounds(self._staged, buffers, push, send, clock=clock) if push is not None else None
@@ -134,7 +135,7 @@ class Receiver:
         self._landing = Landing(
             buffers,
             metrics,
-            order or DeviceOrder(buffers.device),
+            order,
             stage=stage,
             repacker=repacker,
         )

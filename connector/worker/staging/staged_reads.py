@@ -20,6 +20,7 @@ import torch
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.transfer.transport import DescList, TransferEngine, XferHandle
+from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.arenas import StagingPool, StagingPools, slot_offsets
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -92,12 +93,16 @@ class StagedReads:
         buffers: KVCacheBuffers,
         metrics: ConnectorMetrics,
         repacker: Repacker | None,
+        order: DeviceOrder | None = None,
     ) -> None:
+        """``order``: fences the engine's split kernels before their slots go back (the
+        next round's READs land in them)."""
         self._engine = engine
         self._pools = pools
         self._buffers = buffers
         self._metrics = metrics
         self._repacker = repacker
+        self._order = order or DeviceOrder(buffers.device)
 
     @property
     def num_leased_bytes(self) -> int:
@@ -174,17 +179,22 @@ class StagedReads:
                 sums.setdefault((g.group_id, i), {}).update(
                     zip(batch.remote_blocks.tolist(), got.tolist(), strict=True)
                 )
-        batch.pool.give_back(batch.slots)
         assert self._repacker is not None  # negotiation needs one for split plans
         spec = self._buffers.config.groups[g.group_id].spec
-        if g.head_slice and g.head_slice[2] != getattr(spec, "num_kv_heads", 0):
-            # this source holds some of the local heads (others come from other ranks)
-            heads = (g.head_slice[0], g.head_slice[2])
-            self._repacker.split(
-                g.group_id, pages, g.split_from, slots, heads=heads, layers=g.layers
-            )
-        else:
-            self._repacker.split(g.group_id, pages, g.split_from, slots, layers=g.layers)
+        try:
+            if g.head_slice and g.head_slice[2] != getattr(spec, "num_kv_heads", 0):
+                # this source holds some of the local heads (others come from other ranks)
+                heads = (g.head_slice[0], g.head_slice[2])
+                self._repacker.split(
+                    g.group_id, pages, g.split_from, slots, heads=heads, layers=g.layers
+                )
+            else:
+                self._repacker.split(g.group_id, pages, g.split_from, slots, layers=g.layers)
+            # the split's kernels read the slots (on a GPU, queued): they finish before
+            # the slots go back, where the next round's READs may land at once
+            self._order.fence("staged split")
+        finally:
+            batch.pool.give_back(batch.slots)
         self._metrics.receiver_rewrites += int(np.unique(logical[wanted]).size)
         self._metrics.staging_rounds += 1
 
