@@ -21,29 +21,24 @@ NEED_VLLM = [
 ]
 
 
-def test_the_gpu_tier_collects_without_vllm_and_names_what_it_skips():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _collect(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``pytest --collect-only`` with ``tests.no_vllm`` loaded: the run and its whole output
+    (bounded: collecting the suite takes about 35 s here)."""
     plugins = ["-p", "tests.no_vllm", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            *plugins,
-            "--collect-only",
-            "-q",
-            "-rs",
-            "-m",
-            "gpu",
-            "tests",
-        ],
+        [sys.executable, "-m", "pytest", *plugins, "--collect-only", "-q", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    out = done.stdout + done.stderr
+    return done, done.stdout + done.stderr
+
+
+def test_the_gpu_tier_collects_without_vllm_and_names_what_it_skips():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done, out = _collect(env, "-rs", "-m", "gpu", "tests")
     assert done.returncode == 0, out[-4000:]
     assert not re.search(r"^ERROR", out, re.M), out[-4000:]
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
@@ -59,15 +54,6 @@ def test_a_module_missing_inside_an_installed_vllm_fails_collection():
         "PYTHONPATH": str(ROOT),
         "KVBRIDGE_TESTS_BLOCK": "vllm.config.kv_transfer",
     }
-    plugins = ["-p", "tests.no_vllm", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", *plugins, "--collect-only", "-q", NEED_VLLM[0]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = done.stdout + done.stderr
+    done, out = _collect(env, NEED_VLLM[0])
     assert done.returncode != 0 and "vllm.config.kv_transfer" in out, out[-4000:]
     assert "needs vLLM" not in out, out[-4000:]

@@ -54,6 +54,20 @@ def _wheel(folder: Path, dist: str, files: dict[str, str], *, purelib: bool = Tr
     return path
 
 
+def _setup(env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``bash scripts/gpu_check.sh setup`` under ``env``: the run and its whole output
+    (bounded: a pip install into a temporary folder and one Python import check)."""
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "setup"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done, done.stdout + done.stderr
+
+
 def test_setup_installs_the_wheels_privately_and_finds_every_import_and_the_router(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -75,15 +89,7 @@ def test_setup_installs_the_wheels_privately_and_finds_every_import_and_the_rout
         "OUT": str(tmp_path / "out"),
         "PATH": "/usr/bin:/bin",  # no router on PATH but the wheels'
     }
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "setup"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = done.stdout + done.stderr
+    done, out = _setup(env)
     assert done.returncode == 0, out
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     for module in ("nixl._api", "msgspec", "zmq", "fastapi", "uvicorn", "prometheus_client"):
@@ -108,15 +114,7 @@ def test_setup_names_what_is_missing(tmp_path):
     # a Python that has none of the tier's packages: the interpreter the venv was made from
     base = Path(sys.base_prefix) / "bin" / Path(sys.executable).name
     env["PYTHON"] = str(base if base.exists() else Path(sys.base_prefix) / "bin" / "python3")
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "setup"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = done.stdout + done.stderr
+    done, out = _setup(env)
     assert done.returncode == 2, out
     assert "nixl._api: MISSING" in out and "gpu_check: missing nixl._api" in out, out
     assert "scripts/gpu_wheels.sh" in out, out
