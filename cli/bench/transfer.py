@@ -383,6 +383,15 @@ class TimedEngine:
         self._inner = inner
         self.seconds: dict[str, float] = defaultdict(float)
 
+    @property
+    def guard(self) -> Callable[[], bool] | None:
+        return self._inner.guard
+
+    @guard.setter
+    def guard(self, held: Callable[[], bool] | None) -> None:
+        """The worker's agent gate checks the calls NIXL sees: the inner engine's."""
+        self._inner.guard = held
+
     def __getattr__(self, name: str):
         attr = getattr(self._inner, name)
         if name not in self.TIMED:

@@ -161,7 +161,7 @@ def measure(host: PrefillHost, s: Setup, layout: str, ptp: int, dtp: int, iters:
         for _ in range(iters):
             rid = f"req-{uuid.uuid4().hex[:8]}"
             for key in keys:
-                host.send(key, rid, remote)
+                host.send(key, rid, [remote])
             load = LoadSpec(
                 request_id=f"load-{uuid.uuid4().hex[:8]}",
                 params=KVTransferParams(
