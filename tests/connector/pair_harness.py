@@ -20,6 +20,7 @@ from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.decode.inflight import describe_source
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.staged_reads import Repacker
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
@@ -168,9 +169,34 @@ def run_until(
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            state = "; ".join(describe(s) for s in sides)
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} ({state})")
         for s in sides:
             s.step()
+
+
+def describe(side: Side) -> str:
+    """Where ``side``'s worker stands, for a timed-out wait: its loads (each source's
+    state, as a timed-out load's reason gives it), its peers and its message counters.
+    The pair's clock is fake, so a wait on a resend or a deadline never ends here."""
+    w = side.worker
+    parts = [w.agent_name]
+    receiver, peers = w._receiver, w._peers
+    if receiver is not None:
+        now = w._clock()
+        for rid, load in receiver._loads.items():
+            states = ", ".join(f"{s.key}: {describe_source(s, now)}" for s in load.sources)
+            parts.append(f"load {rid}: {states}")
+    if peers is not None:
+        parts += [f"peer {k}: {p.state.value} {p.reason}".rstrip() for k, p in peers._peers.items()]
+    m = w.metrics
+    parts.append(
+        f"notifications sent {m.notifications_sent} received {m.notifications_received} "
+        f"failed {m.notifications_failed} bad {m.bad_notifications}; claims sent "
+        f"{m.claims_sent}; rounds deferred {m.rounds_deferred}; handshakes {m.handshakes} "
+        f"failed {m.handshake_failures}"
+    )
+    return ", ".join(parts)
 
 
 def loaded(side: Side, rid: str) -> bool:
