@@ -18,8 +18,9 @@ Who touches a block, in what order::
                NIXL says every READ is done (or prefill answered Pushed)
                rewrite / merge / host mirror to the cache (kvbridge kernels),
                the engine's splits of staged pages
-               -> fence("load complete")                      before the load is
-                                                                 reported to the engine
+               -> mark("load complete")                       the load is reported
+                                                                 to the engine once it
+                                                                 completed (polled)
                   (only when one of those ran: a load NIXL moved as it lands is
                   complete when NIXL says so, and is reported without a fence. So on
                   one host, where UCX's cuda_ipc and cuda_copy signal completion from a
@@ -27,11 +28,17 @@ Who touches a block, in what order::
                   writes flushed to the GPU, which no fence here ever did)
     engine     next forward pass reads the blocks (any stream)
 
-kvbridge's kernels run on whatever stream is current on the calling thread (the engine's
-thread, or the idle-progress thread), so a fence waits for every stream of the device
-(``torch.cuda.synchronize``); on CPU there is nothing to wait for. A fence is the one
-place this happens: :class:`DeviceOrder` is handed to the sender and the receiver, and a
-recording fake of it shows the order on CPU (``tests/connector/test_device_order.py``).
+kvbridge's kernels run on the stream current on the calling thread (the engine's thread,
+or the idle-progress thread), and every fence is taken on that thread in the same call,
+right after them. So a fence is a CUDA event recorded on that stream (:meth:`mark`):
+waiting on it waits for kvbridge's kernels and what that stream queued before them, never
+for the engine's forward on another stream (a device-wide ``torch.cuda.synchronize`` on
+vLLM's thread, right after it launched the forward, waited for all of it). Prefill waits
+on the host for its mark before a claim is answered or a WRITE is posted, since UCX's
+CUDA IPC copies do not see kvbridge's streams; decode does not wait at all for "load
+complete": the load is reported once its mark has completed (polled each step). On CPU
+there is nothing to wait for: a mark is complete when taken. A recording fake of
+:class:`DeviceOrder` shows the order on CPU (``tests/connector/test_device_order.py``).
 """
 
 from __future__ import annotations
@@ -39,17 +46,45 @@ from __future__ import annotations
 import torch
 
 
+class Mark:
+    """Where the calling thread's stream stood when kvbridge's kernels were queued."""
+
+    __slots__ = ("_event", "why")
+
+    def __init__(self, why: str, event: torch.cuda.Event | None = None) -> None:
+        self.why = why
+        self._event = event
+
+    def done(self) -> bool:
+        """Every kernel queued on the stream before the mark has finished (never waits)."""
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        """Return once :meth:`done` (the host waits for that one stream, not the device)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class DeviceOrder:
-    """Fences kvbridge's kernels on one device before NIXL or the engine may use their
+    """Orders kvbridge's kernels on one device before NIXL or the engine may use their
     output."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.num_fences = 0
 
-    def fence(self, why: str) -> None:
-        """Return once every kernel queued on the device so far has finished (``why``
-        names the step it closes, for a recording fake and for debugging)."""
+    def mark(self, why: str) -> Mark:
+        """A mark after every kernel the calling thread queued so far on its current stream
+        of this device (``why`` names the step it closes, for a recording fake and for
+        debugging)."""
         self.num_fences += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type != "cuda":
+            return Mark(why)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return Mark(why, event)
+
+    def fence(self, why: str) -> None:
+        """Return once every kernel the calling thread queued on its current stream has
+        finished: :meth:`mark`, then wait on it."""
+        self.mark(why).wait()

@@ -1,11 +1,11 @@
 """kvbridge's kernels and NIXL's transfers in order, shown on CPU with a recording fake.
 
-``RecordingOrder`` stands in for :class:`DeviceOrder` (whose fence is a device-wide CUDA
-synchronize, nothing on CPU) and logs each fence next to what the test records around
-it: NIXL reporting a READ done (a transfer engine that logs its polls), the receiver's and
-sender's rewrite kernels (``rewrite_group``, wrapped), the notifications prefill sends,
-and the moment the engine hears of the load. On a GPU the same fences are real
-(``test_fence_waits_for_work_on_another_stream``, gpu tier).
+``RecordingOrder`` stands in for :class:`DeviceOrder` (whose marks are CUDA events on the
+calling thread's stream, complete at once on CPU) and logs each mark next to what the test
+records around it: NIXL reporting a READ done (a transfer engine that logs its polls), the
+receiver's and sender's rewrite kernels (``rewrite_group``, wrapped), the notifications
+prefill sends, and the moment the engine hears of the load. On a GPU the same marks are real
+(``test_a_fence_waits_for_its_own_stream_not_the_engines``, gpu tier).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kvbridge.connector.common.notifications import Prepared
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle, XferOp, XferState
-from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.staging.arenas import StagingPool
 from kvbridge.layouts.allocation import CacheFormat
@@ -41,13 +41,41 @@ Log = list[tuple[str, str]]
 
 
 class RecordingOrder(DeviceOrder):
-    def __init__(self, device: torch.device, log: Log) -> None:
+    """Logs each mark (a fence is a mark waited on) and whether it was waited on; with
+    ``hold``, marks stay incomplete until :meth:`complete` (kernels still on the device)."""
+
+    def __init__(self, device: torch.device, log: Log, *, hold: bool = False) -> None:
         super().__init__(device)
         self.log = log
+        self.hold = hold
+        self.marks: list[HeldMark] = []
 
-    def fence(self, why: str) -> None:
+    def mark(self, why: str) -> Mark:
         self.log.append(("fence", why))
-        super().fence(why)
+        self.marks.append(HeldMark(why, self))
+        return self.marks[-1]
+
+    def complete(self) -> None:
+        """The device caught up: every mark taken so far has completed."""
+        self.hold = False
+        for m in self.marks:
+            m.pending = False
+
+
+class HeldMark(Mark):
+    __slots__ = ("pending", "waited")
+
+    def __init__(self, why: str, order: RecordingOrder) -> None:
+        super().__init__(why)
+        self.pending = order.hold
+        self.waited = False
+
+    def done(self) -> bool:
+        return not self.pending
+
+    def wait(self) -> None:
+        self.waited = True
+        self.pending = False
 
 
 class PollLog:
@@ -157,8 +185,7 @@ def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_h
 
 def test_a_load_that_lands_as_nixl_moved_it_is_reported_without_a_fence():
     """Same format on both sides, pull: no kernel of kvbridge's or the engine's touches
-    the blocks after NIXL's READs, so nothing is fenced (on a GPU a fence is a device-wide
-    synchronize on the engine's thread)."""
+    the blocks after NIXL's READs, so nothing is marked and the load is reported at once."""
     log: Log = []
     clock = FakeClock()
     fmt = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
@@ -181,6 +208,60 @@ def test_a_load_that_lands_as_nixl_moved_it_is_reported_without_a_fence():
         assert decode.worker.metrics.receiver_rewrites == 0
         assert decode.worker.metrics.transfers == 1
         assert log == [], log
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def test_a_load_with_receiver_kernels_is_reported_once_their_mark_completed():
+    """Larger engine-packed prefill pages, split by the engine after the READs (as in the
+    first test). The host never waits for the load's last kernels: the load is held back
+    from the engine, step after step, while their mark is incomplete, and reported by the
+    first step after it completed. Each staged split's mark is waited on (its slots go
+    back to the next round's READs)."""
+    clock = FakeClock()
+    log: Log = []
+    orders: list[RecordingOrder] = []
+
+    def held_order(device: torch.device) -> RecordingOrder:
+        orders.append(RecordingOrder(device, log, hold=True))
+        return orders[-1]
+
+    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
+    slot = sum(
+        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
+    )
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        PACKED,
+        "F",
+        clock,
+        repacker=LoggingRepacker(log),
+        device_order=held_order,
+        extra={"staging_mib": 2.5 * slot / (1 << 20)},
+    )
+    try:
+        p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
+        d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
+        decode_admit(decode, d)
+        order = orders[0]
+
+        def landed() -> bool:
+            return any(m.why == "load complete" for m in order.marks)
+
+        run_until([prefill, decode], landed, "the load's last mark")
+        *splits, last = order.marks
+        assert [m.why for m in splits] == ["staged split"] * 2 and all(m.waited for m in splits)
+        assert last.why == "load complete" and not last.done()
+        for _ in range(20):
+            decode.step()
+            prefill.step()
+        assert not loaded(decode, "d1") and not last.waited
+        order.complete()
+        decode.step()
+        assert loaded(decode, "d1") and not last.waited
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
@@ -237,17 +318,25 @@ def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fence_waits_for_work_on_another_stream() -> None:
-    """gpu tier: a kernel queued on a side stream (as a rewrite on the idle-progress
-    thread would be) has finished when fence returns."""
+def test_a_fence_waits_for_its_own_stream_not_the_engines() -> None:
+    """gpu tier: a fence waits for the kernels the calling thread queued on its stream, not
+    for a forward on another stream (a device-wide synchronize did); a mark is incomplete
+    while its kernels run and complete after, without a wait."""
     device = torch.device("cuda")
     order = DeviceOrder(device)
     x = torch.zeros(64 << 20, device=device)
-    side = torch.cuda.Stream(device)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
-        x.fill_(3.0)
+    engine = torch.cuda.Stream(device)
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(2_000_000_000)  # the engine's forward: ~1 s of GPU time
+    x.fill_(3.0)  # kvbridge's kernel, on this thread's stream
     order.fence("test")
-    assert side.query()
-    assert float(x[-1].cpu()) == 3.0
+    assert torch.cuda.current_stream(device).query()
+    assert not engine.query(), "the fence waited for the engine's stream"
     assert np.isclose(float(x.sum().cpu()), 3.0 * x.numel())
+    torch.cuda._sleep(200_000_000)  # ~0.1 s ahead of the next kernel on our stream
+    x.fill_(5.0)
+    mark = order.mark("test")
+    assert not mark.done()
+    torch.cuda.current_stream(device).synchronize()
+    assert mark.done() and float(x[-1].cpu()) == 5.0
+    engine.synchronize()

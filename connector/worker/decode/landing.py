@@ -29,8 +29,9 @@ Push round (push), and before the load is reported to the engine::
     host staging    mirror -> cache (the READs landed in the host mirror)
     receiver        rewrite the wire arrangement into the cache's own (GroupPlan.receiver)
     engine merge    whole smaller remote pages side by side -> the engine's page order
-    fence           every kernel above finished (kvbridge.connector.worker.device_order),
-                    when there was one: a load NIXL moved as it lands needs none
+    mark            a CUDA event after every kernel above (kvbridge.connector.worker
+                    .device_order), when there was one: a load NIXL moved as it lands
+                    needs none; the receiver reports the load once it completed
 
 so the engine's next forward pass, on whatever stream, reads finished blocks.
 
@@ -51,7 +52,7 @@ import torch
 from kvbridge.connector.common.config import VerifyMode
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.worker.decode.inflight import Load
-from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.digests import PlanSide, load_digests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.connector.worker.staging.staged_reads import Repacker
@@ -211,8 +212,9 @@ class Landing:
         self._stage = stage
         self._repacker = repacker
 
-    def finish(self, load: Load) -> None:
-        """The load's blocks in the cache's own format, every kernel finished. Raises
+    def finish(self, load: Load) -> Mark | None:
+        """The load's blocks in the cache's own format: the mark to wait for before the
+        engine may read them (None: no kernel ran, NIXL's READs were the last writers). Raises
         :class:`KVBridgeError` before touching a block when the sources' plans cannot
         land it (:func:`landing_groups`) or left a layer unwritten
         (:func:`check_layers_covered`)."""
@@ -238,4 +240,5 @@ class Landing:
                 self._metrics.receiver_rewrites += int(ids.size)
                 load.kernels = True
         if load.kernels:  # NIXL's own writes are complete when it reports a READ done
-            self._order.fence("load complete")
+            return self._order.mark("load complete")
+        return None

@@ -17,7 +17,8 @@ Every pull source claims its blocks (``kvbridge.connector.worker.decode.claims``
 no rewrite is due the READ goes out with the claim, not after its answer, and the source
 is done only once the answer came and the READs ended within the hold prefill promised.
 What the receiver's own kernels wrote (rewrites, merges, the host mirror copied in) is
-fenced before a load is reported (``kvbridge.connector.worker.device_order``).
+marked with an event on their stream, and the load is reported by the first step that
+finds the mark complete (``kvbridge.connector.worker.device_order``): no host wait.
 
 Engine-packed remote pages larger than the local blocks (``GroupPlan.split_from``) land
 whole in staging slots, in rounds of as many slots as are free: read by decode
@@ -58,7 +59,7 @@ from kvbridge.connector.worker.decode.inflight import (
 from kvbridge.connector.worker.decode.landing import Landing, Verifier
 from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
 from kvbridge.connector.worker.decode.transfers import PullReads, PushRounds
-from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.staging.arenas import StagingPools
@@ -142,6 +143,8 @@ class Receiver:
         self._loads: dict[str, Load] = {}
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
+        # landed loads whose kernels may still run on the device: (request, mark)
+        self._landed: list[tuple[str, Mark]] = []
         self._failed: list[LoadFailure] = []
         self._fail_early = fail_early
         self._failing: list[LoadFailure] = []
@@ -331,6 +334,9 @@ class Receiver:
                 )
         self._quarantine.step()
         self._writers.probe(self._loads.values(), now)
+        if self._landed:
+            self._done.update(rid for rid, mark in self._landed if mark.done())
+            self._landed = [(rid, mark) for rid, mark in self._landed if rid not in self._done]
 
     def take_results(self) -> tuple[set[str], list[LoadFailure], list[LoadFailure]]:
         """Loads (done, failed, failing) since the last call: failed loads have nothing
@@ -469,7 +475,7 @@ class Receiver:
                 self._finish_failed(load, mismatch)
                 return
         try:
-            self._landing.finish(load)
+            mark = self._landing.finish(load)
         except KVBridgeError as exc:
             self._finish_failed(load, f"could not land the load: {exc}")
             return
@@ -477,9 +483,12 @@ class Receiver:
         self._metrics.bytes_read += load.num_bytes
         self._metrics.transfer_seconds += self._clock() - load.started
         load.timeline.record(load.spec.request_id, self._clock(), self._metrics)
-        self._notify_done(load, ok=True)
+        self._notify_done(load, ok=True)  # our kernels write our blocks only: prefill may free
         self._forget(load)
-        self._done.add(load.spec.request_id)
+        if mark is None or mark.done():
+            self._done.add(load.spec.request_id)
+        else:  # reported by a later step, once the mark completed: no wait on the host
+            self._landed.append((load.spec.request_id, mark))
 
     def _release_source(self, load: Load, src: Source) -> None:
         """A source whose transfers ended: handles and its staging round go back."""

@@ -99,7 +99,7 @@ class EngineCopies:
         self.op(src, dst, ids, ids, direction)
         device = self.device_buffers.device
         if device.type == "cuda":  # NIXL must see the bytes; the cache's next reader too
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # the op's stream, not the device
         return len(ids) * sum(_kernel_block_bytes(t) for t in src.values())
 
 

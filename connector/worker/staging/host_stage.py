@@ -204,8 +204,8 @@ def _copy_blocks(
             _gather_to_host(s.units, d.units, ids)
         moved += int(ids.size) * row_bytes
     for device in (src.device, dst.device):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type == "cuda":  # the copies ran on this thread's stream: wait for it only
+            torch.cuda.current_stream(device).synchronize()
     return moved
 
 
