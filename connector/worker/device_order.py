@@ -30,15 +30,18 @@ Who touches a block, in what order::
 
 kvbridge's kernels run on the stream current on the calling thread (the engine's thread,
 or the idle-progress thread), and every fence is taken on that thread in the same call,
-right after them. So a fence is a CUDA event recorded on that stream (:meth:`mark`):
-waiting on it waits for kvbridge's kernels and what that stream queued before them, never
-for the engine's forward on another stream (a device-wide ``torch.cuda.synchronize`` on
-vLLM's thread, right after it launched the forward, waited for all of it). Prefill waits
-on the host for its mark before a claim is answered or a WRITE is posted, since UCX's
-CUDA IPC copies do not see kvbridge's streams; decode does not wait at all for "load
-complete": the load is reported once its mark has completed (polled each step). On CPU
-there is nothing to wait for: a mark is complete when taken. A recording fake of
-:class:`DeviceOrder` shows the order on CPU (``tests/connector/test_device_order.py``).
+right after them. So a fence is a CUDA event recorded on that stream (:meth:`mark`), not
+a device-wide ``torch.cuda.synchronize``: it waits for kvbridge's kernels and for what
+that stream queued before them, and for no other stream. Under vLLM the forward runs on
+the same stream, so prefill's fences (before a claim is answered or a WRITE is posted:
+UCX's CUDA IPC copies do not see kvbridge's streams) and the staged split's still wait
+for a forward queued ahead of them. Decode does not wait at all for "load complete": the
+load is reported by the first engine call that finds its mark complete, which, when its
+kernels queued behind a forward, is the next step's. The engine's own operations handed
+to kvbridge (``Repacker``, ``CopyBlocksOp``) must queue on the caller's current stream
+too; vLLM's do. On CPU there is nothing to wait for: a mark is complete when taken. A
+recording fake of :class:`DeviceOrder` shows the order on CPU
+(``tests/connector/test_device_order.py``).
 """
 
 from __future__ import annotations

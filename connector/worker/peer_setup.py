@@ -23,7 +23,11 @@ NIXL or ZMQ call). A peer's set-up, a dozen such calls, then took 0.3-0.8 s inst
 0.03 s, and a first load 0.4-2.8 s instead of 0.04 s (two idle cores; more on a loaded
 machine). So while a job is asked for or running (:attr:`PeerSetup.busy`), the worker
 hands the GIL over once per engine step (:meth:`PeerSetup.yield_to_jobs`:
-``time.sleep(0)``, about 60 us with Linux's timer slack, and only then).
+``time.sleep(0)``, about 60 us with Linux's timer slack, and only then). The step waits on
+no other process for it; it may wait for the GIL to come back, up to a switch interval
+when the job's thread runs Python meanwhile. A job blocked outside Python (a handshake to
+a frozen peer, up to its timeout; an ``add_peer`` held in NIXL) keeps ``busy`` set, and
+each step pays the 60 us for as long.
 
 The threads start with the worker, before the engine lowers its step thread's priority
 (``engine_thread.lower_calling_thread_priority``: a thread inherits its creator's nice
@@ -98,7 +102,7 @@ class PeerSetup:
     def yield_to_jobs(self) -> None:
         """On the engine's step: while a job is in flight, let go of the GIL once, so the
         job's thread takes it now rather than after a switch interval (module docstring).
-        Nothing is waited for: the step goes on as soon as it has the GIL back."""
+        No other process is waited for: the step goes on once it has the GIL back."""
         if self._busy:
             time.sleep(0)
 

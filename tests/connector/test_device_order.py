@@ -10,7 +10,9 @@ prefill sends, and the moment the engine hears of the load. On a GPU the same ma
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from tests.connector.packed_engine import PACKED
 from tests.connector.pair_harness import (
     FakeClock,
     Request,
+    Side,
     decode_admit,
     loaded,
     make_side,
@@ -38,6 +41,7 @@ from tests.connector.pair_harness import (
 from tests.connector.test_connector_pair import RecordingRepacker
 
 Log = list[tuple[str, str]]
+WAIT_S = 10.0
 
 
 class RecordingOrder(DeviceOrder):
@@ -259,12 +263,39 @@ def test_a_load_with_receiver_kernels_is_reported_once_their_mark_completed():
             decode.step()
             prefill.step()
         assert not loaded(decode, "d1") and not last.waited
-        order.complete()
-        decode.step()
+        assert decode.worker.metrics.transfers == 0  # counted when reported
+        # another peer's set-up holds the agent gate: the step's round is deferred, and
+        # the load whose kernels finished is reported all the same (no NIXL call needed)
+        with _gate_held(decode):
+            deferred = decode.worker.metrics.rounds_deferred
+            order.complete()
+            decode.step()
+            assert decode.worker.metrics.rounds_deferred > deferred
         assert loaded(decode, "d1") and not last.waited
+        assert decode.worker.metrics.transfers == 1
     finally:
         decode.worker.shutdown()
         prefill.worker.shutdown()
+
+
+@contextlib.contextmanager
+def _gate_held(side: Side) -> Iterator[None]:
+    """The worker's agent gate held by another thread, as a held peer set-up holds it."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with side.worker._gate.setup():
+            inside.set()
+            leave.wait(WAIT_S)
+
+    thread = threading.Thread(target=hold, name="held-setup")
+    thread.start()
+    try:
+        assert inside.wait(WAIT_S), f"timed out after {WAIT_S} s waiting for the gate"
+        yield
+    finally:
+        leave.set()
+        thread.join(WAIT_S)
 
 
 def test_sender_rewrites_are_fenced_before_the_claim_is_answered(monkeypatch):

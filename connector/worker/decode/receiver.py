@@ -143,16 +143,17 @@ class Receiver:
         self._loads: dict[str, Load] = {}
         self._by_remote: dict[str, str] = {}  # remote request id -> local request id
         self._done: set[str] = set()
-        # landed loads whose kernels may still run on the device: (request, mark)
-        self._landed: list[tuple[str, Mark]] = []
+        # landed loads not reported yet: their kernels may still run on the device
+        self._landed: list[tuple[Load, Mark | None]] = []
         self._failed: list[LoadFailure] = []
         self._fail_early = fail_early
         self._failing: list[LoadFailure] = []
 
     @property
     def num_inflight(self) -> int:
-        """Loads in flight, and failed loads whose READs may still run (held back)."""
-        return len(self._loads) + self._quarantine.num_held
+        """Loads in flight (landed ones included until reported), and failed loads whose
+        READs may still run (held back)."""
+        return len(self._loads) + len(self._landed) + self._quarantine.num_held
 
     @property
     def num_held(self) -> int:
@@ -334,14 +335,14 @@ class Receiver:
                 )
         self._quarantine.step()
         self._writers.probe(self._loads.values(), now)
-        if self._landed:
-            self._done.update(rid for rid, mark in self._landed if mark.done())
-            self._landed = [(rid, mark) for rid, mark in self._landed if rid not in self._done]
+        self._report_landed()
 
     def take_results(self) -> tuple[set[str], list[LoadFailure], list[LoadFailure]]:
         """Loads (done, failed, failing) since the last call: failed loads have nothing
         left that can write their blocks; failing ones (``fail_early``) may, and are
-        reported failed once nothing can."""
+        reported failed once nothing can. Landed loads whose kernels finished are
+        reported here too, when a deferred round did not step (no NIXL call needed)."""
+        self._report_landed()
         done, failed, failing = self._done, self._failed, self._failing
         self._done, self._failed, self._failing = set(), [], []
         return done, failed, failing
@@ -479,16 +480,27 @@ class Receiver:
         except KVBridgeError as exc:
             self._finish_failed(load, f"could not land the load: {exc}")
             return
-        self._metrics.transfers += 1
-        self._metrics.bytes_read += load.num_bytes
-        self._metrics.transfer_seconds += self._clock() - load.started
-        load.timeline.record(load.spec.request_id, self._clock(), self._metrics)
         self._notify_done(load, ok=True)  # our kernels write our blocks only: prefill may free
         self._forget(load)
-        if mark is None or mark.done():
+        self._landed.append((load, mark))
+        self._report_landed()
+
+    def _report_landed(self) -> None:
+        """Report the landed loads whose kernels finished (no mark, or a completed one;
+        no wait on the host: an incomplete mark is looked at again by the next call). A
+        load's figures count up to here, the device's time included."""
+        waiting: list[tuple[Load, Mark | None]] = []
+        for load, mark in self._landed:
+            if mark is not None and not mark.done():
+                waiting.append((load, mark))
+                continue
+            now = self._clock()
+            self._metrics.transfers += 1
+            self._metrics.bytes_read += load.num_bytes
+            self._metrics.transfer_seconds += now - load.started
+            load.timeline.record(load.spec.request_id, now, self._metrics)
             self._done.add(load.spec.request_id)
-        else:  # reported by a later step, once the mark completed: no wait on the host
-            self._landed.append((load.spec.request_id, mark))
+        self._landed = waiting
 
     def _release_source(self, load: Load, src: Source) -> None:
         """A source whose transfers ended: handles and its staging round go back."""

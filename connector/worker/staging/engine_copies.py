@@ -38,7 +38,8 @@ from kvbridge.layouts.external import ExternalLayoutError, adopt_kv_caches
 from kvbridge.layouts.layout import KVPacking
 from kvbridge.layouts.specs import AttentionSpec
 
-# vLLM's CopyBlocksOp: (src caches, dst caches, src block ids, dst block ids, direction)
+# vLLM's CopyBlocksOp: (src caches, dst caches, src block ids, dst block ids, direction);
+# on a GPU it must queue on the caller's current stream, which is all kvbridge waits for
 CopyBlocksOp = Callable[
     [dict[str, torch.Tensor], dict[str, torch.Tensor], list[int], list[int], Literal["h2d", "d2h"]],
     None,

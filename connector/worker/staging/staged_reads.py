@@ -30,7 +30,9 @@ from kvbridge.layouts.errors import KVBridgeError
 
 class Repacker(Protocol):
     """The engine's way back to its own page order after a load of whole remote pages
-    (engine-packed formats, ``CacheFormat.block_packing``; see kvbridge.handshake.packed_plan)."""
+    (engine-packed formats, ``CacheFormat.block_packing``; see kvbridge.handshake.packed_plan).
+    On a GPU its kernels must queue on the caller's current stream: kvbridge orders them
+    with an event on that stream (kvbridge.connector.worker.device_order)."""
 
     def merge(self, group_id: int, block_ids: np.ndarray, remote_block_size: int) -> None:
         """Local blocks ``block_ids`` each hold whole, smaller remote pages side by side."""
