@@ -104,6 +104,8 @@ for name in NEEDED:
     except Exception as exc:
         missing.append(name)
         print(f"{name}: MISSING ({type(exc).__name__}: {exc})")
+        if "nixl-cu12" in str(exc):  # NIXL picks its build by the host's CUDA major
+            print("  a CUDA 12 host: NIXL_CUDA=12 bash scripts/gpu_wheels.sh fetches nixl-cu12")
     else:
         print(f"{name}: {getattr(module, '__file__', '?')}")
 try:  # as the example servers find it: next to this Python, else on PATH
