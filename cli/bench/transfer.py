@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -438,6 +438,12 @@ class Row:
     keep_ms: float | str = ""
     first_ms: float | str = ""
     rows: int | str = ""  # rows (blocks x streams) asked for, before merging
+    # decode's load phases, mean ms per timed load (inflight.LoadTimeline), and the rest of
+    # the mean load time (start_load_kv to the phases' start; the report after them)
+    phases_ms: dict[str, float] = field(default_factory=dict)
+
+
+PHASES = ("peer", "prepare", "data", "finish")
 
 
 def load_spec(
@@ -567,7 +573,14 @@ def measure_connector(
     posted0 = decode.metrics.descriptors_posted + child_posted[0]
     rows0 = engine.num_rows_posted + child_posted[1]
     picked0, read0 = indices_s(), engine.seconds["read"]
-    seconds = median_s(one_load, iterations)
+    phases0 = {k: getattr(decode.metrics, f"load_{k}_seconds") for k in PHASES}
+    times = [one_load() for _ in range(iterations)]
+    seconds = statistics.median(times)
+    phases_ms = {
+        k: (getattr(decode.metrics, f"load_{k}_seconds") - phases0[k]) / iterations * 1e3
+        for k in PHASES
+    }
+    phases_ms["rest"] = statistics.mean(times) * 1e3 - sum(phases_ms.values())
     # pull: decode posts the READs; push: the child posts the WRITEs (its own engine)
     descs = (decode.metrics.descriptors_posted + child_posted[0] - posted0) // iterations
     rows = (engine.num_rows_posted + child_posted[1] - rows0) // iterations
@@ -585,7 +598,7 @@ def measure_connector(
     if verify == "all" and decode.metrics.loads_verified < iterations + 1:
         raise SystemExit(f"{name}: {decode.metrics.loads_verified} loads verified")
     keep = statistics.median(keep_ms[1:])  # after the warm-up
-    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows)
+    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows, phases_ms)
     return row, child, decode, buffers
 
 
@@ -738,6 +751,29 @@ def print_digest(records: list[dict], device: str) -> None:
             f"{r['digest_gbps']:7.2f} {r['x_copy']:7.2f}"
         )
     print("x copy = copy time / digest time (>= 0.5: the digest reads as fast as half a copy)")
+
+
+def print_phases(rows: list[Row], raw_read_s: float, raw_write_s: float) -> None:
+    """Where a timed load's time goes, and its tax: the median load minus the raw transfer
+    of the same bytes (READ for pull rows, WRITE for push rows)."""
+    print("\nwhere a load's time goes (decode's phases, mean ms per timed load):")
+    header = f"{'what':<60} " + " ".join(f"{k:>8}" for k in (*PHASES, "rest", "tax"))
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if not r.phases_ms:
+            continue
+        raw_s = raw_write_s if " push " in r.name else raw_read_s
+        cells = " ".join(f"{r.phases_ms[k]:8.3f}" for k in (*PHASES, "rest"))
+        print(f"{r.name:<60} {cells} {(r.seconds - raw_s) * 1e3:8.3f}")
+    print(
+        "peer: until the peer was ready; prepare: until the first READ (or the Push) went\n"
+        "out (a claim answered first when prefill rewrites); data: until every source's\n"
+        "bytes were in place (READs ended and the claim answered, or Pushed); finish:\n"
+        "landing, to the load reported; rest: the mean load time outside the phases\n"
+        "(start_load_kv to the load being added, the engine call that reports it).\n"
+        "tax: median load - raw transfer of the same bytes (the fixed cost of a load)."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -921,6 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
         "Pushed (the child polls every ~1 ms between its steps)."
     )
+    print_phases(rows, raw_read_s, raw_write_s)
     if digest:
         print_digest(digest, args.device)
     write_json(

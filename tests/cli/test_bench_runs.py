@@ -42,6 +42,11 @@ def _transfer(rows: Rows) -> None:
     assert {("push" in r["name"]) for r in loads} == {False, True}, names  # both modes ran
     _positive(rows, "seconds", "x_raw")
     assert all(r.get("bytes_ok") is not False for r in rows)
+    for r in loads:  # transfer: where each load's time went
+        if r["name"].startswith("connector"):
+            phases = r["phases_ms"]
+            assert set(phases) == {"peer", "prepare", "data", "finish", "rest"}, r
+            assert phases["data"] > 0 and min(phases.values()) > -0.5, r
 
 
 def _e2e(rows: Rows) -> None:
