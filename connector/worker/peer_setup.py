@@ -15,20 +15,6 @@ agent in the order they were asked for, and its agents are counted: a peer direc
 the requester records (``requester_agents``) may both hold the same agent, which NIXL
 loads once and removes when the last holder lets go.
 
-**They need the GIL, and the engine may not give it.** An engine with requests waiting for
-their KV steps back to back in Python (vLLM does: a step with nothing to run still calls
-the connector), and a thread that wants the GIL from a busy thread gets it only when the
-interpreter's switch interval (5 ms) runs out, once for each time it let go of it (every
-NIXL or ZMQ call). A peer's set-up, a dozen such calls, then took 0.3-0.8 s instead of
-0.03 s, and a first load 0.4-2.8 s instead of 0.04 s (two idle cores; more on a loaded
-machine). So while a job is asked for or running (:attr:`PeerSetup.busy`), the worker
-hands the GIL over once per engine step (:meth:`PeerSetup.yield_to_jobs`:
-``time.sleep(0)``, about 60 us with Linux's timer slack, and only then). The step waits on
-no other process for it; it may wait for the GIL to come back, up to a switch interval
-when the job's thread runs Python meanwhile. A job blocked outside Python (a handshake to
-a frozen peer, up to its timeout; an ``add_peer`` held in NIXL) keeps ``busy`` set, and
-each step pays the 60 us for as long.
-
 The threads start with the worker, before the engine lowers its step thread's priority
 (``engine_thread.lower_calling_thread_priority``: a thread inherits its creator's nice
 value), so a set-up never runs at the step thread's lowered priority; and they may run
@@ -40,7 +26,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 from kvbridge.connector.transfer.transport import TransferEngine
@@ -66,8 +51,6 @@ class PeerSetup:
         self._nixl: queue.SimpleQueue[tuple[Job, bool] | None] = queue.SimpleQueue()
         self._refs: dict[str, int] = {}  # agent -> holders (set-up thread only)
         self._closing = False
-        self._busy = 0  # jobs asked for and not finished (under _busy_lock)
-        self._busy_lock = threading.Lock()
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -94,29 +77,10 @@ class PeerSetup:
         """``name`` is loaded through :meth:`load_agent` (any thread may ask)."""
         return name in self._refs
 
-    @property
-    def busy(self) -> bool:
-        """A handshake or set-up job is asked for and has not finished."""
-        return self._busy > 0
-
-    def yield_to_jobs(self) -> None:
-        """On the engine's step: while a job is in flight, let go of the GIL once, so the
-        job's thread takes it now rather than after a switch interval (module docstring).
-        No other process is waited for: the step goes on once it has the GIL back."""
-        if self._busy:
-            time.sleep(0)
-
-    def _asked(
-        self, jobs: queue.SimpleQueue[tuple[Job, bool] | None], item: tuple[Job, bool]
-    ) -> None:
-        with self._busy_lock:
-            self._busy += 1
-        jobs.put(item)
-
     def handshake(self, job: Job) -> None:
         """Run ``job`` (a ZMQ round trip) on a handshake thread; it must not raise."""
         if not self._closing:
-            self._asked(self._handshakes, (job, False))
+            self._handshakes.put((job, False))
 
     def nixl(self, job: Job, *, teardown: bool = False) -> None:
         """Run ``job`` on the set-up thread with the agent gate held, after the jobs asked
@@ -124,7 +88,7 @@ class PeerSetup:
         ``teardown`` jobs (removals, releases) still run: a set-up nobody will poll for is
         skipped, rather than held in NIXL while the worker shuts down."""
         if not self._closing or teardown:
-            self._asked(self._nixl, (job, teardown))
+            self._nixl.put((job, teardown))
 
     def load_agent(self, metadata: bytes) -> str:
         """Inside a :meth:`nixl` job: add the agent ``metadata`` describes (NIXL loads it
@@ -157,9 +121,9 @@ class PeerSetup:
         unpin_current_thread()
         while (item := jobs.get()) is not None:
             job, teardown = item
+            if self._closing and not teardown:
+                continue  # a handshake or set-up asked for before close: nobody polls it
             try:
-                if self._closing and not teardown:
-                    continue  # a handshake or set-up asked for before close: nobody polls it
                 if gated:
                     with self._gate.setup():
                         job()
@@ -167,9 +131,6 @@ class PeerSetup:
                     job()
             except Exception:  # a job delivers its own failures: this is a bug
                 logger.exception("kvbridge: a peer set-up job failed")
-            finally:
-                with self._busy_lock:
-                    self._busy -= 1
 
     def close(self) -> None:
         """Stop taking jobs; run the teardown jobs already asked for (removals, releases),

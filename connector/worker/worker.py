@@ -315,8 +315,6 @@ class KVBridgeWorker:
     def get_finished(self) -> WorkerOutput:
         receiver, sender = self._ready()
         self._round()
-        assert self._setup is not None
-        self._setup.yield_to_jobs()  # a peer's set-up needs the GIL (peer_setup docstring)
         done, failed, failing = receiver.take_results()
         finished, expired = sender.take_results()
         return WorkerOutput(

@@ -173,6 +173,12 @@ def run_until(
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what} ({state})")
         for s in sides:
             s.step()
+        # between steps an engine lets go of the GIL (vLLM's workers wait for the next
+        # step in time.sleep(0), kvbridge's engine_step_wait; the example engine on its
+        # inbox): a loop that never did left kvbridge's set-up threads the GIL only once
+        # per 5 ms switch interval, for each NIXL or ZMQ call, and a first load took
+        # 0.4-2.8 s instead of 0.04 s (once over 10 s in CI)
+        time.sleep(0)
 
 
 def describe(side: Side) -> str:

@@ -6,7 +6,6 @@ A fake engine records what reaches NIXL; the set-up thread is real.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -148,43 +147,3 @@ def test_closing_skips_set_ups_nobody_polls_and_runs_the_removals(setup, engine)
     closing.join(WAIT_S)
     assert not closing.is_alive()
     assert engine.calls == [("remove", "old")]
-
-
-def _python_step(seconds: float = 200e-6) -> None:
-    """An engine step with nothing to run: pure Python, the GIL held throughout."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-@pytest.mark.parametrize("queue_name", ["nixl", "handshake"])
-def test_a_job_gets_the_gil_from_an_engine_stepping_back_to_back(setup, queue_name):
-    """A job lets go of the GIL at each NIXL or ZMQ call; an engine that steps back to back
-    gave it back only at the switch interval (5 ms: 25 of these steps), so a set-up of a
-    dozen calls took half a second. The step now hands it over while a job is in flight."""
-    calls = 20  # each lets go of the GIL, as a NIXL or ZMQ call does
-    done = threading.Event()
-    assert not setup.busy
-
-    def job() -> None:
-        for _ in range(calls):
-            time.sleep(0)
-        done.set()
-
-    getattr(setup, queue_name)(job)
-    steps, deadline = 0, time.monotonic() + WAIT_S
-    while not done.is_set():
-        assert time.monotonic() < deadline, f"timed out after {WAIT_S} s waiting for the job"
-        _python_step()
-        setup.yield_to_jobs()
-        steps += 1
-    # without the hand-over: about 25 steps per call (500 here); with it, a step or two
-    assert steps <= 8 * calls, f"the job took {steps} engine steps for {calls} calls"
-    _wait_idle(setup)
-
-
-def _wait_idle(setup: PeerSetup) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while setup.busy:
-        assert time.monotonic() < deadline, f"timed out after {WAIT_S} s waiting for busy to clear"
-        time.sleep(0.001)
