@@ -124,6 +124,33 @@ class LoggingRepacker(RecordingRepacker):
         super().split(group_id, pages, remote_block_size, slots, heads, layers)
 
 
+def _packed_pair(
+    clock: FakeClock,
+    log: Log,
+    device_order: Callable[[torch.device], DeviceOrder],
+    **decode_extra: object,
+) -> tuple[Side, Side]:
+    """Prefill pages of 64 tokens, engine-packed, into decode blocks of 16 through a
+    staging arena of 2.5 pages: two rounds, each split by the (logging) engine."""
+    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
+    slot = sum(
+        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
+    )
+    decode = make_side(
+        "kv_consumer",
+        "decode",
+        16,
+        PACKED,
+        "F",
+        clock,
+        repacker=LoggingRepacker(log),
+        device_order=device_order,
+        extra={"staging_mib": 2.5 * slot / (1 << 20)},
+        **decode_extra,
+    )
+    return prefill, decode
+
+
 def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_hears(
     monkeypatch,
 ):
@@ -142,21 +169,11 @@ def test_receiver_kernels_run_after_the_reads_and_are_fenced_before_the_engine_h
         give_back(pool, slots)
 
     monkeypatch.setattr(StagingPool, "give_back", logged_give_back)
-    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
-    slot = sum(
-        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
-    )
-    decode = make_side(
-        "kv_consumer",
-        "decode",
-        16,
-        PACKED,
-        "F",
+    prefill, decode = _packed_pair(
         clock,
-        repacker=LoggingRepacker(log),
+        log,
+        lambda device: RecordingOrder(device, log),
         engine_factory=lambda name: PollLog(nixl_engine(name), log),
-        device_order=lambda device: RecordingOrder(device, log),
-        extra={"staging_mib": 2.5 * slot / (1 << 20)},
     )
     try:
         p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
@@ -231,21 +248,7 @@ def test_a_load_with_receiver_kernels_is_reported_once_their_mark_completed():
         orders.append(RecordingOrder(device, log, hold=True))
         return orders[-1]
 
-    prefill = make_side("kv_producer", "prefill", 64, PACKED, "F", clock, lease_s=30.0)
-    slot = sum(
-        prefill.buffers.layer_bytes(n).shape[1] for n in prefill.config.groups[0].layer_names
-    )
-    decode = make_side(
-        "kv_consumer",
-        "decode",
-        16,
-        PACKED,
-        "F",
-        clock,
-        repacker=LoggingRepacker(log),
-        device_order=held_order,
-        extra={"staging_mib": 2.5 * slot / (1 << 20)},
-    )
+    prefill, decode = _packed_pair(clock, log, held_order)
     try:
         p = Request("p1", token_ids(200), KVTransferParams(do_remote_decode=True))
         d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
