@@ -28,6 +28,7 @@ run adjacent on both sides, one descriptor per run through lists built for that 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -41,6 +42,7 @@ from kvbridge.connector.transfer.errors import (
     RegistrationError,
     TransferError,
 )
+from kvbridge.connector.transfer.gpu_paths import warn_slow_gpu_path
 from kvbridge.connector.transfer.nixl_calls import (
     LOCAL,
     NIXL_MEM,
@@ -182,6 +184,8 @@ class NixlTransferEngine:
         ):
             native = agent.register_memory(spans, NIXL_MEM[kind])
         self._registrations.append(Registration(native, tuple(tensors), spans, kind))
+        if kind is MemoryKind.VRAM:
+            warn_slow_gpu_path(os.environ)  # a setting that keeps UCX off CUDA IPC
 
     def metadata(self) -> bytes:
         agent = self._enter("metadata")
