@@ -52,6 +52,7 @@ EXTRA_KEYS = {
     "warm_peers",
     "nixl_progress_us",
     "idle_progress_ms",
+    "busy_progress_us",
     "merge_runs",
     "engine_thread_nice",
     "engine_step_wait",

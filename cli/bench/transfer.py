@@ -69,6 +69,7 @@ from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import FullAttentionSpec
 
 TIMEOUT_S = 120.0
+BUSY_PROGRESS_US = 200  # extra.busy_progress_us, both sides (vLLM's default too)
 # Where the prefill child listens and how it is started, and where this process (decode)
 # listens: this machine's loopback, unless kvbridge.cli.bench.multihost puts the child on
 # the far side of a link (another network namespace: the command prefix that enters it,
@@ -160,11 +161,13 @@ def _config(
     kv_port: int = 0,
     kv_ip: str = "127.0.0.1",
     verify: str = "off",
+    busy_us: int = 0,
 ) -> KVTransferConfig:
     extra: dict[str, object] = {
         "transfer_mode": mode,
         "rewrite_on_save": on_save,
         "verify": verify,  # decode's: the rows without digests unless a row says so
+        "busy_progress_us": busy_us,
     }
     if warm:
         extra["warm_peers"] = list(warm)
@@ -214,6 +217,7 @@ def serve(
     staged: bool,
     merge: MergeRuns,
     tp: PrefillRank = PrefillRank(),
+    busy_us: int = 0,
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
     engines: list[NixlTransferEngine] = []
@@ -230,7 +234,14 @@ def serve(
     buffers = local.buffers(parse_format(fmt_code), device)
     fill(buffers, seed=1 + tp.rank)
     config = _config(
-        "kv_producer", engine_id, mode, on_save, staged, kv_port=tp.kv_port, kv_ip=tp.kv_ip
+        "kv_producer",
+        engine_id,
+        mode,
+        on_save,
+        staged,
+        kv_port=tp.kv_port,
+        kv_ip=tp.kv_ip,
+        busy_us=busy_us,
     )
     with KVBridgeWorker(
         config,
@@ -288,6 +299,7 @@ class Child:
         *,
         tp: PrefillRank = PrefillRank(),
         engine_id: str | None = None,
+        busy_us: int = 0,
     ) -> None:
         """``engine_id``: shared by the ranks of one TP engine (default: a new one)."""
         self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
@@ -304,6 +316,7 @@ class Child:
             *(["--rewrite-on-save"] if on_save else []),
             *(["--staged"] if staged else []),
             f"--merge={merge.value}",
+            f"--busy-progress-us={busy_us}",
             *tp.cli(),
             f"--kv-ip={PREFILL_HOST}",
             *shape_args(shape),
@@ -512,8 +525,9 @@ def measure_connector(
     merge: MergeRuns = MergeRuns.OFF,
     merge_named: bool = False,
     verify: str = "off",
+    busy_us: int = 0,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
-    child = Child(shape, pfmt, mode, device, on_save, staged, merge)
+    child = Child(shape, pfmt, mode, device, on_save, staged, merge, busy_us=busy_us)
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
@@ -530,6 +544,7 @@ def measure_connector(
             warm=(f"{PREFILL_HOST}:{child.port}",) if warm else (),
             kv_ip=DECODE_HOST,
             verify=verify,
+            busy_us=busy_us,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -808,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra.verify on decode: off, all (every row), compare (x-NHD rows again with "
         "verify all, and the digest alone vs a copy at 1, 32 and 256 MiB)",
     )
+    ap.add_argument(
+        "--busy-progress-us",
+        type=int,
+        default=BUSY_PROGRESS_US,
+        help="extra.busy_progress_us on both sides (0: a peer waits for the other side's "
+        f"next step; default {BUSY_PROGRESS_US})",
+    )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
@@ -837,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 rewrites_in_place=not args.no_rewrites_in_place,
                 kv_ip=args.kv_ip,
             ),
+            args.busy_progress_us,
         )
         return
     indices_s = time_indices()
@@ -849,7 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         f"block {shape.block_size}, {shape.tokens}-token request = {mib:.0f} MiB; "
         f"{args.iterations} timed runs each (median); pid {os.getpid()}, "
         f"{os.cpu_count()} CPUs; device {args.device}; "
-        f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; "
+        f"extra.busy_progress_us={args.busy_progress_us} on both sides",
         flush=True,
     )
     rows: list[Row] = []
@@ -904,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             merge=m,
             merge_named=named,
             verify=v,
+            busy_us=args.busy_progress_us,
         )
         try:
             rows.append(row)
@@ -966,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
         records,
         shape=asdict(shape),
         device=args.device,
+        busy_progress_us=args.busy_progress_us,
         **({"digest": digest} if digest else {}),
     )
     return 0

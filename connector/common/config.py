@@ -111,6 +111,16 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     the same lock as the engine's calls; 0: only the engine's calls advance them.
     Read by: both."""
 
+    busy_progress_us: int = 0
+    """Above 0: while a transfer is in flight on this worker (prefill: blocks lent to a
+    reader, a push round owed; decode: a load in flight), a thread runs a progress round
+    every that many microseconds between the engine's calls, so a peer's claim, ``Push``
+    or ``Done`` is answered within about that time instead of at the engine's next step
+    (one forward, tens of milliseconds for a large prefill). 0: only the engine's calls
+    (and ``idle_progress_ms``) advance transfers. The thread never waits for an engine
+    call: a round that would overlap one is skipped.
+    Read by: both."""
+
     merge_runs: bool = False
     """``true``: post each run of blocks adjacent in memory on both sides as one NIXL
     descriptor. Off by default: NIXL 1.5 already coalesces adjacent prepared descriptors,
@@ -178,6 +188,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.idle_progress_ms < 0:
             raise ConfigError(
                 f"extra.idle_progress_ms={self.idle_progress_ms:g} must be >= 0 (milliseconds)"
+            )
+        if self.busy_progress_us < 0:
+            raise ConfigError(
+                f"extra.busy_progress_us={self.busy_progress_us} must be >= 0 (microseconds)"
             )
         if self.engine_step_wait not in STEP_WAITS:
             raise ConfigError(

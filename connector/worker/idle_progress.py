@@ -1,12 +1,24 @@
-"""Progress for a worker whose engine stops stepping while transfers still need it.
+"""Progress between the engine's calls: for an engine that stops stepping, and for a peer
+that should not wait for the engine's next step.
 
 kvbridge's worker advances transfers (reads notifications, answers ``Prepare``, polls
-reads, flushes its outbox) when the engine calls it each step. An idle engine does not
-step: vLLM, once a prefill request has finished, waits for new requests, so a decode's
-``Prepare`` (a rewrite, or a claim near the lease end) would wait until the next request
-arrives. :class:`IdleProgress` runs the worker's progress from a thread whenever the engine
-has not called in for ``interval_s``; the engine's calls and this thread share one lock, so
-the worker is never entered twice at once.
+reads, flushes its outbox) when the engine calls it each step. Two things that are not
+enough:
+
+- **An idle engine does not step**: vLLM, once a prefill request has finished, waits for
+  new requests, so a decode's ``Prepare`` would wait until the next request arrives.
+  :class:`IdleProgress` runs the worker's progress whenever the engine has not called in
+  for ``interval_s`` (``extra.idle_progress_ms``).
+- **A busy engine steps once per forward** (tens of milliseconds for a large prefill), and
+  every claim, ``Push`` and READ completion waited for that step: on a quiet pair, a load's
+  fixed cost was prefill's step interval, not the link. While the worker has a transfer in
+  flight (``busy()``), the thread runs a round every ``busy_interval_s``
+  (``extra.busy_progress_us``) between the engine's calls, so a peer is answered within
+  about that time. An engine call that leaves the worker busy wakes the thread at once.
+
+The engine's calls and this thread share one lock, so the worker is never entered twice at
+once; the thread only ever *tries* the lock, so it never holds up an engine call by waiting
+for it, and a round the engine's call overlaps is skipped, not queued.
 
 The thread also reports when it could not run: it wakes every ``interval_s``, so a wake-up
 ``STALL_S`` or more late means it could not get the GIL or a CPU (the GIL held through a
@@ -26,12 +38,15 @@ from kvbridge.handshake.affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 
+IDLE_CHECK_S = 0.05  # no idle progress: how often a quiet thread looks for work (or a kick)
 STALL_S = 1.0  # a wake-up this much later than due is a stall: logged and counted
 STALL_LOG_EVERY_S = 10.0  # at most one warning this often (every stall is counted)
 
 
 class IdleProgress:
     __slots__ = (
+        "_busy",
+        "_busy_interval_s",
         "_clock",
         "_interval_s",
         "_last_call",
@@ -43,6 +58,7 @@ class IdleProgress:
         "_stalls_unlogged",
         "_stop",
         "_thread",
+        "_wake",
         "failure",
     )
 
@@ -52,12 +68,18 @@ class IdleProgress:
         progress: Callable[[], None],
         interval_s: float,
         *,
+        busy: Callable[[], bool] = lambda: False,
+        busy_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         on_failure: Callable[[str], None] = lambda reason: None,
         on_stall: Callable[[float], None] = lambda seconds: None,
     ) -> None:
-        """``on_failure(reason)``: the thread died (a bug in a progress round); the worker
-        then reports itself unhealthy, and progress is left to the engine's calls.
+        """``interval_s``: a round once the engine has not called for that long (0: never
+        for that reason). ``busy()``: whether a transfer is in flight; while it is, a round
+        every ``busy_interval_s`` (0: never for that reason), whether or not the engine
+        calls in between. ``on_failure(reason)``: the thread died (a bug in a progress
+        round); the worker then reports itself unhealthy, and progress is left to the
+        engine's calls.
         ``on_stall(seconds)``: the thread woke ``seconds`` (>= ``STALL_S``) later than due."""
         self._lock = lock
         self._on_failure = on_failure
@@ -67,9 +89,12 @@ class IdleProgress:
         self.failure: str | None = None  # why the thread stopped, if it died
         self._progress = progress
         self._interval_s = interval_s
+        self._busy = busy
+        self._busy_interval_s = busy_interval_s
         self._clock = clock
         self._last_call = clock()
-        self._stop = threading.Event()
+        self._stop = False
+        self._wake = threading.Event()  # an engine call left work in flight, or close()
         self._thread = threading.Thread(target=self._run, name="kvbridge-idle", daemon=True)
 
     def start(self) -> None:
@@ -79,16 +104,26 @@ class IdleProgress:
         """The engine called in: no idle progress needed for another interval."""
         self._last_call = self._clock()
 
+    def kick(self) -> None:
+        """An engine call is over: if it left a transfer in flight, start the busy rounds
+        now rather than at the thread's next look."""
+        if self._busy_interval_s and not self._wake.is_set() and self._busy():
+            self._wake.set()
+
     def _run(self) -> None:
         unpin_current_thread()  # never on a core the engine pinned for itself
         while True:
-            due = self._clock() + self._interval_s  # a progress round's own time excluded
-            if self._stop.wait(self._interval_s):
+            busy = bool(self._busy_interval_s) and self._busy()
+            wait = self._busy_interval_s if busy else (self._interval_s or IDLE_CHECK_S)
+            due = self._clock() + wait  # a progress round's own time excluded
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop:
                 return
             now = self._clock()
             self._check_stall(now - due, now)
-            if now - self._last_call < self._interval_s:
-                continue
+            if not busy and (not self._interval_s or now - self._last_call < self._interval_s):
+                continue  # idle progress: only once the engine has not called for a while
             if not self._lock.acquire(blocking=False):
                 continue  # the engine is in a call right now
             try:
@@ -120,6 +155,7 @@ class IdleProgress:
         self._stall_logged_at, self._stalls_unlogged = now, 0
 
     def close(self) -> None:
-        self._stop.set()
+        self._stop = True
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)

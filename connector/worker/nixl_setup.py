@@ -30,7 +30,10 @@ def engine_call(method: Callable[P, R]) -> Callable[P, R]:
             with self._lock:
                 if self._idle is not None:
                     self._idle.touch()
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
+                if self._idle is not None:
+                    self._idle.kick()  # work left in flight: the busy rounds start now
+                return result
         finally:
             self.metrics.engine_calls.observe(hook, time.perf_counter() - start)
 

@@ -70,6 +70,11 @@ class Outbox:
         self._awaiting: list[tuple[str, object]] = []  # (agent being added, message)
 
     @property
+    def num_queued(self) -> int:
+        """Messages not sent yet: waiting for a peer's handshake or for its agent."""
+        return len(self._queued) + len(self._awaiting)
+
+    @property
     def num_awaiting(self) -> int:
         """Messages waiting for their recipient's agent to be added (set-up thread)."""
         return len(self._awaiting)

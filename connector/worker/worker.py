@@ -142,16 +142,18 @@ class KVBridgeWorker:
         self._closed = False
         # the engine's calls and the idle-progress thread (if any) take turns
         self._lock = threading.RLock()
-        idle_ms = extra.idle_progress_ms
+        idle_ms, busy_us = extra.idle_progress_ms, extra.busy_progress_us
         self._idle = (
             IdleProgress(  # real time, always
                 self._lock,
                 lambda: self._round(step=False),
                 idle_ms / 1000,
+                busy=self._in_flight,
+                busy_interval_s=busy_us / 1e6,
                 on_failure=self._thread_died,
                 on_stall=self._progress_stalled,
             )
-            if idle_ms
+            if idle_ms or busy_us
             else None
         )
 
@@ -374,6 +376,18 @@ class KVBridgeWorker:
             )
             return
         self._outbox.queue_done(params, ok=ok)
+
+    def _in_flight(self) -> bool:
+        """Whether a peer may be waiting on this worker right now (read without the lock,
+        by the progress thread: a stale answer only moves one round)."""
+        sender, receiver, pusher = self._sender, self._receiver, self._pusher
+        return bool(
+            self._pending
+            or (sender is not None and sender.num_pending)
+            or (receiver is not None and receiver.num_inflight)
+            or (pusher is not None and pusher.num_inflight)
+            or (self._outbox is not None and self._outbox.num_queued)
+        )
 
     def _ready(self) -> tuple[Receiver, Sender]:
         if self._receiver is None or self._sender is None or self._closed:

@@ -651,10 +651,11 @@ def test_expired_params_are_refused_when_decode_first_sees_them(clock):
         prefill.worker.shutdown()
 
 
-@pytest.mark.parametrize("idle_ms", [0, 2])
-def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, idle_ms):
+@pytest.mark.parametrize(("idle_ms", "busy_us"), [(0, 0), (2, 0), (0, 200)])
+def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, idle_ms, busy_us):
     """Prefill's engine never steps after the request finished (vLLM waits for new
-    requests). Decode's Prepare is answered only by the idle-progress thread."""
+    requests, or runs one long forward). Decode's Prepare is answered only by the
+    progress thread: its idle rounds, or its busy rounds (a request lent to readers)."""
     prefill = make_side(
         "kv_producer",
         "prefill",
@@ -663,7 +664,7 @@ def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, id
         "F",
         clock,
         lease_s=30.0,
-        extra={"idle_progress_ms": idle_ms},
+        extra={"idle_progress_ms": idle_ms, "busy_progress_us": busy_us},
     )
     decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock)
     try:
@@ -672,7 +673,7 @@ def test_an_idle_prefill_answers_prepare_from_its_idle_progress_thread(clock, id
         prefill.step()  # the step that ends the request hands the worker its SendSpec
         d = Request("d1", p.prompt_token_ids, params)
         assert decode_admit(decode, d) == 199
-        if not idle_ms:  # nothing answers: the load waits (bounded here, not by a sleep)
+        if not idle_ms and not busy_us:  # nothing answers: the load waits (bounded here)
             with pytest.raises(AssertionError, match=r"timed out after 1\.5 s"):
                 run_until([decode], lambda: loaded(decode, "d1"), "the load", timeout_s=1.5)
             return
