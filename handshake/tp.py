@@ -96,7 +96,7 @@ def rank_heads(rank: int, tp: int, total_kv_heads: int) -> RankHeads:
     return RankHeads(first=rank // _replicas(tp, total_kv_heads), count=1)
 
 
-@functools.cache  # pure, on a few small ints: asked for every load
+@functools.lru_cache(maxsize=256)  # pure, on a few small ints: asked for every load
 def sources(
     local_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int
 ) -> tuple[HeadSlice, ...]:
@@ -129,7 +129,7 @@ def sources(
     return tuple(slices)
 
 
-@functools.cache  # pure, on a few small ints: asked for every load
+@functools.lru_cache(maxsize=256)  # pure, on a few small ints: asked for every load
 def readers(
     remote_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int
 ) -> tuple[int, ...]:
@@ -158,7 +158,7 @@ def releaser(remote_rank: int, local_tp: int, remote_tp: int, total_kv_heads: in
     return remote_rank % local_tp
 
 
-@functools.cache  # pure, on a few small ints: asked for every load
+@functools.lru_cache(maxsize=256)  # pure, on a few small ints: asked for every load
 def notified_by(
     local_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int
 ) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 Two settings do, and neither fails: the transfer runs, 100-2,000x slower.
 
-- ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n``: a READ (UCX GET) of another process's GPU memory
+- ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n`` (or ``auto``, UCX's default, between GPUs that
+  NVLink does not join): a READ (UCX GET) of another process's GPU memory
   runs as *software emulation* over TCP loopback (a 256 MiB raw READ on one H100: 487 ms,
   0.55 GB/s; with CUDA IPC 0.19 ms). kvbridge's UCX backends set it to ``y``
   (``nixl_calls.UCX_ENGINE_CONFIG``) unless the environment says otherwise. WRITE (push)
@@ -23,7 +24,8 @@ from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
-_OFF = frozenset({"n", "no", "off", "0", "false"})
+_OFF = frozenset({"n", "no", "off", "0"})  # UCX's ON_OFF_AUTO values that mean off
+_AUTO = frozenset({"auto", "try", "maybe"})  # UCX's default: GET zero-copy over NVLink only
 _CARRIES_IPC = frozenset({"all", "cuda", "cuda_ipc"})  # UCX_TLS names that include cuda_ipc
 _warned: set[str] = set()  # reasons already logged in this process
 
@@ -32,17 +34,18 @@ def slow_gpu_path(environ: Mapping[str, str]) -> str | None:
     """Why GPU memory between processes of this host would not move over CUDA IPC under
     ``environ``'s UCX settings (None: nothing in them says so)."""
     zcopy = environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
-    if zcopy is not None and zcopy.strip().lower() in _OFF:
+    if zcopy is not None and zcopy.lower() in _OFF | _AUTO:
+        where = "" if zcopy.lower() in _OFF else " between GPUs not joined by NVLink"
         return (
-            f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={zcopy} in the environment: a READ of another "
-            f"process's GPU memory runs as UCX software emulation over TCP (0.55 GB/s on an "
-            f"H100, against 1,399 GB/s over CUDA IPC); unset it, or use "
-            f"extra.transfer_mode 'push' (WRITE is not affected)"
+            f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={zcopy} in the environment (it overrides "
+            f"kvbridge's y): a READ of another process's GPU memory{where} runs as UCX "
+            f"software emulation over TCP (0.55 GB/s on an H100, against 1,399 GB/s over "
+            f"CUDA IPC); unset it, or use extra.transfer_mode 'push' (WRITE is not affected)"
         )
     tls = environ.get("UCX_TLS")
-    if not tls or not tls.strip():
+    if not tls:
         return None
-    names = [n.strip().lower() for n in tls.strip().split(",") if n.strip()]
+    names = [n for n in tls.split(",") if n]  # UCX's names are case-sensitive
     if names and names[0].startswith("^"):
         excluded = {names[0][1:], *names[1:]}
         left_out = bool(excluded & {"cuda", "cuda_ipc"})

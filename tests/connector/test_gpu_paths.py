@@ -21,6 +21,7 @@ from kvbridge.connector.transfer.gpu_paths import slow_gpu_path, warn_slow_gpu_p
         ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n"),
         ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "NO"}, "software emulation"),
         ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "0"}, "transfer_mode 'push'"),
+        ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}, "between GPUs not joined by NVLink"),
         ({"UCX_TLS": "tcp"}, "UCX_TLS=tcp leaves out cuda_ipc"),
         ({"UCX_TLS": "rc,cuda_copy"}, "UCX_TLS=rc,cuda_copy leaves out cuda_ipc"),
         ({"UCX_TLS": "^cuda_ipc"}, "UCX_TLS=^cuda_ipc leaves out cuda_ipc"),
@@ -41,7 +42,7 @@ def test_a_setting_that_keeps_gpu_memory_off_cuda_ipc_is_named(environ, named):
         {"UCX_TLS": "rc,cuda_copy,cuda_ipc"},
         {"UCX_TLS": "tcp,cuda"},
         {"UCX_TLS": "^tcp"},
-        {"UCX_TLS": " "},
+        {"UCX_TLS": ""},
     ],
 )
 def test_settings_that_keep_cuda_ipc_say_nothing(environ):
