@@ -69,7 +69,7 @@ from kvbridge.layouts.layout import KVLayout, KVPacking
 from kvbridge.layouts.specs import FullAttentionSpec
 
 TIMEOUT_S = 120.0
-BUSY_PROGRESS_US = 200  # extra.busy_progress_us, both sides (vLLM's default too)
+BUSY_PROGRESS_US = 200  # extra.busy_progress_us, both sides
 # Where the prefill child listens and how it is started, and where this process (decode)
 # listens: this machine's loopback, unless kvbridge.cli.bench.multihost puts the child on
 # the far side of a link (another network namespace: the command prefix that enters it,

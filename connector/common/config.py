@@ -25,6 +25,8 @@ from kvbridge.connector.common.struct_errors import explain
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.errors import KVBridgeError
 
+MIN_BUSY_PROGRESS_US = 50  # extra.busy_progress_us below this only spins on the GIL
+
 
 class ConfigError(KVBridgeError, ValueError):
     """A connector configuration value is missing, unknown or out of range."""
@@ -113,12 +115,14 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     busy_progress_us: int = 0
     """Above 0: while a transfer is in flight on this worker (prefill: blocks lent to a
-    reader, a push round owed; decode: a load in flight), a thread runs a progress round
-    every that many microseconds between the engine's calls, so a peer's claim, ``Push``
-    or ``Done`` is answered within about that time instead of at the engine's next step
-    (one forward, tens of milliseconds for a large prefill). 0: only the engine's calls
-    (and ``idle_progress_ms``) advance transfers. The thread never waits for an engine
-    call: a round that would overlap one is skipped.
+    reader, a push round owed; decode: a load in flight or landed; either: a message or
+    an order queued), a thread runs a progress round once the engine has not called for
+    that many microseconds, and as often, so a peer's claim or ``Push`` is answered and
+    its ``Done`` read within about that time instead of at the engine's next step (one
+    forward, tens of milliseconds for a large prefill). Its rounds take at most half
+    of the thread's time; a round that would overlap an engine call is skipped, and an
+    engine call that comes during a round waits for it. 0: only the engine's calls (and
+    ``idle_progress_ms``) advance transfers. At least 50 when set.
     Read by: both."""
 
     merge_runs: bool = False
@@ -189,9 +193,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ConfigError(
                 f"extra.idle_progress_ms={self.idle_progress_ms:g} must be >= 0 (milliseconds)"
             )
-        if self.busy_progress_us < 0:
+        if self.busy_progress_us < 0 or 0 < self.busy_progress_us < MIN_BUSY_PROGRESS_US:
             raise ConfigError(
-                f"extra.busy_progress_us={self.busy_progress_us} must be >= 0 (microseconds)"
+                f"extra.busy_progress_us={self.busy_progress_us} must be 0 (off) or at least "
+                f"{MIN_BUSY_PROGRESS_US} microseconds (a shorter wait only spins on the GIL)"
             )
         if self.engine_step_wait not in STEP_WAITS:
             raise ConfigError(

@@ -53,16 +53,11 @@ _VLLM_ANNOTATIONS = frozenset({"remote_prefill_cached_tokens", "_p_side_truncate
 
 # vLLM calls the connector only while it has work: an idle prefill must still answer the
 # READs (UCX's control traffic) of decodes that read its blocks, and their notifications
-# (a claim's Prepare, Done). A busy one steps once per forward (tens of ms for a large
-# prefill): while a transfer is in flight, a round every millisecond answers its peers in
-# between (a 2-core CPU host spends ~25 us per round; 200 us halves a small pull's fixed
-# cost again, for ~12% of a core while busy). Inside vLLM these replace ExtraConfig's
-# defaults; a value the user sets in "extra" wins.
-VLLM_EXTRA_DEFAULTS: dict[str, Any] = {
-    "nixl_progress_us": 1000,
-    "idle_progress_ms": 5,
-    "busy_progress_us": 1000,
-}
+# (a claim's Prepare, Done). Inside vLLM these replace ExtraConfig's defaults; a value the
+# user sets in "extra" wins. extra.busy_progress_us (answers between a busy engine's steps)
+# stays opt-in: its cost to a forward that holds the GIL (CPU backends' compiled kernels)
+# or to cores pinned for OpenMP has not been measured under vLLM (docs/vllm.md).
+VLLM_EXTRA_DEFAULTS: dict[str, Any] = {"nixl_progress_us": 1000, "idle_progress_ms": 5}
 
 # what to change when a spec field kvbridge cannot move is set
 _FIXES = {

@@ -25,14 +25,20 @@ from collections.abc import Iterator
 
 
 class AgentGate:
-    __slots__ = ("_count", "_lock", "_owner", "_waiting", "rounds_deferred")
+    __slots__ = ("_count", "_lock", "_owner", "_setups", "_waiting", "rounds_deferred")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._owner: int | None = None  # the thread inside (None: free)
         self._waiting = 0  # set-ups waiting for the gate: rounds give way to them
+        self._setups = 0  # set-ups waiting for the gate or holding it
         self._count = threading.Lock()  # guards _waiting (several threads may set up)
         self.rounds_deferred = 0  # rounds that found the gate taken and skipped
+
+    @property
+    def setting_up(self) -> bool:
+        """A set-up waits for the gate or holds it: a round now would be deferred."""
+        return self._setups > 0
 
     def held(self) -> bool:
         """The calling thread holds the gate."""
@@ -60,16 +66,21 @@ class AgentGate:
         peer, so the wait is bounded by a round's own work)."""
         with self._count:
             self._waiting += 1
+            self._setups += 1
         try:
-            self._lock.acquire()
+            try:
+                self._lock.acquire()
+            finally:
+                with self._count:
+                    self._waiting -= 1
+            try:
+                with self._owned():
+                    yield
+            finally:
+                self._lock.release()
         finally:
             with self._count:
-                self._waiting -= 1
-        try:
-            with self._owned():
-                yield
-        finally:
-            self._lock.release()
+                self._setups -= 1
 
     @contextlib.contextmanager
     def _owned(self) -> Iterator[None]:

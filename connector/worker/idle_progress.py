@@ -10,15 +10,21 @@ enough:
   :class:`IdleProgress` runs the worker's progress whenever the engine has not called in
   for ``interval_s`` (``extra.idle_progress_ms``).
 - **A busy engine steps once per forward** (tens of milliseconds for a large prefill), and
-  every claim, ``Push`` and READ completion waited for that step: on a quiet pair, a load's
-  fixed cost was prefill's step interval, not the link. While the worker has a transfer in
-  flight (``busy()``), the thread runs a round every ``busy_interval_s``
-  (``extra.busy_progress_us``) between the engine's calls, so a peer is answered within
-  about that time. An engine call that leaves the worker busy wakes the thread at once.
+  every claim, ``Push`` and WRITE completion waited for that step: on a quiet pair, a
+  load's fixed cost was prefill's step interval, not the link. While the worker has a
+  transfer in flight (``busy()``), the thread runs a round once the engine has not called
+  for ``busy_interval_s`` (``extra.busy_progress_us``), every ``busy_interval_s``, so a
+  peer is answered within about that time. An engine call that leaves the worker busy
+  ends the thread's idle wait (its first busy round still comes one interval later).
+  Busy rounds take at most ``MAX_BUSY_SHARE`` of the thread's time: after a round of
+  ``r`` seconds the next one waits at least ``r * (1 - share) / share``, so a worker with
+  many transfers in flight (or a peer that answers nothing) cannot turn the thread into a
+  spinner holding the GIL.
 
 The engine's calls and this thread share one lock, so the worker is never entered twice at
-once; the thread only ever *tries* the lock, so it never holds up an engine call by waiting
-for it, and a round the engine's call overlaps is skipped, not queued.
+once. The thread only ever *tries* the lock: a round the engine's call overlaps is skipped,
+not queued. An engine call that comes during a thread round waits for that one round
+(``kvbridge_engine_call_seconds`` includes the wait).
 
 The thread also reports when it could not run: it wakes every ``interval_s``, so a wake-up
 ``STALL_S`` or more late means it could not get the GIL or a CPU (the GIL held through a
@@ -38,6 +44,7 @@ from kvbridge.handshake.affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 
+MAX_BUSY_SHARE = 0.5  # busy rounds take at most this share of the thread's time
 IDLE_CHECK_S = 0.05  # no idle progress: how often a quiet thread looks for work (or a kick)
 STALL_S = 1.0  # a wake-up this much later than due is a stall: logged and counted
 STALL_LOG_EVERY_S = 10.0  # at most one warning this often (every stall is counted)
@@ -46,6 +53,7 @@ STALL_LOG_EVERY_S = 10.0  # at most one warning this often (every stall is count
 class IdleProgress:
     __slots__ = (
         "_busy",
+        "_busy_cadence",
         "_busy_interval_s",
         "_clock",
         "_interval_s",
@@ -91,6 +99,7 @@ class IdleProgress:
         self._interval_s = interval_s
         self._busy = busy
         self._busy_interval_s = busy_interval_s
+        self._busy_cadence = False  # the thread waits a busy interval (no kick needed)
         self._clock = clock
         self._last_call = clock()
         self._stop = False
@@ -105,38 +114,54 @@ class IdleProgress:
         self._last_call = self._clock()
 
     def kick(self) -> None:
-        """An engine call is over: if it left a transfer in flight, start the busy rounds
-        now rather than at the thread's next look."""
-        if self._busy_interval_s and not self._wake.is_set() and self._busy():
-            self._wake.set()
+        """An engine call is over (called outside the lock): if it left a transfer in
+        flight while the thread waits in its idle cadence, end that wait."""
+        if self._busy_interval_s and not self._busy_cadence and not self._wake.is_set():
+            if self._busy():
+                self._wake.set()
 
     def _run(self) -> None:
         unpin_current_thread()  # never on a core the engine pinned for itself
+        try:
+            self._loop()
+        except Exception as exc:  # a bug: say so loudly, and leave progress to the engine
+            logger.exception("idle progress failed; stopping it: the worker is unhealthy")
+            self.failure = f"idle progress thread died: {type(exc).__name__}: {exc}"
+            self._on_failure(self.failure)
+
+    def _loop(self) -> None:
+        round_s = 0.0  # the last round's own time (real time)
         while True:
             busy = bool(self._busy_interval_s) and self._busy()
-            wait = self._busy_interval_s if busy else (self._interval_s or IDLE_CHECK_S)
+            self._busy_cadence = busy
+            if busy:
+                share = MAX_BUSY_SHARE
+                wait = max(self._busy_interval_s, round_s * (1 - share) / share)
+                wait = min(wait, self._interval_s) if self._interval_s else wait
+            else:
+                wait = self._interval_s or IDLE_CHECK_S
             due = self._clock() + wait  # a progress round's own time excluded
             self._wake.wait(wait)
             self._wake.clear()
             if self._stop:
                 return
             now = self._clock()
-            self._check_stall(now - due, now)
-            if not busy and (not self._interval_s or now - self._last_call < self._interval_s):
+            self._check_stall(now - due, now, wait)
+            since_call = now - self._last_call
+            if busy and since_call < self._busy_interval_s:
+                continue  # the engine's own call advanced the transfers just now
+            if not busy and (not self._interval_s or since_call < self._interval_s):
                 continue  # idle progress: only once the engine has not called for a while
             if not self._lock.acquire(blocking=False):
                 continue  # the engine is in a call right now
+            started = time.perf_counter()
             try:
                 self._progress()
-            except Exception as exc:  # a bug: say so loudly, and leave progress to the engine
-                logger.exception("idle progress failed; stopping it: the worker is unhealthy")
-                self.failure = f"idle progress thread died: {type(exc).__name__}: {exc}"
-                self._on_failure(self.failure)
-                return
             finally:
                 self._lock.release()
+            round_s = time.perf_counter() - started
 
-    def _check_stall(self, late_s: float, now: float) -> None:
+    def _check_stall(self, late_s: float, now: float, wait_s: float) -> None:
         if late_s < STALL_S:
             return
         self._on_stall(late_s)
@@ -148,8 +173,8 @@ class IdleProgress:
             "was held through a long native call (such as a compiled kernel of the engine's "
             "forward) or the process had no CPU; kvbridge's transfer steps in this process "
             "waited as long (%d more stalls since the last such line)",
-            late_s + self._interval_s,
-            1e3 * self._interval_s,
+            late_s + wait_s,
+            1e3 * wait_s,
             self._stalls_unlogged,
         )
         self._stall_logged_at, self._stalls_unlogged = now, 0

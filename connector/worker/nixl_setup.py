@@ -31,9 +31,9 @@ def engine_call(method: Callable[P, R]) -> Callable[P, R]:
                 if self._idle is not None:
                     self._idle.touch()
                 result = method(*args, **kwargs)
-                if self._idle is not None:
-                    self._idle.kick()  # work left in flight: the busy rounds start now
-                return result
+            if self._idle is not None:
+                self._idle.kick()  # work left in flight: out of the thread's idle wait
+            return result
         finally:
             self.metrics.engine_calls.observe(hook, time.perf_counter() - start)
 

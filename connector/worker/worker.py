@@ -379,12 +379,17 @@ class KVBridgeWorker:
 
     def _in_flight(self) -> bool:
         """Whether a peer may be waiting on this worker right now (read without the lock,
-        by the progress thread: a stale answer only moves one round)."""
+        by the progress thread: a stale answer only moves one round). Not while a peer's
+        set-up holds or waits for the agent gate (a round would only be deferred), and not
+        for loads held in quarantine alone (they wait for a frozen or dead peer: idle
+        progress and the engine's steps poll them)."""
+        if self._gate.setting_up:
+            return False
         sender, receiver, pusher = self._sender, self._receiver, self._pusher
         return bool(
             self._pending
             or (sender is not None and sender.num_pending)
-            or (receiver is not None and receiver.num_inflight)
+            or (receiver is not None and receiver.num_active)
             or (pusher is not None and pusher.num_inflight)
             or (self._outbox is not None and self._outbox.num_queued)
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -110,13 +111,21 @@ def test_a_stall_shows_in_the_workers_metrics() -> None:
 
 
 class _Rounds:
-    """Counts progress rounds; ``wait_for(n)`` waits (bounded) until there were ``n``."""
+    """Counts progress rounds (and when each started); ``wait_for(n)`` waits, bounded,
+    until there were ``n``. ``work_s``: how long each round keeps the thread busy."""
 
-    def __init__(self) -> None:
+    def __init__(self, work_s: float = 0.0) -> None:
         self.count = 0
+        self.starts: list[float] = []
+        self.work_s = work_s
         self._cond = threading.Condition()
 
     def __call__(self) -> None:
+        self.starts.append(time.perf_counter())
+        if self.work_s:
+            deadline = time.perf_counter() + self.work_s
+            while time.perf_counter() < deadline:  # a round's own work, on the CPU
+                pass
         with self._cond:
             self.count += 1
             self._cond.notify_all()
@@ -127,36 +136,98 @@ class _Rounds:
                 raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def _engine_steps(lock: threading.RLock, idle: IdleProgress, steps: int) -> None:
-    """An engine that calls in every millisecond (each call takes the lock, as the
-    worker's engine calls do): idle progress never comes due."""
+def _engine(lock: threading.RLock, idle: IdleProgress, stop: threading.Event, steps: int) -> None:
+    """An engine that calls in every millisecond as the worker's engine calls do (touch
+    under the lock, kick after it), until ``stop`` or ``steps`` calls."""
     for _ in range(steps):
+        if stop.is_set():
+            return
         with lock:
             idle.touch()
+        idle.kick()
         time.sleep(0.001)  # the engine's step between calls; the thread runs meanwhile
+
+
+def _first_look(busy: threading.Event) -> tuple[threading.Event, Callable[[], bool]]:
+    """``busy.is_set`` that also says when the thread first asked (its start-up is over)."""
+    asked = threading.Event()
+
+    def is_busy() -> bool:
+        asked.set()
+        return busy.is_set()
+
+    return asked, is_busy
 
 
 @pytest.mark.parametrize("busy", [True, False])
 def test_a_busy_worker_progresses_between_the_engines_calls(busy: bool) -> None:
     """A stepping engine keeps idle progress away (its interval here is a minute); while
-    a transfer is in flight the thread still runs a round every busy interval, between
-    the engine's calls. Not busy: no round at all while the engine steps."""
-    lock, rounds = threading.RLock(), _Rounds()
+    a transfer is in flight the thread still runs rounds in the engine's gaps (1 ms, the
+    busy interval 0.2 ms). Not busy: no round at all while the engine steps."""
+    lock, rounds, stop = threading.RLock(), _Rounds(), threading.Event()
     idle = IdleProgress(lock, rounds, 60.0, busy=lambda: busy, busy_interval_s=0.0002)
     idle.start()
+    stepping = threading.Thread(target=_engine, args=(lock, idle, stop, 200))
+    stepping.start()
     try:
         if busy:
-            stepping = threading.Thread(target=_engine_steps, args=(lock, idle, 2000))
-            stepping.start()
-            try:
-                rounds.wait_for(20, "20 busy rounds while the engine steps")
-            finally:
-                stepping.join()
-        else:
-            _engine_steps(lock, idle, 200)
+            rounds.wait_for(20, "20 busy rounds while the engine steps")
     finally:
+        if busy:
+            stop.set()
+        stepping.join()
         idle.close()
     assert rounds.count >= 20 if busy else rounds.count == 0
+
+
+def test_no_busy_round_while_the_engine_calls_more_often_than_the_interval() -> None:
+    """The engine's own calls advance the transfers: with a busy interval of 10 ms and
+    the engine calling every millisecond (each call kicking), the thread adds no round."""
+    lock, rounds, stop = threading.RLock(), _Rounds(), threading.Event()
+    idle = IdleProgress(lock, rounds, 0.0, busy=lambda: True, busy_interval_s=0.01)
+    idle.start()
+    try:
+        _engine(lock, idle, stop, 200)
+    finally:
+        idle.close()
+    assert rounds.count == 0
+
+
+def test_busy_rounds_skip_while_the_engine_holds_the_lock() -> None:
+    """The thread only tries the lock: while an engine call holds it, no round runs (and
+    the thread does not wait for it); once released, the rounds resume."""
+    lock, rounds = threading.RLock(), _Rounds()
+    idle = IdleProgress(lock, rounds, 0.0, busy=lambda: True, busy_interval_s=0.0002)
+    with lock:
+        idle.start()
+        try:
+            with pytest.raises(AssertionError, match=r"timed out after 0\.5 s"):
+                rounds.wait_for(1, "a round while the lock is held", timeout_s=0.5)
+        except BaseException:
+            idle.close()
+            raise
+    try:
+        rounds.wait_for(3, "rounds once the lock is free")
+    finally:
+        idle.close()
+
+
+def test_busy_rounds_take_at_most_their_share_of_the_thread() -> None:
+    """Rounds of 4 ms with a busy interval of 0.1 ms: each next round waits at least
+    4 ms * (1 - share) / share, so a worker with much in flight cannot make the thread
+    spin on the GIL."""
+    from kvbridge.connector.worker.idle_progress import MAX_BUSY_SHARE
+
+    lock, rounds = threading.RLock(), _Rounds(work_s=0.004)
+    idle = IdleProgress(lock, rounds, 0.0, busy=lambda: True, busy_interval_s=0.0001)
+    idle.start()
+    try:
+        rounds.wait_for(4, "four busy rounds")
+    finally:
+        idle.close()
+    least = 0.004 + 0.004 * (1 - MAX_BUSY_SHARE) / MAX_BUSY_SHARE
+    gaps = [b - a for a, b in zip(rounds.starts, rounds.starts[1:], strict=False)]
+    assert min(gaps) >= least, gaps
 
 
 @pytest.mark.parametrize("kicked", [True, False])
@@ -165,15 +236,17 @@ def test_an_engine_call_that_leaves_work_in_flight_starts_the_busy_rounds(
 ) -> None:
     """No idle progress, nothing in flight: the thread only looks for work every
     IDLE_CHECK_S (a minute here). An engine call that leaves a transfer in flight kicks
-    it, and the busy rounds start at once; without the kick the thread sleeps on."""
+    it, and the busy rounds start; without the kick the thread sleeps on."""
     from kvbridge.connector.worker import idle_progress
 
     monkeypatch.setattr(idle_progress, "IDLE_CHECK_S", 60.0)
     in_flight = threading.Event()
+    asked, is_busy = _first_look(in_flight)
     lock, rounds = threading.RLock(), _Rounds()
-    idle = IdleProgress(lock, rounds, 0.0, busy=in_flight.is_set, busy_interval_s=0.0002)
+    idle = IdleProgress(lock, rounds, 0.0, busy=is_busy, busy_interval_s=0.0002)
     idle.start()
     try:
+        assert asked.wait(5.0), "timed out after 5 s waiting for the thread's first look"
         in_flight.set()  # the engine's call started a load
         if kicked:
             idle.kick()  # what engine_call does when the call returns
@@ -186,9 +259,32 @@ def test_an_engine_call_that_leaves_work_in_flight_starts_the_busy_rounds(
     assert rounds.count >= 3 if kicked else rounds.count == 0
 
 
+def test_an_error_in_the_busy_check_makes_the_worker_unhealthy() -> None:
+    reasons: list[str] = []
+
+    def broken() -> bool:
+        raise RuntimeError("boom in busy()")
+
+    idle = IdleProgress(
+        threading.RLock(),
+        lambda: None,
+        0.0,
+        busy=broken,
+        busy_interval_s=0.001,
+        on_failure=reasons.append,
+    )
+    idle.start()
+    try:
+        _wait(lambda: idle.failure is not None, "the thread's failure")
+    finally:
+        idle.close()
+    assert reasons == [idle.failure] and "RuntimeError: boom in busy()" in idle.failure
+
+
 def test_the_worker_is_busy_exactly_while_a_transfer_is_in_flight() -> None:
     """What the thread asks (``KVBridgeWorker._in_flight``): a prefill with a request
-    lent to readers is busy until it is freed."""
+    lent to readers is busy until it is freed, and not while a peer's set-up holds the
+    agent gate (a round would only be deferred)."""
     from kvbridge.connector.common.params import KVTransferParams
     from tests.connector.pair_harness import Request, prefill_finish, token_ids
 
@@ -199,6 +295,9 @@ def test_the_worker_is_busy_exactly_while_a_transfer_is_in_flight() -> None:
         request = Request("p1", token_ids(40), KVTransferParams(do_remote_decode=True))
         prefill_finish(side, request)
         side.step()  # hands the worker its SendSpec: lent to readers
+        assert side.worker._in_flight()
+        with side.worker._gate.setup():
+            assert not side.worker._in_flight()
         assert side.worker._in_flight()
         side.worker.abort_send("p1")
         assert not side.worker._in_flight()

@@ -59,7 +59,6 @@ def test_defaults_and_vllm_spellings_come_from_the_code() -> None:
     # VLLM_EXTRA_DEFAULTS in connector/vllm/translate.py
     assert keys["extra.nixl_progress_us"].vllm_default == "`1000`"
     assert keys["extra.idle_progress_ms"].vllm_default == "`5`"
-    assert keys["extra.busy_progress_us"].vllm_default == "`1000`"
     assert keys["extra.merge_runs"].vllm_default is None
 
 

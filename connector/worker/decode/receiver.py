@@ -156,6 +156,11 @@ class Receiver:
         return len(self._loads) + len(self._landed) + self._quarantine.num_held
 
     @property
+    def num_active(self) -> int:
+        """Loads in flight or landed and not yet reported (quarantined ones left out)."""
+        return len(self._loads) + len(self._landed)
+
+    @property
     def num_held(self) -> int:
         """Failed loads not yet reported: a READ of theirs may still write their blocks."""
         return self._quarantine.num_held

@@ -53,9 +53,7 @@ def test_transfer_config_maps_top_level_and_extra_keys():
     assert (cfg.kv_ip, cfg.kv_port, cfg.lease_s) == ("127.0.0.2", 6100, 7)
     assert cfg.failure_policy is FailurePolicy.RECOMPUTE
     # vLLM's own defaults for the progress keys, under what the user set
-    assert cfg.extra == ExtraConfig(
-        merge_runs=True, nixl_progress_us=1000, idle_progress_ms=5, busy_progress_us=1000
-    )
+    assert cfg.extra == ExtraConfig(merge_runs=True, nixl_progress_us=1000, idle_progress_ms=5)
 
 
 def test_a_user_value_wins_over_vllms_extra_defaults():
