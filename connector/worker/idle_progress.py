@@ -84,8 +84,8 @@ class IdleProgress:
     ) -> None:
         """``interval_s``: a round once the engine has not called for that long (0: never
         for that reason). ``busy()``: whether a transfer is in flight; while it is, a round
-        every ``busy_interval_s`` (0: never for that reason), whether or not the engine
-        calls in between. ``on_failure(reason)``: the thread died (a bug in a progress
+        every ``busy_interval_s`` (0: never for that reason) once the engine has not
+        called for as long. ``on_failure(reason)``: the thread died (a bug in a progress
         round); the worker then reports itself unhealthy, and progress is left to the
         engine's calls.
         ``on_stall(seconds)``: the thread woke ``seconds`` (>= ``STALL_S``) later than due."""
