@@ -14,8 +14,9 @@ enough:
   load's fixed cost was prefill's step interval, not the link. While the worker has a
   transfer in flight (``busy()``), the thread runs a round once the engine has not called
   for ``busy_interval_s`` (``extra.busy_progress_us``), every ``busy_interval_s``, so a
-  peer is answered within about that time. An engine call that leaves the worker busy
-  ends the thread's idle wait (its first busy round still comes one interval later).
+  peer is answered within about that time (the wait runs from the engine's last call, not
+  from the thread's last look). An engine call that leaves the worker busy
+  ends the thread's idle wait (its first busy round still comes one interval after that call).
   Busy rounds take at most ``MAX_BUSY_SHARE`` of the thread's time: after a round of
   ``r`` seconds the next one waits at least ``r * (1 - share) / share``, so a worker with
   many transfers in flight (or a peer that answers nothing) cannot turn the thread into a
@@ -131,16 +132,13 @@ class IdleProgress:
 
     def _loop(self) -> None:
         round_s = 0.0  # the last round's own time (real time)
+        round_end = self._last_call  # when the thread's last round ended (its clock)
         while True:
             busy = bool(self._busy_interval_s) and self._busy()
             self._busy_cadence = busy
-            if busy:
-                share = MAX_BUSY_SHARE
-                wait = max(self._busy_interval_s, round_s * (1 - share) / share)
-                wait = min(wait, self._interval_s) if self._interval_s else wait
-            else:
-                wait = self._interval_s or IDLE_CHECK_S
-            due = self._clock() + wait  # a progress round's own time excluded
+            start = self._clock()
+            wait = self._next_wait(start, busy, round_s, round_end)
+            due = start + wait  # a progress round's own time excluded
             self._wake.wait(wait)
             self._wake.clear()
             if self._stop:
@@ -153,13 +151,32 @@ class IdleProgress:
             if not busy and (not self._interval_s or since_call < self._interval_s):
                 continue  # idle progress: only once the engine has not called for a while
             if not self._lock.acquire(blocking=False):
-                continue  # the engine is in a call right now
+                round_s, round_end = 0.0, now  # the engine is in a call: look again later
+                continue
             started = time.perf_counter()
             try:
                 self._progress()
             finally:
                 self._lock.release()
             round_s = time.perf_counter() - started
+            round_end = now + round_s
+
+    def _next_wait(self, now: float, busy: bool, round_s: float, round_end: float) -> float:
+        """How long to sleep before the next round may be due: until the engine has been
+        quiet for the interval (measured from its last call, so a call just before the
+        thread woke does not cost a whole second interval), and at least the interval
+        since the thread's own last round (busy: or the share cap, if longer)."""
+        if busy:
+            share = MAX_BUSY_SHARE
+            spacing = max(self._busy_interval_s, round_s * (1 - share) / share)
+            due = max(self._last_call + self._busy_interval_s, round_end + spacing)
+            if self._interval_s:  # idle progress may come sooner than a long busy interval
+                due = min(due, max(self._last_call, round_end) + self._interval_s)
+        elif self._interval_s:
+            due = max(self._last_call, round_end) + self._interval_s
+        else:
+            return IDLE_CHECK_S
+        return max(due - now, 0.0)
 
     def _check_stall(self, late_s: float, now: float, wait_s: float) -> None:
         if late_s < STALL_S:

@@ -193,6 +193,41 @@ def test_no_busy_round_while_the_engine_calls_more_often_than_the_interval() -> 
     assert rounds.count == 0
 
 
+def test_the_first_busy_round_comes_one_interval_after_the_engines_last_call() -> None:
+    """The engine calls every 10 ms (no busy round: the interval is 100 ms), then makes a
+    last call right after the thread looked and went back to sleep. The first round comes
+    one interval after that call, not after a second full interval counted from the
+    thread's own wake-up (which made a peer wait up to two intervals for an answer)."""
+    interval = 0.1
+    looked = threading.Event()
+
+    def is_busy() -> bool:
+        looked.set()
+        return True
+
+    lock, rounds = threading.RLock(), _Rounds()
+    idle = IdleProgress(lock, rounds, 0.0, busy=is_busy, busy_interval_s=interval)
+    with lock:
+        idle.touch()
+    idle.start()
+    try:
+        for _ in range(30):  # 300 ms of an engine calling every 10 ms
+            with lock:
+                idle.touch()
+            time.sleep(0.01)  # the engine's step between calls
+        assert rounds.count == 0
+        looked.clear()
+        assert looked.wait(5.0), "timed out after 5 s waiting for the thread's next look"
+        with lock:
+            idle.touch()  # the last call: the thread is asleep until its next look
+        last_call = time.perf_counter()
+        rounds.wait_for(1, "the first busy round after the engine's last call")
+    finally:
+        idle.close()
+    gap = rounds.starts[0] - last_call
+    assert interval <= gap < 1.5 * interval, gap
+
+
 def test_busy_rounds_skip_while_the_engine_holds_the_lock() -> None:
     """The thread only tries the lock: while an engine call holds it, no round runs (and
     the thread does not wait for it); once released, the rounds resume."""
