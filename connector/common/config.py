@@ -51,6 +51,14 @@ class VerifyMode(enum.Enum):
     ALL = "all"
 
 
+class ReadProbeMode(enum.Enum):
+    """Whether a pulling decode READs a little of each new peer at the handshake."""
+
+    AUTO = "auto"  # when this worker's transfers land in GPU memory
+    ON = "on"
+    OFF = "off"
+
+
 DEFAULT_STAGING_MIB = 64
 DEFAULT_VERIFY_RATE = 0.01
 DEFAULT_MAX_QUARANTINED_MIB = 1024
@@ -124,6 +132,15 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine call that comes during a round waits for it. 0: only the engine's calls (and
     ``idle_progress_ms``) advance transfers. At least 50 when set.
     Read by: both."""
+
+    read_probe: ReadProbeMode = ReadProbeMode.AUTO
+    """``"auto"``, ``"on"`` or ``"off"``: a pulling decode READs 1 MiB of each new prefill
+    twice right after the handshake, on its set-up thread, so that the first load does
+    not pay the first READ's fixed cost (the CUDA IPC mapping, ~10 ms on an H100), and
+    logs both times; GPU memory read below 5 GB/s is a warning naming the UCX settings
+    that make UCX emulate READs in software (docs/gpu-memory.md). ``"auto"``: when the
+    memory NIXL moves is GPU memory.
+    Read by: decode (pull mode)."""
 
     merge_runs: bool = False
     """``true``: post each run of blocks adjacent in memory on both sides as one NIXL

@@ -85,6 +85,11 @@ class ConnectorMetrics:
     # NIXL): the engine's step went on without waiting (kvbridge.connector.worker.agent_gate)
     rounds_deferred: int = 0
     heartbeats_sent: int = 0
+    # decode: peers READ at the handshake (extra.read_probe), their first READs' seconds,
+    # and those whose GPU memory read below SLOW_GBPS (kvbridge.connector.worker.read_probe)
+    read_probes: int = 0
+    read_probe_first_seconds: float = 0.0
+    read_probes_slow: int = 0
     claims_sent: int = 0  # decode: Prepare messages claiming a hold (one or more a source)
     claims_resent: int = 0  # decode: ... of them sent again, the first one unanswered
     # extra.verify: decode loads whose digests matched prefill's, those that did not (the
@@ -164,6 +169,9 @@ HELP = {
     "progress_stall_seconds": "Seconds the progress thread was late in those stalls.",
     "rounds_deferred": "Progress rounds skipped while a peer's set-up held the NIXL agent.",
     "heartbeats_sent": "Lease heartbeats decode sent to prefill.",
+    "read_probes": "Prefills decode READ at the handshake (extra.read_probe).",
+    "read_probe_first_seconds": "Seconds of those probes' first READs (connection, mapping).",
+    "read_probes_slow": "Prefills whose GPU memory the probe READ slower than 5 GB/s.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
     "claims_resent": "Claims decode sent again because the first went unanswered.",
     "loads_verified": "Decode loads whose landed bytes matched prefill's digests.",

@@ -83,6 +83,27 @@ class AgentGate:
                 self._setups -= 1
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside :meth:`setup` (taken once): let rounds in while the set-up waits on
+        something that needs no NIXL call (a READ's progress), then take the gate back as
+        :meth:`setup` does."""
+        if not self.held():
+            raise RuntimeError("AgentGate.paused() outside setup(): the gate is not held")
+        owner, self._owner = self._owner, None
+        self._lock.release()
+        try:
+            yield
+        finally:
+            with self._count:
+                self._waiting += 1
+            try:
+                self._lock.acquire()
+            finally:
+                with self._count:
+                    self._waiting -= 1
+            self._owner = owner
+
+    @contextlib.contextmanager
     def _owned(self) -> Iterator[None]:
         outer, self._owner = self._owner, threading.get_ident()
         try:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.common.config import FailurePolicy
+from kvbridge.connector.common.config import FailurePolicy, ReadProbeMode
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
 from kvbridge.connector.worker.decode.inflight import PushEndpoint
@@ -37,6 +37,7 @@ from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.prefill.pushes import Pusher
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
+from kvbridge.connector.worker.read_probe import ReadProbe
 from kvbridge.connector.worker.side_channel import SideChannel
 from kvbridge.connector.worker.staging.arenas import StagingPools
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
@@ -105,6 +106,19 @@ def stages_pages(w: Wiring, buffers: KVCacheBuffers, mode: TransferMode) -> bool
         and w.repacker is not None
         and bool(buffers.format.block_packing)
     )
+
+
+def read_probe_for(w: Wiring, engine: TransferEngine, moved: KVCacheBuffers) -> ReadProbe | None:
+    """A pulling decode's probe of each new peer (``extra.read_probe``; ``auto``: when
+    what NIXL moves, ``moved``, is GPU memory)."""
+    extra = w.config.extra
+    if not w.config.is_consumer or extra.transfer_mode is not TransferMode.PULL:
+        return None
+    if extra.read_probe is ReadProbeMode.OFF:
+        return None
+    if extra.read_probe is ReadProbeMode.AUTO and moved.device.type != "cuda":
+        return None
+    return ReadProbe(engine, moved.device, w.metrics, pause=w.gate.paused)
 
 
 def assemble(w: Wiring, buffers: KVCacheBuffers) -> WorkerParts:
@@ -179,7 +193,8 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         # (docs/handover.md); after the description, which advertises slots only to
         # pushing prefills
         staging.open()
-    peers = side.directory(can_repack=w.repacker is not None)
+    probe = read_probe_for(w, engine, moved)
+    peers = side.directory(can_repack=w.repacker is not None, probe=probe)
     order = w.device_order(buffers.device)
     outbox = Outbox(engine, peers, w.router, metrics, ensure_agent=side.ensure_agent)
     units = region_units(moved)  # where NIXL moves from and to: digests read them there

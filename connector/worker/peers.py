@@ -43,6 +43,7 @@ import numpy as np
 
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
 from kvbridge.connector.worker.peer_setup import PeerSetup
+from kvbridge.connector.worker.read_probe import ReadProbe
 from kvbridge.connector.worker.staging.arenas import slot_offsets, slot_region
 from kvbridge.handshake.client import HandshakeClient
 from kvbridge.handshake.compat import check_compatible
@@ -109,15 +110,18 @@ class PeerDirectory:
         *,
         can_repack: bool = False,
         writer: bool = False,
+        probe: ReadProbe | None = None,
     ) -> None:
         """``writer``: the peers are decode workers this (prefill) worker pushes to; a
         peer's plan is then the one that decode computes (decode's blocks are the plan's
         local side), and the lists are swapped: remote lists on decode's blocks (on its
-        staging slots for the groups it stages), local ones on this worker's."""
+        staging slots for the groups it stages), local ones on this worker's. ``probe``:
+        READ each new peer once its set-up is through (a reader's, ``extra.read_probe``)."""
         self._engine = engine
         self._setup = setup
         self._can_repack = can_repack
         self._writer = writer
+        self._probe = None if writer else probe
         self._client = client
         self._local_description = local_description
         self._local = local_layout
@@ -210,6 +214,7 @@ class PeerDirectory:
                 agent = self._setup.load_agent(desc.nixl_metadata)
                 return _Prepared(desc, agent, incompatible=str(exc))
             prepared = _Prepared(desc, self._setup.load_agent(desc.nixl_metadata), layout, plan)
+            first: KVRegion | None = None  # a region of the peer's the probe may READ
             try:
                 for g in plan.groups:
                     for i, stream in enumerate(g.streams):
@@ -223,10 +228,13 @@ class PeerDirectory:
                         prepared.lists[(g.group_id, i)] = self._engine.prep_remote(
                             prepared.agent, table, memory_kind=region.memory_kind
                         )
+                        first = first or region
             except KVBridgeError:
                 self._release(list(prepared.lists.values()), prepared.agent)
                 raise
             self._wire_up(prepared.agent, desc)
+            if self._probe is not None and first is not None:
+                self._probe.probe(prepared.agent, first, where=f"{desc.engine_id} at {where}")
             return prepared
         except KVBridgeError as exc:
             return exc

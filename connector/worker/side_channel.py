@@ -32,6 +32,7 @@ from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
+from kvbridge.connector.worker.read_probe import ReadProbe
 from kvbridge.connector.worker.requester_agents import IDLE_S, RequesterAgents
 from kvbridge.handshake.client import ClientConfig, HandshakeClient
 from kvbridge.handshake.compat import compat_hash
@@ -169,8 +170,11 @@ class SideChannel:
         """A peer directory holds agent ``name`` (reads from it or pushes to it)."""
         return any(d.with_agent(name) is not None for d in self._directories)
 
-    def directory(self, *, can_repack: bool = False, writer: bool = False) -> PeerDirectory:
-        """Peers this worker reads from, or (``writer``) pushes to."""
+    def directory(
+        self, *, can_repack: bool = False, writer: bool = False, probe: ReadProbe | None = None
+    ) -> PeerDirectory:
+        """Peers this worker reads from (each READ once by ``probe`` after its set-up), or
+        (``writer``) pushes to."""
         directory = PeerDirectory(
             self._engine,
             self._setup,
@@ -179,6 +183,7 @@ class SideChannel:
             self._local_layout,
             can_repack=can_repack,
             writer=writer,
+            probe=probe,
         )
         self._directories.append(directory)
         return directory

@@ -15,6 +15,7 @@ from kvbridge.connector.common.config import (
     FailurePolicy,
     KVRole,
     KVTransferConfig,
+    ReadProbeMode,
     VerifyMode,
 )
 from kvbridge.handshake.modes import TransferMode
@@ -48,6 +49,7 @@ EVERY_FIELD = KVTransferConfig(
         max_quarantined_mib=256.0,
         verify=VerifyMode.ALL,
         verify_rate=0.5,
+        read_probe=ReadProbeMode.OFF,
     ),
 )
 
@@ -192,6 +194,7 @@ def test_ints_are_numbers_of_seconds_and_mib():
         ({"extra": {"busy_progress_us": 10}}, "or at least 50 microseconds"),
         ({"extra": {"verify_rate": 1.5}}, "extra.verify_rate=1.5 must be a share of loads"),
         ({"extra": {"verify": "some"}}, "verify"),
+        ({"extra": {"read_probe": "always"}}, "extra.read_probe"),
         ({"extra": {"engine_thread_nice": -1}}, "extra.engine_thread_nice=-1 must be an integer "),
         ({"extra": {"max_quarantined_mib": 0}}, "extra.max_quarantined_mib=0 must be a positive"),
         ({"extra": {"engine_thread_nice": 20}}, "from 0 (leave the engine thread's priority alo"),

@@ -147,3 +147,33 @@ def test_closing_skips_set_ups_nobody_polls_and_runs_the_removals(setup, engine)
     closing.join(WAIT_S)
     assert not closing.is_alive()
     assert engine.calls == [("remove", "old")]
+
+
+def test_a_paused_set_up_lets_rounds_in_and_takes_the_gate_back() -> None:
+    """A set-up waiting on a READ's progress (``AgentGate.paused``) does not defer rounds;
+    outside the pause rounds are deferred again, and a pause outside a set-up is a bug."""
+    gate = AgentGate()
+    seen: list[bool] = []
+
+    def round_now() -> None:
+        with gate.round() as held:
+            seen.append(held)
+
+    with gate.setup():
+        other = threading.Thread(target=round_now)
+        other.start()
+        other.join(5.0)
+        with gate.paused():
+            assert not gate.held()
+            other = threading.Thread(target=round_now)
+            other.start()
+            other.join(5.0)
+        assert gate.held()
+        other = threading.Thread(target=round_now)
+        other.start()
+        other.join(5.0)
+    assert seen == [False, True, False]
+    assert gate.rounds_deferred == 2
+    with pytest.raises(RuntimeError, match="outside setup"):
+        with gate.paused():
+            pass

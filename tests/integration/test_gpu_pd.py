@@ -67,9 +67,10 @@ ROWS = {
 CPU_ROW = "hybrid-64-NHD-cross-to-16-HND"
 
 
-def run_pair(row: Row, device: str, logs: Path) -> None:
+def run_pair(row: Row, device: str, logs: Path, *, slow_reads: bool = False) -> None:
     """Launch the pair on ``device``, send the prompts through the router (plain and
-    streamed) and compare each answer with the reference on ``device``."""
+    streamed) and compare each answer with the reference on ``device``. ``slow_reads``:
+    decode's READ probe must find its prefill's GPU memory read slowly (and say so)."""
     extra = {"extra": {"transfer_mode": row.transfer_mode}}
     cluster = Cluster(
         logs,
@@ -109,6 +110,13 @@ def run_pair(row: Row, device: str, logs: Path) -> None:
             assert usage["loaded_tokens"] > 0, usage
         cluster["decode"].wait_all_free(timeout_s=10.0)
         cluster["prefill"].wait_all_free(timeout_s=10.0)
+        # extra.read_probe "auto": a pulling decode READs its prefill at the handshake when
+        # its cache is in GPU memory, and on one GPU host that READ runs over CUDA IPC
+        m = cluster["decode"].metrics()
+        probed = row.transfer_mode == "pull" and device != "cpu"
+        assert m["kvbridge_read_probes_total"] == (1 if probed else 0), m
+        assert m["kvbridge_read_probes_slow_total"] == (1 if slow_reads else 0), m
+        assert ("UCX is likely emulating" in cluster["decode"].tail(1 << 24)) is slow_reads
     except BaseException:
         for name in ("prefill", "decode"):
             print(f"--- {name} log\n{cluster[name].tail()}")
@@ -121,6 +129,15 @@ def run_pair(row: Row, device: str, logs: Path) -> None:
 @pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
 def test_gpu_pair_matches_the_reference_on_the_gpu(row, tmp_path):
     run_pair(row, "cuda", tmp_path)
+
+
+@pytest.mark.gpu
+def test_a_read_emulated_in_software_is_named_and_the_tokens_stay_exact(tmp_path, monkeypatch):
+    """gpu tier: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n (both servers inherit it; it wins over
+    kvbridge's own y) makes UCX emulate READs of GPU memory over TCP (0.55 GB/s on an H100,
+    docs/gpu-memory.md): decode's probe counts and names it at the handshake."""
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+    run_pair(ROWS[CPU_ROW], "cuda", tmp_path, slow_reads=True)
 
 
 def test_the_same_pair_on_the_cpu(tmp_path):
