@@ -451,6 +451,7 @@ class Row:
     keep_ms: float | str = ""
     first_ms: float | str = ""
     rows: int | str = ""  # rows (blocks x streams) asked for, before merging
+    probe_ms: float | str = "-"  # decode's first READ probe of the child (extra.read_probe)
     # decode's load phases, mean ms per timed load (inflight.LoadTimeline), and the rest of
     # the mean load time (start_load_kv to the phases' start; the report after them)
     phases_ms: dict[str, float] = field(default_factory=dict)
@@ -613,7 +614,10 @@ def measure_connector(
     if verify == "all" and decode.metrics.loads_verified < iterations + 1:
         raise SystemExit(f"{name}: {decode.metrics.loads_verified} loads verified")
     keep = statistics.median(keep_ms[1:])  # after the warm-up
-    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows, phases_ms)
+    row = Row(name, descs, seconds, prep_ms, pick_ms, read_ms, keep, first_s * 1e3, rows)
+    row.phases_ms = phases_ms
+    if decode.metrics.read_probes:
+        row.probe_ms = decode.metrics.read_probe_first_seconds * 1e3
     return row, child, decode, buffers
 
 
@@ -943,7 +947,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     header = (
         f"{'what':<60} {'descs':>6} {'rows':>6} {'ms':>8} {'GB/s':>6} {'x raw':>6} "
-        f"{'prep ms':>8} {'pick ms':>8} {'read ms':>8} {'keep ms':>8} {'1st ms':>8}"
+        f"{'prep ms':>8} {'pick ms':>8} {'read ms':>8} {'keep ms':>8} {'1st ms':>8} "
+        f"{'probe ms':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -955,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         read = f"{r.read_ms:.2f}" if isinstance(r.read_ms, float) else r.read_ms
         keep = f"{r.keep_ms:.2f}" if isinstance(r.keep_ms, float) else r.keep_ms
         first = f"{r.first_ms:.1f}" if isinstance(r.first_ms, float) else r.first_ms
+        probe = f"{r.probe_ms:.2f}" if isinstance(r.probe_ms, float) else r.probe_ms
         push = " push " in r.name or "WRITE" in r.name
         raw_s = raw_write_s if push else raw_read_s
         records.append(
@@ -967,7 +973,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{r.name:<60} {r.descs!s:>6} {r.rows!s:>6} {r.seconds * 1e3:8.2f} {gbps:6.2f} "
-            f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8} {keep:>8} {first:>8}"
+            f"{raw_s / r.seconds:6.2f} {prep:>8} {pick:>8} {read:>8} {keep:>8} {first:>8} "
+            f"{probe:>8}"
         )
     print(
         "\ndescs: descriptors posted per request (a merged run counts once); rows: the rows\n"
@@ -976,7 +983,9 @@ def main(argv: list[str] | None = None) -> int:
         "pick ms: GroupPlan.indices per request; read ms: inside engine.read() per request\n"
         "(make_prepped_xfer + post; the default UCX transport copies during the post);\n"
         "1st ms: the first load from a new prefill (handshake, descriptor lists, UCX\n"
-        "connection), not in the median.\n"
+        "connection, READ probe), not in the median; probe ms: the first of decode's two\n"
+        "READ probes of the child at the handshake (extra.read_probe, auto: GPU memory), in\n"
+        "1st ms unless the peer was warm.\n"
         "'x raw' = raw NIXL time / row time (>= 1: as fast as the raw transfer): pull rows\n"
         "against the raw READ, push rows against the raw WRITE. A push row's time runs from\n"
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
