@@ -26,6 +26,12 @@ by one gather per row (sequential writes into the row); smaller ones by one scat
 every piece of a batch. A torch call costs microseconds on a CPU, little next to the
 bytes of a row.
 
+``FUSED`` (asked for by name; ``fused_rewrite.py``). One Triton kernel per rewrite reads
+each segment of a row whole and writes it back permuted: every byte read once and written
+once, no scratch. Segments too large for one program take the batched path. Not chosen by
+any device yet: it becomes CUDA's default once the GPU tier has passed it and measured it
+(``tests/layouts/test_fused_rewrite.py``, ``kvbridge bench layouts --strategy fused``).
+
 ``BATCHED`` (any other device type: CUDA first of all). Default budget 64 MiB
 (:data:`BATCHED_SCRATCH_BUDGET_BYTES`). Two kernels per batch whatever the unit size:
 ``index_select`` of the batch's rows into scratch, then one ``index_put_`` of every run
@@ -60,6 +66,7 @@ class RewriteStrategy(Enum):
 
     SMALL_SCRATCH = "small"  # CPU: cache-sized scratch, per-row gather for big units
     BATCHED = "batched"  # GPU: budget-sized batches, two kernels per batch
+    FUSED = "fused"  # one Triton kernel, each row segment read and written once
 
     @classmethod
     def for_device(cls, device: torch.device) -> RewriteStrategy:
@@ -74,13 +81,13 @@ class RewriteStrategy(Enum):
             return cls(str(value).lower())
         except ValueError:
             raise LayoutError(
-                f"unknown rewrite strategy {value!r}; expected 'small' or 'batched'"
+                f"unknown rewrite strategy {value!r}; expected 'small', 'batched' or 'fused'"
             ) from None
 
     def default_budget_bytes(self, block_bytes: int) -> int:
         """The scratch budget when the caller names none; ``block_bytes`` is one block of
         what is rewritten (a group block, or a unit for bare unit rows)."""
-        if self is RewriteStrategy.BATCHED:
+        if self is not RewriteStrategy.SMALL_SCRATCH:  # fused: for segments it cannot fuse
             return BATCHED_SCRATCH_BUDGET_BYTES
         return block_bytes
 
@@ -107,7 +114,7 @@ def rewrite_rows(
     ``runs[j]`` of the same row, staging ``len(scratch)`` rows at a time. Runs are
     ``run_bytes`` long and tile the row."""
     device = scratch.device
-    if strategy is RewriteStrategy.BATCHED:
+    if strategy is not RewriteStrategy.SMALL_SCRATCH:  # fused: what it could not fuse
         # one host-to-device copy for both index tables, before any kernel is queued: a
         # copy from pageable memory waits for the stream, so none may sit between kernels
         both = torch.as_tensor(np.concatenate([ids, runs]), device=device)

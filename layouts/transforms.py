@@ -13,7 +13,8 @@ A rewrite moves contiguous runs (``run_permutation``) through a bounded scratch;
 - ``scratch_budget_bytes``: the most scratch it may allocate, in whole units, at least one
   unit (default: one block of the group on a CPU, 64 MiB on a GPU);
 - ``strategy``: a :class:`RewriteStrategy` (default: chosen from the device of the
-  buffers by ``RewriteStrategy.for_device``: SMALL_SCRATCH on a CPU, BATCHED elsewhere).
+  buffers by ``RewriteStrategy.for_device``: SMALL_SCRATCH on a CPU, BATCHED elsewhere;
+  FUSED, one Triton kernel, when asked for by name).
 
 :class:`TransformStats` reports the scratch actually used and the strategy.
 """
@@ -28,6 +29,7 @@ import torch
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.arrangement import BlockArrangement, UnitGeometry, run_permutation, same_bytes
 from kvbridge.layouts.errors import BlockIdError, LayoutError
+from kvbridge.layouts.fused_rewrite import fused_plan, fused_rewrite
 from kvbridge.layouts.layout import KVLayout
 from kvbridge.layouts.specs import AttentionSpec
 from kvbridge.layouts.staging import RewriteStrategy, allocate_scratch, rewrite_rows
@@ -133,11 +135,22 @@ def _rewrite(
     if budget_bytes is None:
         budget_bytes = strategy.default_budget_bytes(block_bytes)
     run, runs = run_permutation(geometry, src, dst)
+    moved = int(ids.size) * geometry.unit_bytes * len(unit_tensors)
+    run_bytes = run * geometry.itemsize
+    if strategy is RewriteStrategy.FUSED and all(
+        fused_plan(units, runs, run_bytes) is not None for units in unit_tensors
+    ):
+        ids_t = torch.as_tensor(ids, dtype=torch.int64, device=device)
+        for units in unit_tensors:
+            fused_rewrite(units, ids_t, runs, run_bytes)
+        return TransformStats(
+            num_blocks=int(ids.size), bytes_moved=moved, scratch_bytes=0, strategy=strategy
+        )
     scratch = allocate_scratch(unit_tensors[0], geometry.unit_bytes, ids.size, budget_bytes)
-    rewrite_rows(unit_tensors, ids, run * geometry.itemsize, runs, scratch, strategy)
+    rewrite_rows(unit_tensors, ids, run_bytes, runs, scratch, strategy)
     return TransformStats(
         num_blocks=int(ids.size),
-        bytes_moved=int(ids.size) * geometry.unit_bytes * len(unit_tensors),
+        bytes_moved=moved,
         scratch_bytes=scratch.numel(),
         strategy=strategy,
     )

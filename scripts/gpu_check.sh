@@ -3,7 +3,8 @@
 #   1. pytest -m gpu: the worker matrix, the connector pair and the example servers end
 #      to end with CUDA caches (NIXL VRAM), and the same with host staging
 #      (kv_buffer_device "cpu": pinned host mirrors);
-#   2. kvbridge bench layouts --device cuda: rewrites vs a device copy of the same bytes;
+#   2. kvbridge bench layouts --device cuda: rewrites vs a device copy of the same bytes,
+#      the default (batched) strategy, then the fused one (one Triton kernel);
 #   3. kvbridge bench transfer --device cuda --host-staging compare: connector loads vs
 #      raw NIXL READ / WRITE on VRAM, direct and host-staged;
 #   4. when `import vllm` finds a CUDA build and a GPU: real vLLM prefill + decode servers
@@ -157,10 +158,13 @@ if [ -z "$ONLY" ]; then
 step tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
 if [ -n "${QUICK:-}" ]; then
     step layouts "$PYTHON" -m kvbridge.cli bench layouts --device cuda --quick
+    step layouts-fused "$PYTHON" -m kvbridge.cli bench layouts --device cuda --quick \
+        --strategy fused
     step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --layers 8 \
         --iterations 5 --host-staging compare
 else
     step layouts "$PYTHON" -m kvbridge.cli bench layouts --device cuda
+    step layouts-fused "$PYTHON" -m kvbridge.cli bench layouts --device cuda --strategy fused
     step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --host-staging compare
 fi
 fi

@@ -22,6 +22,8 @@ median of repeats.
     kvbridge bench layouts [--threads 1] [--repeats 5]
     kvbridge bench layouts --device cuda [--scratch-mib 16]
     kvbridge bench layouts --strategy batched  # GPU path, CPU
+    kvbridge bench layouts --device cuda --strategy fused --quick  # one Triton kernel
+    TRITON_INTERPRET=1 kvbridge bench layouts --strategy fused --pool-mib 2  # CPU: checks only
 """
 
 from __future__ import annotations
