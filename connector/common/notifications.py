@@ -215,7 +215,8 @@ class Pushed(msgspec.Struct, frozen=True, tag=True):
     """Prefill's answer to ``Push``: the data is in decode's blocks (``ok``), or why not.
     Every Push round gets exactly one (written, refused, or cancelled by decode's
     ``Done``), sent only once every WRITE it posted ended: decode gives the round's
-    blocks and slots back only then."""
+    blocks and slots back only then. A round of one WRITE carries it as that WRITE's
+    completion notification (``kvbridge.connector.worker.prefill.answers``)."""
 
     request_id: str
     ok: bool

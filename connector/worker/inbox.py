@@ -78,7 +78,10 @@ class Inbox:
                     if reply is not None:  # else answered once the request is added
                         self._outbox.send_raw(agent, reply)
                 elif isinstance(msg, Done):
-                    if self._pusher is not None:  # a decode that gave up: stop writing
+                    # a decode that gave up: stop writing. Done(ok=True) comes after every
+                    # round's answer, so no WRITE of it runs (a round whose WRITE carried
+                    # its answer may not be polled here yet: the next step finds it done)
+                    if self._pusher is not None and not msg.ok:
                         self._pusher.cancel(msg.request_id, agent)
                     if not self._sender.on_done(msg, agent):
                         self._metrics.bad_notifications += 1

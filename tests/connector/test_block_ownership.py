@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvbridge.connector.common.notifications import Pushed, decode_notification
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import LoadState
 from kvbridge.connector.worker.nixl_setup import nixl_engine
@@ -285,6 +286,50 @@ def test_a_push_past_decodes_deadline_holds_its_blocks_until_prefill_answers(clo
         prefill.step()
     assert torch.equal(_blocks(decode, d), given_back)
     assert prefill.worker.num_live_handles == 0
+    # the WRITE carried its round's answer (ok): prefill sent no second one (ok=False),
+    # which decode would have counted as a notification for no round
+    assert decode.worker.metrics.bad_notifications == 0
+
+
+def _standalone_pushed(late: LateTransport) -> list[Pushed]:
+    """Record the Pushed answers prefill sends as standalone notifications."""
+    sent: list[Pushed] = []
+    real = late.inner.send_notif
+
+    def send_notif(peer: str, msg: bytes) -> None:
+        decoded = decode_notification(msg)
+        if isinstance(decoded, Pushed):
+            sent.append(decoded)
+        real(peer, msg)
+
+    late.send_notif = send_notif  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_round_of_one_write_is_answered_by_that_write(clock, push_pair):
+    """A cross-layer push is one WRITE: its completion notification is the Pushed, so
+    decode learns the data is there when it is, not at prefill's next round; prefill
+    sends no other answer."""
+    prefill, decode, late = push_pair
+    sent = _standalone_pushed(late)
+    p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
+    params = prefill_finish(prefill, p)
+    d = Request("d1", p.prompt_token_ids, params)
+    decode_admit(decode, d)
+    run_until([decode, prefill], lambda: late.num_in_flight > 0, "prefill's WRITE to be posted")
+    assert len(late.queued) == 1
+    carried = decode_notification(late.queued[0].notif)
+    assert isinstance(carried, Pushed) and carried.ok and carried.round == 0
+    assert carried.num_bytes == late.queued[0].handle.num_bytes
+
+    late.land(decode.step)
+    run_until([decode, prefill], lambda: bool(loaded(decode, "d1")), "the pushed load")
+    assert torch.equal(_blocks(decode, d), _blocks(prefill, p)[:, : len(d.block_ids[0])])
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1")
+    assert sent == []
+    assert prefill.worker.metrics.pushes_written == 1
+    assert prefill.worker.metrics.push_failures == 0  # decode's Done(ok) cancels nothing
+    assert decode.worker.metrics.bad_notifications == 0
 
 
 def test_a_refused_claim_leaves_the_rewrite_an_earlier_claim_reads(clock):

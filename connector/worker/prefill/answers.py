@@ -12,6 +12,12 @@ handshakes again, up to ``ANSWER_ATTEMPTS`` times::
                           unknown or FAILED: handshake, keep it; CONNECTING: keep it
                           still failing after ANSWER_ATTEMPTS: logged and dropped (a
                           decode that answers no handshake is gone and holds nothing)
+
+A round of one WRITE carries its own answer instead (:func:`carried_answer`): the
+``Pushed(ok=True)`` is that WRITE's NIXL completion notification, which reaches decode
+when the data is visible there, without waiting for a progress round here to see the
+WRITE done and send it. Exactly once still holds: the Pusher sends no other answer for a
+round whose carrying WRITE completed, and answers ``ok=False`` as before when it failed.
 """
 
 from __future__ import annotations
@@ -20,12 +26,38 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbridge.connector.common.notifications import Push, Pushed
+from kvbridge.connector.common.notifications import (
+    GroupDigest,
+    NotificationError,
+    Push,
+    Pushed,
+    encode_notification,
+)
 from kvbridge.connector.worker.peers import PeerDirectory, PeerKey, PeerState
 
 logger = logging.getLogger(__name__)
 
 ANSWER_ATTEMPTS = 3  # handshakes tried to deliver a Pushed to a decode we lost
+
+
+def carried_answer(
+    msg: Push, *, num_bytes: int, num_rows: int, digests: list[GroupDigest]
+) -> bytes:
+    """The encoded ``Pushed(ok=True)`` a round's only WRITE carries as its completion
+    notification (``num_descs``: the rows asked for, before any merging), or b"" when it
+    does not fit a notification (many digests): then it is sent once the WRITE is done."""
+    answer = Pushed(
+        request_id=msg.request_id,
+        ok=True,
+        num_bytes=num_bytes,
+        num_descs=num_rows,
+        round=msg.round,
+        digests=digests,
+    )
+    try:
+        return encode_notification(answer)
+    except NotificationError:
+        return b""
 
 
 @dataclass

@@ -15,7 +15,8 @@ each one::
 Releasing a handle does not stop a WRITE already posted (NIXL's UCX backend cannot cancel
 an RMA operation), so a push that fails or is cancelled while WRITEs run is answered only
 once each of them ended: decode keeps the blocks and slots the round names out of its
-engine's hands until that answer. Every Push round is answered exactly once. While a push
+engine's hands until that answer. Every Push round is answered exactly once; a round of
+one WRITE by that WRITE's completion notification (``answers.carried_answer``). While a push
 writes, the request's blocks are pinned in the :class:`Sender` (its hold does not end, its
 rewrites are not undone, whatever ends the lease).
 
@@ -63,7 +64,7 @@ from kvbridge.connector.transfer.transport import (
     release_if_ended,
 )
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
-from kvbridge.connector.worker.prefill.answers import Answers
+from kvbridge.connector.worker.prefill.answers import Answers, carried_answer
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.rows import group_rows, staged_rows
@@ -96,6 +97,9 @@ class _Push:
     reason: str = ""  # ENDING: why it failed
     overdue: bool = False  # ENDING longer than its timeout: logged once
     digests: list[GroupDigest] = field(default_factory=list)  # Push.verify: what it wrote
+    # the round's only WRITE, whose completion notification is the answer (answers.py)
+    carrier: XferHandle | None = None
+    delivered: bool = False  # the carrier completed: decode has the answer
 
 
 class Pusher:
@@ -207,10 +211,13 @@ class Pusher:
         stay unanswered (their WRITEs may land until the engine is gone), and decode,
         which probes the prefills that owe it rounds, ends them once this process is."""
         for push in list(self._pushes.values()):
-            push.handles[:] = [h for h in push.handles if not self._ended(h)]
+            push.handles[:] = [h for h in push.handles if not self._ended(h, push)]
             if push.handles:
                 self._release(push)
                 self._pushes.pop((push.msg.request_id, push.agent), None)
+                continue
+            if push.delivered:
+                self._forget(push)
                 continue
             self._answer(push, ok=False, reason=push.reason or "prefill connector shut down")
 
@@ -303,6 +310,7 @@ class Pusher:
                 )
             except RuntimeError as exc:  # torch (out of memory): this push only
                 raise KVBridgeError(f"could not digest the rows: {exc}") from None
+        writes: list[tuple[GroupPlan, Sequence[tuple[int, np.ndarray, np.ndarray]]]] = []
         for g in plan.groups:
             first = spec.first_block[g.group_id] if spec.first_block else 0
             mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
@@ -312,7 +320,7 @@ class Pusher:
                     assert layout.staging is not None  # negotiation refuses a push without
                     num_slots = layout.staging.block_bytes // g.staging_bytes
                     rows = staged_rows(g, staged.blocks, staged.slots, mine, first, num_slots)
-                    self._write(push, peer, g, rows)
+                    writes.append((g, rows))
             elif staged is not None:
                 raise KVBridgeError(f"group {g.group_id} is not staged, yet the Push names slots")
             elif msg.round == 0:  # decode's blocks of unstaged groups: with round 0 only
@@ -325,7 +333,19 @@ class Pusher:
                     msg.start_token,
                     msg.end_token,
                 )
-                self._write(push, peer, g, found.rows)
+                writes.append((g, found.rows))
+        notif = b""
+        streams = [(g, row) for g, rows in writes for row in rows]
+        if len(streams) == 1 and peer.agent == push.agent:
+            g, (i, reader_rows, _) = streams[0]
+            notif = carried_answer(
+                msg,
+                num_bytes=int(reader_rows.size) * g.streams[i].length,
+                num_rows=int(reader_rows.size),
+                digests=push.digests,
+            )
+        for g, rows in writes:
+            self._write(push, peer, g, rows, notif)
 
     def _write(
         self,
@@ -333,13 +353,17 @@ class Pusher:
         peer: Peer,
         g: GroupPlan,
         rows: Sequence[tuple[int, np.ndarray, np.ndarray]],
+        notif: bytes = b"",
     ) -> None:
+        """``notif``: the round's answer, carried by its only WRITE."""
         for i, reader_rows, writer_rows in rows:
             stream = g.streams[i]
             mine = self._targets.local_list(g, stream)
             theirs = peer.remote_lists[(g.group_id, i)]
-            handle = self._engine.write(mine, writer_rows, theirs, reader_rows)
+            handle = self._engine.write(mine, writer_rows, theirs, reader_rows, notif)
             push.handles.append(handle)
+            if notif:
+                push.carrier = handle
             push.num_descs += handle.num_descs  # a merged run counts once
             push.num_bytes += int(reader_rows.size) * stream.length
 
@@ -360,6 +384,10 @@ class Pusher:
         self._release(push)
         self._metrics.pushes_written += 1
         self._metrics.bytes_written += push.num_bytes
+        if push.carrier is not None:  # its completion notification was the answer
+            self._metrics.notifications_sent += 1
+            self._forget(push)
+            return
         self._answer(push, ok=True)
 
     def _fail(self, push: _Push, reason: str) -> None:
@@ -374,9 +402,12 @@ class Pusher:
 
     def _settle(self, push: _Push, now: float) -> None:
         """ENDING: drop the WRITEs that ended; answer once none is left."""
-        push.handles[:] = [h for h in push.handles if not self._ended(h)]
+        push.handles[:] = [h for h in push.handles if not self._ended(h, push)]
         if not push.handles:
-            self._answer(push, ok=False, reason=push.reason)
+            if push.delivered:  # its WRITE completed after all: decode has its answer
+                self._forget(push)
+            else:
+                self._answer(push, ok=False, reason=push.reason)
         elif not push.overdue and now > push.deadline + push.msg.timeout_s:
             push.overdue = True
             self._metrics.held_overdue += 1
@@ -391,20 +422,34 @@ class Pusher:
                 push.key,
             )
 
-    def _ended(self, handle: XferHandle) -> bool:
+    def _ended(self, handle: XferHandle, push: _Push | None = None) -> bool:
         """A WRITE that cannot touch our blocks any more. One released with its decode
         forgotten (it restarted under a new agent) counts as ended: it only *reads* our
         blocks, so what it may still carry lands in the old decode's memory, whose
         quarantine keeps those blocks until it hears the round ended or is found gone; the
-        hold here must not wait for a peer that will never be polled again."""
+        hold here must not wait for a peer that will never be polled again. ``push``'s
+        carrier that completed (not failed) delivered the round's answer."""
+        if push is not None and handle is push.carrier and not handle.released:
+            try:
+                if self._engine.poll(handle) is XferState.PENDING:
+                    return False
+                push.delivered = True
+            except TransferError:
+                pass  # failed: no completion notification, the answer is ours to send
+            self._engine.release(handle)
+            return True
         return handle.released or release_if_ended(self._engine, handle)
 
-    def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
-        """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
+    def _forget(self, push: _Push) -> None:
+        """The round is over here (no WRITE of it runs any more): unpin the blocks."""
         self._pushes.pop((push.msg.request_id, push.agent), None)
         if push.pinned:
             push.pinned = False
             self._sender.unpin(push.msg.request_id)
+
+    def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
+        """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
+        self._forget(push)
         answer = Pushed(
             request_id=push.msg.request_id,
             ok=ok,
