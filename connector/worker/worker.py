@@ -409,6 +409,8 @@ class KVBridgeWorker:
         receiver.step()
         self._outbox.flush()
         self._inbox.send_replies()
+        if self._pusher is not None:  # last: the rest of the round let its WRITEs progress
+            self._pusher.poll_posted()
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)

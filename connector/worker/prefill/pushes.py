@@ -128,6 +128,7 @@ class Pusher:
         # (request id, decode's agent) -> push: two decodes may push the same params (a
         # retried or hedged request); each is its own reader, cancelled only by its own Done
         self._pushes: dict[tuple[str, str], _Push] = {}
+        self._posted: list[_Push] = []  # started in this round: polled again at its end
 
     @property
     def num_inflight(self) -> int:
@@ -204,6 +205,20 @@ class Pusher:
                 self._poll(push, now)
             else:
                 self._settle(push, now)
+        self._answers.flush()
+
+    def poll_posted(self) -> None:
+        """At the end of a progress round: poll the WRITEs this round posted once more,
+        and answer the rounds they finished. The rest of the round gave UCX time to
+        complete them (the PUT, the flush decode acknowledged); this poll lets UCX send
+        the completion (a carried answer) and answers a finished round now rather than a
+        round later. One poll each, never a wait."""
+        posted, self._posted = self._posted, []
+        now = self._clock()
+        for push in posted:
+            if self._pushes.get((push.msg.request_id, push.agent)) is push:
+                if push.state is PushState.WRITING:
+                    self._poll(push, now)
         self._answers.flush()
 
     def close(self) -> None:
@@ -284,6 +299,7 @@ class Pusher:
             self._fail(push, f"could not post the writes: {exc}")
             return
         self._metrics.descriptors_posted += push.num_descs
+        self._posted.append(push)
 
     def _post_writes(self, push: _Push, peer: Peer, spec: SendSpec) -> None:
         """WRITE what the Push asks: round 0 every group decode does not stage, straight
