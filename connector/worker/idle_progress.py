@@ -145,13 +145,10 @@ class IdleProgress:
                 return
             now = self._clock()
             self._check_stall(now - due, now, wait)
-            since_call = now - self._last_call
-            if busy and since_call < self._busy_interval_s:
-                continue  # the engine's own call advanced the transfers just now
-            if not busy and (not self._interval_s or since_call < self._interval_s):
-                continue  # idle progress: only once the engine has not called for a while
+            if now - self._last_call < self._quiet_s(busy):
+                continue  # the engine called within the interval: its call advanced them
             if not self._lock.acquire(blocking=False):
-                round_s, round_end = 0.0, now  # the engine is in a call: look again later
+                round_end = now  # the engine is in a call: look again an interval later
                 continue
             started = time.perf_counter()
             try:
@@ -161,21 +158,27 @@ class IdleProgress:
             round_s = time.perf_counter() - started
             round_end = now + round_s
 
+    def _quiet_s(self, busy: bool) -> float:
+        """How long the engine must not have called before a round: the busy interval
+        while busy (the idle one when that is shorter: idle progress would come then),
+        else the idle one (0 idle progress: never, inf)."""
+        idle = self._interval_s or float("inf")
+        return min(self._busy_interval_s, idle) if busy else idle
+
     def _next_wait(self, now: float, busy: bool, round_s: float, round_end: float) -> float:
         """How long to sleep before the next round may be due: until the engine has been
         quiet for the interval (measured from its last call, so a call just before the
         thread woke does not cost a whole second interval), and at least the interval
-        since the thread's own last round (busy: or the share cap, if longer)."""
+        since the thread's own last round (busy: or the share cap, if longer). Whenever
+        this is 0, the engine has been quiet long enough: the round runs, no spin."""
+        quiet = self._quiet_s(busy)
+        if quiet == float("inf"):
+            return IDLE_CHECK_S
+        spacing = quiet
         if busy:
             share = MAX_BUSY_SHARE
-            spacing = max(self._busy_interval_s, round_s * (1 - share) / share)
-            due = max(self._last_call + self._busy_interval_s, round_end + spacing)
-            if self._interval_s:  # idle progress may come sooner than a long busy interval
-                due = min(due, max(self._last_call, round_end) + self._interval_s)
-        elif self._interval_s:
-            due = max(self._last_call, round_end) + self._interval_s
-        else:
-            return IDLE_CHECK_S
+            spacing = max(quiet, round_s * (1 - share) / share)
+        due = max(self._last_call + quiet, round_end + spacing)
         return max(due - now, 0.0)
 
     def _check_stall(self, late_s: float, now: float, wait_s: float) -> None:
