@@ -135,11 +135,11 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     read_probe: ReadProbeMode = ReadProbeMode.AUTO
     """``"auto"``, ``"on"`` or ``"off"``: a pulling decode READs 1 MiB of each new prefill
-    twice right after the handshake, on its set-up thread, so that the first load does
-    not pay the first READ's fixed cost (the CUDA IPC mapping, ~10 ms on an H100), and
-    logs both times; GPU memory read below 5 GB/s is a warning naming the UCX settings
-    that make UCX emulate READs in software (docs/gpu-memory.md). ``"auto"``: when the
-    memory NIXL moves is GPU memory.
+    right after the handshake, on its set-up thread, so that the first READ's fixed cost
+    (the CUDA IPC mapping, ~10 ms on an H100) is paid there (before any load for a warm
+    peer), and logs the first READ's time and the rate of the next ones; GPU memory read
+    below 5 GB/s is a warning naming the UCX settings that make UCX emulate READs in
+    software (docs/gpu-memory.md). ``"auto"``: when the memory NIXL moves is GPU memory.
     Read by: decode (pull mode)."""
 
     merge_runs: bool = False

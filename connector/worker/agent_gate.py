@@ -85,17 +85,20 @@ class AgentGate:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Inside :meth:`setup` (taken once): let rounds in while the set-up waits on
-        something that needs no NIXL call (a READ's progress), then take the gate back as
-        :meth:`setup` does."""
+        something that needs no NIXL call (a READ's progress; :attr:`setting_up` is False
+        meanwhile), then take the gate back as :meth:`setup` does."""
         if not self.held():
             raise RuntimeError("AgentGate.paused() outside setup(): the gate is not held")
         owner, self._owner = self._owner, None
+        with self._count:
+            self._setups -= 1  # not setting up meanwhile: busy rounds may run
         self._lock.release()
         try:
             yield
         finally:
             with self._count:
                 self._waiting += 1
+                self._setups += 1
             try:
                 self._lock.acquire()
             finally:

@@ -108,9 +108,11 @@ def stages_pages(w: Wiring, buffers: KVCacheBuffers, mode: TransferMode) -> bool
     )
 
 
-def read_probe_for(w: Wiring, engine: TransferEngine, moved: KVCacheBuffers) -> ReadProbe | None:
+def read_probe_for(
+    w: Wiring, engine: TransferEngine, setup: PeerSetup, moved: KVCacheBuffers
+) -> ReadProbe | None:
     """A pulling decode's probe of each new peer (``extra.read_probe``; ``auto``: when
-    what NIXL moves, ``moved``, is GPU memory)."""
+    what NIXL moves, ``moved``, is GPU memory), run by ``setup``'s set-up thread."""
     extra = w.config.extra
     if not w.config.is_consumer or extra.transfer_mode is not TransferMode.PULL:
         return None
@@ -118,7 +120,9 @@ def read_probe_for(w: Wiring, engine: TransferEngine, moved: KVCacheBuffers) -> 
         return None
     if extra.read_probe is ReadProbeMode.AUTO and moved.device.type != "cuda":
         return None
-    return ReadProbe(engine, moved.device, w.metrics, pause=w.gate.paused)
+    return ReadProbe(
+        engine, moved.device, w.metrics, pause=w.gate.paused, stopping=lambda: setup.closing
+    )
 
 
 def assemble(w: Wiring, buffers: KVCacheBuffers) -> WorkerParts:
@@ -193,7 +197,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         # (docs/handover.md); after the description, which advertises slots only to
         # pushing prefills
         staging.open()
-    probe = read_probe_for(w, engine, moved)
+    probe = read_probe_for(w, engine, setup, moved)
     peers = side.directory(can_repack=w.repacker is not None, probe=probe)
     order = w.device_order(buffers.device)
     outbox = Outbox(engine, peers, w.router, metrics, ensure_agent=side.ensure_agent)

@@ -73,6 +73,11 @@ class PeerSetup:
         """Agents loaded through :meth:`load_agent` and how many hold each (a copy)."""
         return dict(self._refs)
 
+    @property
+    def closing(self) -> bool:
+        """:meth:`close` began: a job that waits on a peer should give up."""
+        return self._closing
+
     def has_agent(self, name: str) -> bool:
         """``name`` is loaded through :meth:`load_agent` (any thread may ask)."""
         return name in self._refs

@@ -233,8 +233,10 @@ class PeerDirectory:
                 self._release(list(prepared.lists.values()), prepared.agent)
                 raise
             self._wire_up(prepared.agent, desc)
-            if self._probe is not None and first is not None:
-                self._probe.probe(prepared.agent, first, where=f"{desc.engine_id} at {where}")
+            if self._probe is not None and first is not None:  # after this set-up: the
+                # peer is ready meanwhile, and set-ups asked for before it are not held up
+                probe, agent, name = self._probe, prepared.agent, f"{desc.engine_id} at {where}"
+                self._setup.nixl(lambda: probe.probe(agent, first, where=name))
             return prepared
         except KVBridgeError as exc:
             return exc

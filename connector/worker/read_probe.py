@@ -9,21 +9,24 @@ Two things about a decode's READs that nothing reports until a load is slow:
   (0.55 GB/s where CUDA IPC moves 1,399 GB/s on the same host), e.g. when
   ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` is off; nothing fails, every load is just slow.
 
-So a pulling decode READs a little of each new peer right after the handshake, on the
-set-up thread::
+So a pulling decode READs a little of each new peer right after the handshake, as a job
+of its own on the set-up thread, queued behind that peer's set-up (the peer is ready, and
+loads may start, meanwhile; a warm peer, ``extra.warm_peers``, is probed before any load)::
 
     scratch    PROBE_BYTES of this worker's memory kind, registered once per worker
     READ 1     the start of the peer's first described region (up to PROBE_BYTES of its
                span, which may cross blocks: it is one registration) -> scratch: it pays UCX's
                connection and (GPU memory) the CUDA IPC mapping; its time is the first READ's
-    READ 2     the same bytes again: the steady rate; GPU memory read slower than SLOW_GBPS
-               is logged as a warning naming the UCX settings to look at
+    READ 2-4   the same bytes again, the fastest taken (one slow wake-up of this thread
+               is no verdict): the steady rate; GPU memory read slower than SLOW_GBPS is
+               logged as a warning naming the UCX settings to look at
 
 Each READ is polled with the agent gate held for ``TIGHT_S`` (a READ at memory speed ends
 well within it, so its time is exact), then every ``POLL_S`` with the gate released in
 between (``AgentGate.paused``): a first READ that waits for the peer's UCX to answer the
-connection (a prefill in a long forward) holds up this peer's set-up, never the worker's
-progress rounds.
+connection (a prefill in a long forward) holds up set-ups asked for after it, at most
+``timeout_s`` per READ, never the worker's progress rounds. Closing the worker abandons a
+READ still running (its scratch retired, as below).
 
 Ownership: the bytes read are never looked at, and a READ does not touch the peer's
 memory, so any block the peer described may be read, lent or not. The scratch belongs
@@ -59,6 +62,7 @@ POLL_S = 0.001  # then this often, the gate released in between
 SLOW_GBPS = 5.0  # GPU memory READ slower than this: warned (emulated GETs run at ~0.5)
 MIN_RATE_BYTES = 64 << 10  # a smaller READ is all fixed cost: no rate is judged from it
 MAX_RETIRED = 4  # scratch pages abandoned to unfinished READs before probing stops
+STEADY_READS = 3  # READs after the first: the fastest gives the rate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,13 +99,16 @@ class ReadProbe:
         metrics: ConnectorMetrics,
         *,
         pause: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        stopping: Callable[[], bool] = lambda: False,
         timeout_s: float = PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``pause()``: a context in which the set-up thread lets the worker's rounds in
-        (``AgentGate.paused``)."""
+        (``AgentGate.paused``); ``stopping()``: the worker is closing (a READ still
+        running is abandoned)."""
         self._engine = engine
         self._pause = pause
+        self._stopping = stopping
         self._device = device
         self._metrics = metrics
         self._timeout_s = timeout_s
@@ -112,11 +119,11 @@ class ReadProbe:
     def probe(self, agent: str, region: KVRegion, where: str) -> None:
         """READ the start of the peer's ``region`` twice; log what it took, and warn when
         GPU memory reads slowly. Never raises."""
-        if len(self.retired) >= MAX_RETIRED:
+        if len(self.retired) >= MAX_RETIRED or self._stopping():
             return
         try:
             result = self._run(agent, region)
-        except KVBridgeError as exc:
+        except Exception as exc:  # NIXL's, or torch's (no memory for the scratch): logged
             logger.warning("READ probe of %s failed (its loads will say why): %s", where, exc)
             return
         if result is None:
@@ -167,15 +174,20 @@ class ReadProbe:
             )
             try:
                 first = self._timed_read(local, remote)
-                steady = self._timed_read(local, remote) if first is not None else None
+                steady: list[float | None] = []
+                while first is not None and len(steady) < STEADY_READS and None not in steady:
+                    steady.append(self._timed_read(local, remote))
             finally:
                 remote.release()
         finally:
             local.release()
-        if first is None or steady is None:
+        if first is None or not steady or None in steady:
             return None
         return ProbeResult(
-            num_bytes=num_bytes, first_s=first, steady_s=steady, memory_kind=region.memory_kind
+            num_bytes=num_bytes,
+            first_s=first,
+            steady_s=min(t for t in steady if t is not None),
+            memory_kind=region.memory_kind,
         )
 
     def _scratch_page(self) -> torch.Tensor:
@@ -187,13 +199,14 @@ class ReadProbe:
 
     def _timed_read(self, local: DescList, remote: DescList) -> float | None:
         """One READ into the scratch, waited for; its seconds, or None when it did not end
-        within the timeout (the scratch is then retired: the READ may still write it)."""
+        within the timeout or the worker closes (the scratch is then retired: the READ may
+        still write it)."""
         start = self._clock()
         handle = self._engine.read(local, np.zeros(1, np.int64), remote, np.zeros(1, np.int64))
         try:
             while self._engine.poll(handle) is XferState.PENDING:
                 waited = self._clock() - start
-                if waited > self._timeout_s:
+                if waited > self._timeout_s or self._stopping():
                     self._retire()
                     return None
                 if waited > TIGHT_S:

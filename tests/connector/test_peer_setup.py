@@ -163,12 +163,14 @@ def test_a_paused_set_up_lets_rounds_in_and_takes_the_gate_back() -> None:
         other = threading.Thread(target=round_now)
         other.start()
         other.join(5.0)
+        assert gate.setting_up
         with gate.paused():
             assert not gate.held()
+            assert not gate.setting_up  # busy rounds may run while the set-up waits
             other = threading.Thread(target=round_now)
             other.start()
             other.join(5.0)
-        assert gate.held()
+        assert gate.held() and gate.setting_up
         other = threading.Thread(target=round_now)
         other.start()
         other.join(5.0)
