@@ -106,7 +106,10 @@ class LateTransport:
             if q.landed or q.dead:
                 continue
             post = self.inner.read if q.handle.op is XferOp.READ else self.inner.write
-            real = post(q.local, q.local_idx, q.remote, q.remote_idx, q.notif)
+            # NIXL sends a completion notification from the post or a poll of a live
+            # handle: one released before its data completed never notifies
+            notif = b"" if q.handle.released else q.notif
+            real = post(q.local, q.local_idx, q.remote, q.remote_idx, notif)
             deadline = time.monotonic() + timeout_s
             while self.inner.poll(real) is XferState.PENDING:
                 if time.monotonic() > deadline:

@@ -13,11 +13,14 @@ handshakes again, up to ``ANSWER_ATTEMPTS`` times::
                           still failing after ANSWER_ATTEMPTS: logged and dropped (a
                           decode that answers no handshake is gone and holds nothing)
 
-A round of one WRITE carries its own answer instead (:func:`carried_answer`): the
-``Pushed(ok=True)`` is that WRITE's NIXL completion notification, which reaches decode
-when the data is visible there, without waiting for a progress round here to see the
-WRITE done and send it. Exactly once still holds: the Pusher sends no other answer for a
-round whose carrying WRITE completed, and answers ``ok=False`` as before when it failed.
+A load pushed in one round of one WRITE carries its answer instead
+(:func:`carried_answer`): the ``Pushed(ok=True)`` is that WRITE's NIXL completion
+notification. NIXL's UCX backend sends it when the post or a poll here finds the WRITE's
+data complete (``Pusher.poll_posted`` polls at the end of the posting round), and decode
+sees the data once it arrives; no separate send follows. Exactly once still holds: the
+Pusher sends no other answer for a round whose carrying WRITE completed, and answers
+``ok=False`` as before when it failed. Not for a staged load's rounds: decode asks the next
+round as soon as it has an answer, which may be before a poll here saw this one done.
 """
 
 from __future__ import annotations

@@ -351,8 +351,10 @@ class Pusher:
                 )
                 writes.append((g, found.rows))
         notif = b""
+        # only a round that is the whole load: decode asks a staged load's next round
+        # once it has an answer, and this round's poll may not have seen its WRITE done
         streams = [(g, row) for g, rows in writes for row in rows]
-        if len(streams) == 1 and peer.agent == push.agent:
+        if len(streams) == 1 and peer.agent == push.agent and not msg.staged:
             g, (i, reader_rows, _) = streams[0]
             notif = carried_answer(
                 msg,
