@@ -68,18 +68,21 @@ def fused_plan(
     return dtype, k, run_elems
 
 
-def fused_rewrite(units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_bytes: int) -> bool:
-    """In ``units`` (rows of bytes), move run ``j`` of each row ``ids`` to run ``runs[j]``,
-    one kernel launch on the current stream. False (nothing done) when the segments are
-    too large to fuse."""
-    plan = fused_plan(units, runs, run_bytes)
-    if plan is None:
-        return False
+def fused_rewrite(
+    units: torch.Tensor,
+    ids: torch.Tensor,
+    runs: np.ndarray,
+    runs_t: torch.Tensor,
+    plan: tuple[torch.dtype, int, int],
+) -> None:
+    """In ``units`` (rows of bytes), move run ``j`` of each row ``ids`` to run ``runs[j]``
+    by ``plan`` (:func:`fused_plan`), one kernel launch on the current stream. ``ids`` and
+    ``runs_t`` (``runs`` as int64) are on the device already: uploaded once, before any
+    kernel is queued (a copy from pageable memory waits for the stream)."""
     if ids.numel() == 0:
-        return True
+        return
     dtype, k, run_elems = plan
     elems = units.view(dtype)
-    runs_t = torch.as_tensor(runs.astype(np.int64), device=units.device)
     tile_bytes = _pow2(k) * _pow2(run_elems) * dtype.itemsize
     grid = (ids.numel(), len(runs) // k)
     _kernel()[grid](
@@ -93,7 +96,6 @@ def fused_rewrite(units: torch.Tensor, ids: torch.Tensor, runs: np.ndarray, run_
         RUN_PAD=_pow2(run_elems),
         num_warps=8 if tile_bytes > (16 << 10) else 4,
     )
-    return True
 
 
 @functools.cache

@@ -137,12 +137,14 @@ def _rewrite(
     run, runs = run_permutation(geometry, src, dst)
     moved = int(ids.size) * geometry.unit_bytes * len(unit_tensors)
     run_bytes = run * geometry.itemsize
-    if strategy is RewriteStrategy.FUSED and all(
-        fused_plan(units, runs, run_bytes) is not None for units in unit_tensors
-    ):
-        ids_t = torch.as_tensor(ids, dtype=torch.int64, device=device)
-        for units in unit_tensors:
-            fused_rewrite(units, ids_t, runs, run_bytes)
+    plans = [fused_plan(u, runs, run_bytes) for u in unit_tensors]
+    if strategy is RewriteStrategy.FUSED and all(plan is not None for plan in plans):
+        # both index tables in one upload, before any kernel is queued
+        both = torch.as_tensor(np.concatenate([ids, runs]).astype(np.int64), device=device)
+        ids_t, runs_t = both[: ids.size], both[ids.size :]
+        for units, plan in zip(unit_tensors, plans, strict=True):
+            assert plan is not None
+            fused_rewrite(units, ids_t, runs, runs_t, plan)
         return TransformStats(
             num_blocks=int(ids.size), bytes_moved=moved, scratch_bytes=0, strategy=strategy
         )

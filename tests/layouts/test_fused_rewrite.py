@@ -6,6 +6,7 @@ compiled kernel on CUDA tensors against the same reference."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,9 +23,25 @@ from kvbridge.layouts.transforms import merge_blocks, permute_layout, rewrite_un
 
 SMALL, FUSED = RewriteStrategy.SMALL_SCRATCH, RewriteStrategy.FUSED
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:  # read by Triton when the kernel is first built: CPU tensors, numpy inside
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 interpreted = pytest.mark.skipif(ON_CUDA, reason="a CUDA host runs the compiled kernel (gpu)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_mode() -> Iterator[None]:
+    """Without CUDA, the kernel is built for Triton's interpreter (read when it is first
+    built: CPU tensors, numpy inside), for this module only."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if not ON_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    fused_rewrite._kernel.cache_clear()
+    try:
+        yield
+    finally:
+        fused_rewrite._kernel.cache_clear()
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 @pytest.mark.parametrize(
@@ -57,12 +74,14 @@ def test_nhd_to_hnd_of_a_cross_layer_unit_is_fused_per_layer_and_part():
     assert run_elems == 128 * 2 // 8
 
 
-def _case(cross: bool, block_size: int, kernel: int, packing: KVPacking) -> dict:
+def _case(
+    cross: bool, block_size: int, kernel: int, packing: KVPacking, heads: int = 4, head: int = 64
+) -> dict:
     return dict(
         dtype=torch.bfloat16,
         mla=False,
-        heads=4,
-        head_size=64,
+        heads=heads,
+        head_size=head,
         num_layers=3,
         block_size=block_size,
         kernel=kernel,
@@ -78,10 +97,12 @@ NHD = BlockArrangement(layout=KVLayout.NHD)
 HND = BlockArrangement(layout=KVLayout.HND)
 
 
-def _matrix_equals_the_cpu_strategy(cross, packing, block_size, kernel, sub, device) -> None:
+def _matrix_equals_the_cpu_strategy(
+    cross, packing, block_size, kernel, sub, device, heads: int = 4, head: int = 64
+) -> None:
     """Permute, split, merge: FUSED gives the CPU strategy's bytes, fused where the rows'
     segments fit a program."""
-    case = _case(cross, block_size, kernel, packing)
+    case = _case(cross, block_size, kernel, packing, heads, head)
     want = build_side(case, seed=7)
     got = KVCacheBuffers(want.config, want.format, device=device)
     for dst, src in zip(got.tensors, want.tensors, strict=True):
@@ -110,6 +131,15 @@ def _matrix_equals_the_cpu_strategy(cross, packing, block_size, kernel, sub, dev
 @pytest.mark.parametrize(("block_size", "kernel", "sub"), [(16, 16, 8), (64, 16, 16)])
 def test_fused_rewrites_equal_the_cpu_ones(cross, packing, block_size, kernel, sub):
     _matrix_equals_the_cpu_strategy(cross, packing, block_size, kernel, sub, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize(("heads", "head"), [(3, 80), (5, 96)])
+def test_fused_rewrites_of_odd_shapes_equal_the_cpu_ones(cross, heads, head):
+    """Runs and segments that are no power of two: the kernel's masked lanes."""
+    packing = KVPacking.BLOCKS_FIRST
+    _matrix_equals_the_cpu_strategy(cross, packing, 16, 16, 8, "cpu", heads, head)
 
 
 @pytest.mark.gpu
