@@ -137,8 +137,9 @@ def _rewrite(
     run, runs = run_permutation(geometry, src, dst)
     moved = int(ids.size) * geometry.unit_bytes * len(unit_tensors)
     run_bytes = run * geometry.itemsize
-    plans = [fused_plan(u, runs, run_bytes) for u in unit_tensors]
-    if strategy is RewriteStrategy.FUSED and all(plan is not None for plan in plans):
+    fused = strategy is RewriteStrategy.FUSED
+    plans = [fused_plan(u, runs, run_bytes) for u in unit_tensors] if fused else []
+    if fused and all(plan is not None for plan in plans):
         # both index tables in one upload, before any kernel is queued
         both = torch.as_tensor(np.concatenate([ids, runs]).astype(np.int64), device=device)
         ids_t, runs_t = both[: ids.size], both[ids.size :]
