@@ -213,6 +213,8 @@ class Pusher:
         complete them (the PUT, the flush decode acknowledged); this poll lets UCX send
         the completion (a carried answer) and answers a finished round now rather than a
         round later. One poll each, never a wait."""
+        if not self._posted:
+            return
         posted, self._posted = self._posted, []
         now = self._clock()
         for push in posted:
