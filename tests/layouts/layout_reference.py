@@ -166,6 +166,35 @@ def attention_cases(draw, *, max_layers: int = 4, max_blocks: int = 6):
     )
 
 
+def rewrite_case(
+    cross: bool,
+    block_size: int,
+    kernel: int,
+    packing,
+    *,
+    heads: int = 4,
+    head_size: int = 64,
+    num_blocks: int = 40,
+) -> dict:
+    """A bf16 3-layer NHD side for the rewrite strategy tests (``build_side``'s case)."""
+    from kvbridge.layouts.layout import KVLayout
+
+    return dict(
+        dtype=torch.bfloat16,
+        mla=False,
+        heads=heads,
+        head_size=head_size,
+        num_layers=3,
+        block_size=block_size,
+        kernel=kernel,
+        layout=KVLayout.NHD,
+        packing=packing,
+        cross=cross,
+        num_blocks=num_blocks,
+        block_ids=[],
+    )
+
+
 def build_side(case: dict, *, seed: int = 0):
     """KVCacheBuffers for an :func:`attention_cases` case, filled with random bytes."""
     from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from layout_reference import build_side
+from layout_reference import build_side, rewrite_case
 
 from kvbridge.layouts import fused_rewrite
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -74,25 +74,6 @@ def test_nhd_to_hnd_of_a_cross_layer_unit_is_fused_per_layer_and_part():
     assert run_elems == 128 * 2 // 8
 
 
-def _case(
-    cross: bool, block_size: int, kernel: int, packing: KVPacking, heads: int = 4, head: int = 64
-) -> dict:
-    return dict(
-        dtype=torch.bfloat16,
-        mla=False,
-        heads=heads,
-        head_size=head,
-        num_layers=3,
-        block_size=block_size,
-        kernel=kernel,
-        layout=KVLayout.NHD,
-        packing=packing,
-        cross=cross,
-        num_blocks=24,
-        block_ids=[],
-    )
-
-
 NHD = BlockArrangement(layout=KVLayout.NHD)
 HND = BlockArrangement(layout=KVLayout.HND)
 
@@ -102,7 +83,9 @@ def _matrix_equals_the_cpu_strategy(
 ) -> None:
     """Permute, split, merge: FUSED gives the CPU strategy's bytes, fused where the rows'
     segments fit a program."""
-    case = _case(cross, block_size, kernel, packing, heads, head)
+    case = rewrite_case(
+        cross, block_size, kernel, packing, heads=heads, head_size=head, num_blocks=24
+    )
     want = build_side(case, seed=7)
     got = KVCacheBuffers(want.config, want.format, device=device)
     for dst, src in zip(got.tensors, want.tensors, strict=True):

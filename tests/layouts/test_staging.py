@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from layout_reference import build_side
+from layout_reference import build_side, rewrite_case
 from torch.profiler import ProfilerActivity, profile
 
 from kvbridge.layouts import staging
@@ -110,23 +110,6 @@ def test_small_scratch_path_gathers_big_units_row_by_row():
     assert ops["aten::index_select"] == 12 + 12  # one stage and one gather per row
 
 
-def _case(cross: bool, block_size: int, kernel: int, packing: KVPacking) -> dict:
-    return dict(
-        dtype=torch.bfloat16,
-        mla=False,
-        heads=4,
-        head_size=64,
-        num_layers=3,
-        block_size=block_size,
-        kernel=kernel,
-        layout=KVLayout.NHD,
-        packing=packing,
-        cross=cross,
-        num_blocks=40,
-        block_ids=[],
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("cross", [True, False])
 @pytest.mark.parametrize("packing", list(KVPacking))
@@ -134,7 +117,7 @@ def _case(cross: bool, block_size: int, kernel: int, packing: KVPacking) -> dict
 @pytest.mark.parametrize("budget", [None, 1, 100_000])
 def test_cuda_rewrites_equal_the_cpu_ones(cross, packing, block_size, kernel, sub, budget):
     """On a GPU the default (batched) strategy gives the CPU strategy's bytes."""
-    case = _case(cross, block_size, kernel, packing)
+    case = rewrite_case(cross, block_size, kernel, packing)
     cpu = build_side(case, seed=7)
     gpu = KVCacheBuffers(cpu.config, cpu.format, device="cuda")
     for dst, src in zip(gpu.tensors, cpu.tensors, strict=True):
