@@ -88,6 +88,7 @@ class PeerLayout:
     can_repack: bool = False  # rebuilds its packed pages from remote ones after a load
     rewrites_on_save: bool = False  # readers that need no rewrite must claim first
     staging: KVRegion | None = None  # push: the arena a writer stages whole pages into
+    gather: KVRegion | None = None  # pull: the pages a sender packs claimed rows into
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -166,9 +167,11 @@ def describe(
     can_repack: bool = False,
     rewrites_on_save: bool = False,
     staging: KVRegion | None = None,
+    gather: KVRegion | None = None,
 ) -> WorkerDescription:
     """The description a worker publishes for its buffers (``staging``: its registered
-    staging arena, advertised for a pushing writer)."""
+    staging arena, advertised for a pushing writer; ``gather``: the pages it packs
+    claimed rows into, advertised for a pulling reader)."""
     config, fmt = buffers.config, buffers.format
     block_size = _side_block_size(config)
     regions = []
@@ -223,6 +226,7 @@ def describe(
         staging=_region_to_wire(staging) if staging is not None else None,
         kv_heads=fmt.heads.value,
         numbered_claims=True,
+        gather=_region_to_wire(gather) if gather is not None else None,
     )
 
 
@@ -299,6 +303,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
                 fmt.kernel_block_size_for(g.spec.block_size)
         mode = TransferMode.parse(desc.transfer_mode)
         staging = _region_from_wire(desc.staging) if desc.staging is not None else None
+        gather = _region_from_wire(desc.gather) if desc.gather is not None else None
     except (LayoutError, ValueError, TypeError) as exc:
         raise ProtocolError(
             f"description from engine {desc.engine_id!r} (rank {desc.rank}) is invalid: {exc}"
@@ -327,6 +332,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         can_repack=desc.can_repack,
         rewrites_on_save=desc.rewrites_on_save,
         staging=staging,
+        gather=gather,
     )
 
 

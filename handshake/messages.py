@@ -31,7 +31,9 @@ Protocol history:
         WireRegion.head (default -1): the head a region holds ("outer" caches).
     3 - readers in the protocol (notifications version 2); MetadataRequest.requester_
         description (default none): the requester's description, its NIXL metadata left
-        out, so that a prefill can digest what a verifying decode reads.
+        out, so that a prefill can digest what a verifying decode reads;
+        WorkerDescription.gather (default none): the registered arena a prefill packs a
+        claim's rows into (``extra.gather_mib``), one page per block of the region.
 """
 
 from __future__ import annotations
@@ -185,6 +187,10 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     kv_heads: str = "inner"  # CacheFormat.heads (kvbridge.layouts.arrangement.HeadOrder)
     # this worker echoes Prepare.claim in its Prepared (connector.common.notifications)
     numbered_claims: bool = False
+    # pull mode: the registered arena this prefill packs a claim's rows into when the
+    # reader asks (Prepare.packed), in pages of block_bytes
+    # (kvbridge.connector.worker.prefill.gather_arena); none: it packs nothing
+    gather: WireRegion | None = None
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -187,6 +187,17 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """With ``verify: "sample"``: the share of loads verified, in [0, 1].
     Read by: decode."""
 
+    gather_mib: float = 0
+    """Packed reads (pull mode): MiB of a registered arena on each side through which a
+    load of many small rows (per-layer caches: one row per block and layer, or two) moves
+    as one range instead of one descriptor per row. Prefill copies the rows into its arena
+    (advertised in its description), decode READs the range into its own and copies the
+    rows into its blocks: two copies of the bytes for one descriptor instead of thousands
+    (docs/performance.md). A load packs when both sides set it, it has at least 64 rows
+    and both arenas have room for it; otherwise it reads its rows as they are. 0 (the
+    default): off. On a GPU the arenas take GPU memory.
+    Read by: both (pull mode)."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ConfigError(
@@ -196,6 +207,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ConfigError(
                 f"extra.max_quarantined_mib={self.max_quarantined_mib:g} must be a positive "
                 f"number of MiB (blocks held for one prefill's unfinished READs)"
+            )
+        if self.gather_mib < 0:
+            raise ConfigError(
+                f"extra.gather_mib={self.gather_mib:g} must be >= 0 MiB (0: no packed reads)"
             )
         if self.staging_mib <= 0:
             raise ConfigError(
@@ -227,6 +242,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             )
         for item in self.warm_peers:
             _peer_address(item)
+
+    @property
+    def gather_bytes(self) -> int:
+        return int(self.gather_mib * (1 << 20))
 
     @property
     def staging_bytes(self) -> int:

@@ -61,6 +61,11 @@ Protocol history:
         Verified loads (``extra.verify``): Prepare.verify with the load's token range and
         plan digest, Push.verify; Prepared.digests and Pushed.digests: one
         ``GroupDigest`` per group of the rows the reader moves (``kvbridge.layouts.digest``).
+        Packed reads (``extra.gather_mib``): Prepare.packed asks prefill to copy the rows
+        the reader reads into its gather arena, in the plan's order
+        (``kvbridge.connector.worker.packed_rows``); Prepared.packed_at / packed_bytes say
+        where (-1: not packed, read the rows as they are). An older prefill ignores the
+        question and answers -1.
 """
 
 from __future__ import annotations
@@ -144,6 +149,9 @@ class Prepare(msgspec.Struct, frozen=True, tag=True):
     # pipeline stages: groups the reader moves nothing of (another stage holds their
     # layers); prefill neither claims nor checks their blocks for this reader
     skipped_groups: list[int] = msgspec.field(default_factory=list)
+    # a packed read: copy the rows the reader reads (tokens [start_token, end_token) on
+    # the plan plan_digest) into the gather arena and say where (Prepared.packed_at)
+    packed: bool = False
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
@@ -155,6 +163,10 @@ class Prepared(msgspec.Struct, frozen=True, tag=True):
     held_s: float = 0.0
     claim: int = 0  # Prepare.claim of the claim this answers (0: unnumbered)
     digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Prepare.verify
+    # Prepare.packed: the byte offset in the gather arena where the rows lie, packed, and
+    # their bytes; -1: not packed (no room, or no arena), the reader reads the rows
+    packed_at: int = -1
+    packed_bytes: int = 0
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):

@@ -28,18 +28,20 @@ from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
 from kvbridge.connector.worker.decode.inflight import PushEndpoint
 from kvbridge.connector.worker.decode.landing import Verifier
+from kvbridge.connector.worker.decode.packed_reads import PackedReads
 from kvbridge.connector.worker.decode.receiver import Receiver
 from kvbridge.connector.worker.digests import region_units
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
+from kvbridge.connector.worker.prefill.gather_arena import PAGE_BYTES, GatherArena, open_arena
 from kvbridge.connector.worker.prefill.pushes import Pusher
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.read_probe import ReadProbe
 from kvbridge.connector.worker.side_channel import SideChannel
-from kvbridge.connector.worker.staging.arenas import StagingPools
+from kvbridge.connector.worker.staging.arenas import StagingPools, slot_region
 from kvbridge.connector.worker.staging.host_stage import HostStage, host_stage_for
 from kvbridge.handshake.affinity import unpinned
 from kvbridge.handshake.description import WorkerIdentity, parse_description
@@ -174,6 +176,10 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
     built.callback(_close, "the set-up threads", setup.close, None)
     engine.register(moved.tensors)
     staging = StagingPools(engine, extra.staging_bytes, device=buffers.device)
+    # packed reads: registered before the description, which advertises it to readers
+    gather = None
+    if mode is TransferMode.PULL and extra.gather_bytes:
+        gather = open_arena(engine, extra.gather_bytes, moved.device)
     if stages_pages(w, buffers, TransferMode.PUSH):
         # prefill writes whole pages into these slots: registered before the
         # description, so the NIXL metadata prefill gets in the handshake covers them
@@ -189,6 +195,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         can_repack=w.repacker is not None,
         rewrites_on_save=w.rewrite_on_save,
         staging=staging.region,
+        gather=slot_region(gather.region, PAGE_BYTES) if gather is not None else None,
     )
     built.callback(_close, "the side channel", side.close, w.gate)
     if stages_pages(w, buffers, TransferMode.PULL):
@@ -215,6 +222,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         # next step, seconds away under load): wait for it as long as the lease
         early_wait_s=config.lease_s,
         digests=digests,
+        gather=GatherArena(gather, units, digests, order, metrics) if gather is not None else None,
     )
     targets = pusher = push = None
     if mode is TransferMode.PUSH:
@@ -243,6 +251,9 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         else None,
         max_quarantined_bytes=extra.max_quarantined_bytes,
         fail_early=config.failure_policy is FailurePolicy.FAIL,
+        packed=PackedReads(engine, gather, PAGE_BYTES, moved, units, order, metrics)
+        if gather is not None and config.is_consumer
+        else None,
     )
     inbox = Inbox(engine, outbox, metrics, sender=sender, receiver=receiver, pusher=pusher)
     for host, peer_port in extra.warm_peer_addresses:

@@ -53,13 +53,16 @@ from kvbridge.handshake.messages import WorkerDescription
 from kvbridge.handshake.plan import negotiate
 from kvbridge.handshake.plan_model import GroupPlan, PieceStream, TransferPlan
 from kvbridge.handshake.tp_plan import reads_from
-from kvbridge.layouts.descriptors import block_descriptors
+from kvbridge.layouts.descriptors import block_descriptors, descriptor_table
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.region import KVRegion
 
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]  # (engine id, rank)
+# Peer.remote_lists key of a peer's gather arena, in pages (packed reads; streams are
+# keyed by (group id, stream index) >= 0)
+GATHER_LIST = (-1, 0)
 
 
 class PeerState(enum.Enum):
@@ -229,6 +232,12 @@ class PeerDirectory:
                             prepared.agent, table, memory_kind=region.memory_kind
                         )
                         first = first or region
+                if self._packs(layout):
+                    gather = layout.gather
+                    assert gather is not None
+                    prepared.lists[GATHER_LIST] = self._engine.prep_remote(
+                        prepared.agent, descriptor_table(gather), memory_kind=gather.memory_kind
+                    )
             except KVBridgeError:
                 self._release(list(prepared.lists.values()), prepared.agent)
                 raise
@@ -243,6 +252,13 @@ class PeerDirectory:
         except Exception as exc:  # a bug: the peer fails by name instead of waiting forever
             logger.exception("setting up peer %s failed", where)
             return KVBridgeError(f"setting up the peer at {where} failed: {exc!r}")
+
+    def _packs(self, layout: PeerLayout) -> bool:
+        """Packed reads from this peer: both of us have a gather arena, in equal pages."""
+        ours, theirs = self._local.gather, layout.gather
+        if self._writer or ours is None or theirs is None:
+            return False
+        return ours.block_bytes == theirs.block_bytes
 
     def _wire_up(self, agent: str, desc: WorkerDescription) -> None:
         """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at

@@ -70,10 +70,12 @@ class SideChannel:
         can_repack: bool,
         rewrites_on_save: bool,
         staging: KVRegion | None = None,
+        gather: KVRegion | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``registered``: the buffers ``engine`` registered (the cache, or its host mirror);
         ``staging``: the registered staging arena a pushing writer may write into;
+        ``gather``: the registered pages claimed rows are packed into (packed reads);
         ``setup``: the worker's threads for what may wait on a peer."""
         self._engine = engine
         self._setup = setup
@@ -105,6 +107,7 @@ class SideChannel:
                 can_repack=can_repack,
                 rewrites_on_save=rewrites_on_save,
                 staging=staging,
+                gather=gather,
             )
             request = MetadataRequest(
                 protocol_version=self._description.protocol_version,

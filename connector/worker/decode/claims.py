@@ -101,6 +101,7 @@ class Claims:
         now = self._clock()
         number = next(self._numbers)
         ask = load.verify and src.digests is None
+        packed = src.landing is not None  # a packed read: prefill names the rows as we do
         plan = peer.plan if peer is not None else None
         msg = Prepare(
             request_id=load.spec.params.remote_request_id,
@@ -110,10 +111,11 @@ class Claims:
             reader_rank=self._rank,
             # a verified load asks for digests until an answer brought them
             verify=ask,
-            plan_digest=plan.digest if ask and plan is not None else "",
-            start_token=load.spec.start_token if ask else 0,
-            end_token=load.spec.end_token if ask else 0,
+            plan_digest=plan.digest if (ask or packed) and plan is not None else "",
+            start_token=load.spec.start_token if ask or packed else 0,
+            end_token=load.spec.end_token if ask or packed else 0,
             skipped_groups=plan.skipped_groups() if plan is not None else [],
+            packed=packed,
         )
         if not self._send(peer, msg):
             return False

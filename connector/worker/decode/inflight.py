@@ -43,6 +43,7 @@ from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import GroupDigest, GroupRewrite, Push
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.transport import XferHandle
+from kvbridge.connector.worker.packed_rows import PackedRows
 from kvbridge.connector.worker.peers import Peer, PeerKey
 from kvbridge.connector.worker.routing import Route
 from kvbridge.connector.worker.rows import GroupRows, group_rows
@@ -102,6 +103,12 @@ class Source:
     digests: list[GroupDigest] | None = None
     digest_reason: str = "no answer carried them"
     staged_sums: StagedSums = field(default_factory=dict)  # verified: pages as they landed
+    # a packed read (kvbridge.connector.worker.decode.packed_reads): our rows in the packed
+    # order, the landing pages (with the READ, once posted), and where prefill packed them
+    packed: PackedRows | None = None
+    landing: StageBatch | None = None
+    packed_at: int = -1
+    packed_bytes: int = 0
 
 
 @dataclass

@@ -57,6 +57,7 @@ from kvbridge.connector.worker.decode.inflight import (
     outside,
 )
 from kvbridge.connector.worker.decode.landing import Landing, Verifier
+from kvbridge.connector.worker.decode.packed_reads import PackedReads
 from kvbridge.connector.worker.decode.quarantine import Quarantine, Round
 from kvbridge.connector.worker.decode.transfers import PullReads, PushRounds
 from kvbridge.connector.worker.device_order import DeviceOrder, Mark
@@ -97,6 +98,7 @@ class Receiver:
         verifier: Verifier | None = None,
         max_quarantined_bytes: int = DEFAULT_MAX_QUARANTINED_MIB << 20,
         fail_early: bool = False,
+        packed: PackedReads | None = None,
     ) -> None:
         """``staging``: the slots larger remote pages land in (default: a pool of
         ``DEFAULT_STAGING_MIB`` registered on first use). ``push``: ask prefill to write
@@ -106,12 +108,14 @@ class Receiver:
         (``extra.verify``); ``max_quarantined_bytes``: ``extra.max_quarantined_mib``.
         ``fail_early`` (``failure_policy: fail``): a load that fails while transfers of
         its may still land is also reported at once, as failing (the engine ends the
-        request and keeps its blocks until the failure itself is reported)."""
+        request and keeps its blocks until the failure itself is reported). ``packed``:
+        reads many small rows as one packed range (``extra.gather_mib``, pull)."""
         self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         order = order or DeviceOrder(buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker, order)
-        self._reads = PullReads(engine, peers, buffers, self._staged, metrics)
+        self._packed = packed
+        self._reads = PullReads(engine, peers, buffers, self._staged, metrics, packed)
         self._rounds = (
             PushRounds(self._staged, buffers, push, send, clock=clock) if push is not None else None
         )
@@ -245,6 +249,8 @@ class Receiver:
             self._claims.stray_answer(msg, agent)
             return
         load, src = found
+        if src.state is LoadState.PREPARING:  # where a packed read's rows lie (-1: none)
+            src.packed_at, src.packed_bytes = msg.packed_at, msg.packed_bytes
         if not msg.ok:
             self._claims.settle(src, ended=False, answered=msg.claim)
             self._finish_failed(load, f"prefill could not prepare the blocks: {msg.reason}")
@@ -377,11 +383,14 @@ class Receiver:
             self._ask_push(load, src, peer, rewrites)
             return
         src.rewrites = rewrites
+        packs = self._packed is not None and self._packed.lease(load, src, peer)
         if not self._first_claim(load, src, peer):
+            if self._packed is not None:
+                self._packed.held(src)  # nothing posted: the landing goes back
             return
-        # a rewrite is due, or a sender that rewrites on save may hold the blocks in
-        # another reader's format: read once prefill answered; else read right away
-        if rewrites or (peer.layout is not None and peer.layout.rewrites_on_save):
+        # a rewrite is due, a sender that rewrites on save may hold the blocks in another
+        # reader's format, or it packs the rows: read once prefill answered; else at once
+        if rewrites or packs or (peer.layout is not None and peer.layout.rewrites_on_save):
             src.state = LoadState.PREPARING
             return
         self._post(load, src)
@@ -565,6 +574,10 @@ class Receiver:
         for src in load.sources:
             if src.state is LoadState.PUSHED and src.round_agent not in self._writers.gone | {""}:
                 rounds.add((src.round_agent, rid, src.round))
+            landing = self._packed.held(src) if self._packed is not None else None
+            if landing is not None:  # its READ may still land: held with its pages
+                src.handles = [h for h in src.handles if h not in landing.handles]
+                batches.append(landing)
             handles[src.key] = list(src.handles)
             src.handles.clear()
             if src.batch is not None:

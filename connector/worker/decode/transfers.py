@@ -58,6 +58,7 @@ from kvbridge.connector.common.notifications import (
 )
 from kvbridge.connector.transfer.transport import TransferEngine, XferState
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, PushEndpoint, Source
+from kvbridge.connector.worker.decode.packed_reads import PackedReads
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
 from kvbridge.connector.worker.staging.staged_reads import StagedReads
 from kvbridge.handshake.plan_model import GroupPlan
@@ -75,16 +76,22 @@ class PullReads:
         buffers: KVCacheBuffers,
         staged: StagedReads,
         metrics: ConnectorMetrics,
+        packed: PackedReads | None = None,
     ) -> None:
         self._engine = engine
         self._peers = peers
         self._buffers = buffers
         self._staged = staged
         self._metrics = metrics
+        self._packed = packed
 
     def post(self, load: Load, src: Source, peer: Peer) -> None:
-        """Post every READ of ``src`` and its first staging round."""
+        """Post every READ of ``src`` and its first staging round (packed: the one READ of
+        prefill's packed range, when it packed)."""
         assert peer.plan is not None
+        if src.landing is not None and self._packed is not None:
+            if self._packed.post(load, src, peer):
+                return
         for g in peer.plan.groups:
             found = load.rows(g, self._buffers.config.groups[g.group_id].spec)
             if found.staged is not None:
@@ -100,6 +107,8 @@ class PullReads:
     def poll(self, load: Load, src: Source, peer: Peer | None) -> bool:
         """Advance ``src``'s READs and rounds; True when all of them are done."""
         pending = [h for h in src.handles if self._engine.poll(h) is XferState.PENDING]
+        if not pending and src.landing is not None and self._packed is not None:
+            self._packed.land(load, src)  # every READ ended (a failed one raised)
         batch = src.batch
         if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
             src.batch = None

@@ -62,6 +62,12 @@ class ReaderDigests:
         """The digests of tokens ``[start, end)`` of ``spec`` as the reader ``agent``
         reads them on the plan ``plan_digest``. Raises :class:`KVBridgeError` naming why
         they cannot be given."""
+        layout, plan = self.plan_for(agent, plan_digest)
+        return self.for_plan(plan, layout, spec, start, end)
+
+    def plan_for(self, agent: str, plan_digest: str) -> tuple[PeerLayout, TransferPlan]:
+        """The reader ``agent``'s layout and the plan it reads by, which must be
+        ``plan_digest``; raises :class:`KVBridgeError` naming why not."""
         layout, plan = self._plan(agent)
         if plan.digest != plan_digest:
             raise KVBridgeError(
@@ -69,31 +75,14 @@ class ReaderDigests:
                 f"description the reader sent: the two sides see different descriptions "
                 f"(restarted or reconfigured?)"
             )
-        return self.for_plan(plan, layout, spec, start, end)
+        return layout, plan
 
     def for_plan(
         self, plan: TransferPlan, reader: PeerLayout, spec: SendSpec, start: int, end: int
     ) -> list[GroupDigest]:
         """The digests of tokens ``[start, end)`` of ``spec`` moved by ``plan`` (decode's
         plan: ``reader`` is its local side, this worker its remote side)."""
-        if not 0 <= start <= end:
-            raise KVBridgeError(f"verified load names tokens [{start}, {end})")
-
-        def rows_of(g: GroupPlan) -> GroupRows:
-            reader_spec = reader.config.groups[g.group_id].spec
-            # the reader's own block ids do not change which of our rows move: number its
-            # logical blocks 0.. (enough for every token of the load)
-            dummy = np.arange(-(-end // reader_spec.block_size) + 1, dtype=np.int64)
-            return group_rows(
-                g,
-                reader_spec,
-                dummy,
-                np.asarray(spec.block_ids[g.group_id], dtype=np.int64),
-                spec.first_block[g.group_id] if spec.first_block else 0,
-                start,
-                end,
-            )
-
+        rows_of = writer_rows(reader, spec, start, end)
         return list(load_digests(plan, PlanSide.WRITER, self._units, rows_of).digests)
 
     def _plan(self, agent: str) -> tuple[PeerLayout, TransferPlan]:
@@ -119,3 +108,30 @@ class ReaderDigests:
     def forget(self, agent: str) -> None:
         """The reader is gone (its agent pruned): its plan goes too."""
         self._plans.pop(agent, None)
+
+
+def writer_rows(
+    reader: PeerLayout, spec: SendSpec, start: int, end: int
+) -> Callable[[GroupPlan], GroupRows]:
+    """The rows of tokens ``[start, end)`` of ``spec`` a reader with layout ``reader``
+    moves, group by group (its plan's writer side is ours). Raises :class:`KVBridgeError`
+    for a token range that is none."""
+    if not 0 <= start <= end:
+        raise KVBridgeError(f"the load names tokens [{start}, {end})")
+
+    def rows_of(g: GroupPlan) -> GroupRows:
+        reader_spec = reader.config.groups[g.group_id].spec
+        # the reader's own block ids do not change which of our rows move: number its
+        # logical blocks 0.. (enough for every token of the load)
+        dummy = np.arange(-(-end // reader_spec.block_size) + 1, dtype=np.int64)
+        return group_rows(
+            g,
+            reader_spec,
+            dummy,
+            np.asarray(spec.block_ids[g.group_id], dtype=np.int64),
+            spec.first_block[g.group_id] if spec.first_block else 0,
+            start,
+            end,
+        )
+
+    return rows_of

@@ -75,6 +75,7 @@ from kvbridge.connector.common.notifications import (
 )
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.block_lending import BlockLending
+from kvbridge.connector.worker.prefill.gather_arena import GatherArena
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -138,14 +139,17 @@ class Sender:
         order: DeviceOrder | None = None,
         early_wait_s: float = EARLY_PREPARE_TTL_S,
         digests: ReaderDigests | None = None,
+        gather: GatherArena | None = None,
     ) -> None:
         """``early_wait_s``: how long a ``Prepare`` or ``Push`` for a request not handed
         over yet waits for it (the worker passes its lease). ``stage``: the host mirror
         NIXL moves instead of ``buffers`` (host staging); kept blocks are copied there once
         they are in the format their reader gets. ``order``: fences the rewrite kernels
         before NIXL may read the blocks. ``digests``: answers verified claims
-        (``Prepare.verify``) with the digests of what their reader reads."""
+        (``Prepare.verify``) with the digests of what their reader reads. ``gather``: packs
+        the rows of claims that ask (``Prepare.packed``)."""
         self._digests = digests
+        self._gather = gather
         self._buffers = buffers
         self._order = order or DeviceOrder(buffers.device)
         self._stage = stage
@@ -265,6 +269,11 @@ class Sender:
         claim.numbers.add(msg.claim)
         claim.until = max(claim.until, pending.deadline)  # what the answer promises
         digests, why = self._digests_for(pending.spec, agent, msg) if msg.verify else ([], "")
+        packed_at, packed_bytes, unpacked = -1, 0, ""
+        if msg.packed and self._gather is not None:
+            packed_at, packed_bytes, unpacked = self._gather.pack(pending.spec, agent, msg)
+            if unpacked:
+                logger.debug("claim on %s by %s: %s", msg.request_id, agent or "?", unpacked)
         return Prepared(
             request_id=msg.request_id,
             ok=True,
@@ -272,6 +281,8 @@ class Sender:
             claim=msg.claim,
             digests=digests,
             reason=why,
+            packed_at=packed_at,
+            packed_bytes=packed_bytes,
         )
 
     def _digests_for(
@@ -432,6 +443,8 @@ class Sender:
             pending.ending = why
             return
         del self._pending[rid]
+        if self._gather is not None:
+            self._gather.give_back(rid)
         self._lending.restore(pending)
         self._lending.claim_native(pending, set(), release=True)
         self._ended[rid] = now

@@ -103,7 +103,18 @@ class StagingArena:
 
     def lease(self, slot_bytes: int, n: int) -> np.ndarray:
         """Up to ``n`` free ``slot_bytes`` slots (none when no such slot is free)."""
-        slots = self.free_slots(slot_bytes)[: max(n, 0)]
+        return self._take(slot_bytes, self.free_slots(slot_bytes)[: max(n, 0)])
+
+    def lease_run(self, slot_bytes: int, n: int) -> np.ndarray:
+        """``n`` free ``slot_bytes`` slots in a row, the lowest such run (none when no run
+        of ``n`` is free): one contiguous range of the arena (packed reads)."""
+        free = self.free_slots(slot_bytes)
+        if n <= 0 or free.size < n:
+            return free[:0]
+        runs = np.flatnonzero(free[n - 1 :] - free[: free.size - n + 1] == n - 1)
+        return self._take(slot_bytes, free[runs[0] : runs[0] + n] if runs.size else free[:0])
+
+    def _take(self, slot_bytes: int, slots: np.ndarray) -> np.ndarray:
         starts = np.concatenate([self._starts, slots * slot_bytes])
         ends = np.concatenate([self._ends, (slots + 1) * slot_bytes])
         order = np.argsort(starts, kind="stable")
@@ -144,6 +155,15 @@ class StagingPool:
     def lease(self, n: int) -> np.ndarray:
         """Up to ``n`` free slots (none when every slot is taken)."""
         return self._arena.lease(self.slot_bytes, n)
+
+    def lease_run(self, n: int) -> np.ndarray:
+        """``n`` free slots in a row (none when no such run is free)."""
+        return self._arena.lease_run(self.slot_bytes, n)
+
+    def run_bytes(self, slots: np.ndarray) -> torch.Tensor:
+        """The arena's bytes of a run of slots (from :meth:`lease_run`), as one 1-D view."""
+        first = int(slots[0]) * self.slot_bytes
+        return self._arena.buf[first : first + int(slots.size) * self.slot_bytes]
 
     def give_back(self, slots: np.ndarray) -> None:
         self._arena.give_back(self.slot_bytes, slots)

@@ -78,7 +78,7 @@ StagedSums = dict[tuple[int, int], dict[int, int]]
 
 @dataclass
 class StageBatch:
-    staged: Staged
+    staged: Staged | None  # None: a packed read's landing pages (decode.packed_reads)
     remote_blocks: np.ndarray
     pool: StagingPool
     slots: np.ndarray

@@ -1,0 +1,143 @@
+"""Decode side of packed reads: one READ of prefill's packed range, then the rows into place.
+
+A pull source whose plan would post at least ``MIN_ROWS`` rows, from a prefill that
+advertises a gather arena in pages of ours (``extra.gather_mib`` on both sides), reads
+packed (``kvbridge.connector.worker.packed_rows``)::
+
+    start     rows of the load (our plan) -> a run of free pages of our arena (the
+              landing), or read the rows as they are (no run free: counted)
+    claim     Prepare(packed, plan digest, tokens); wait for the answer
+    answer    Prepared(packed_at >= 0) -> one READ: their pages -> our landing pages
+              Prepared(packed_at = -1)  -> landing back, read the rows (counted)
+    READ done scatter the landing into our blocks, fence, landing back
+
+The landing belongs to the READ until NIXL says it ended: a load that fails before hands
+it to the quarantine with the READ (``kvbridge.connector.worker.decode.quarantine``),
+which gives the pages back only then. The scatter is fenced before the pages go back,
+since the next packed READ may land in them. Both ranges are runs of adjacent pages,
+which NIXL posts as one descriptor (it coalesces adjacent prepared rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.decode.inflight import Load, Source
+from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.digests import PlanSide
+from kvbridge.connector.worker.packed_rows import packed_rows, scatter
+from kvbridge.connector.worker.peers import GATHER_LIST, Peer
+from kvbridge.connector.worker.staging.arenas import StagingArena, StagingPool
+from kvbridge.connector.worker.staging.staged_reads import StageBatch
+from kvbridge.layouts.allocation import KVCacheBuffers
+from kvbridge.layouts.errors import KVBridgeError
+
+MIN_ROWS = 64  # a load that would post fewer rows reads them as they are
+
+
+class PackedReads:
+    """The landing pages of one decode worker's packed reads."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        arena: StagingArena,
+        page_bytes: int,
+        buffers: KVCacheBuffers,
+        units: list[torch.Tensor],
+        order: DeviceOrder,
+        metrics: ConnectorMetrics,
+    ) -> None:
+        """``arena``: the worker's gather arena (prefill packs into it, we land in it);
+        ``units``: our region memory, where NIXL moves to (the host mirror when staged)."""
+        self._engine = engine
+        self._pool = StagingPool(engine, arena, page_bytes)
+        self._buffers = buffers
+        self._units = units
+        self._order = order
+        self._metrics = metrics
+
+    def lease(self, load: Load, src: Source, peer: Peer) -> bool:
+        """Lease a landing for ``src`` when it should read packed (``src.packed`` and
+        ``src.landing`` set); False: it reads its rows as they are."""
+        if GATHER_LIST not in peer.remote_lists or peer.plan is None:
+            return False
+        groups = self._buffers.config.groups
+        rows = packed_rows(
+            peer.plan, PlanSide.READER, lambda g: load.rows(g, groups[g.group_id].spec)
+        )
+        if rows is None or rows.num_rows < MIN_ROWS:
+            return False
+        pages = self._pool.lease_run(-(-rows.num_bytes // self._pool.slot_bytes))
+        if not pages.size:
+            self._metrics.packed_fallbacks += 1
+            return False
+        src.packed = rows
+        src.landing = StageBatch(None, pages[:0], self._pool, pages)
+        return True
+
+    def post(self, load: Load, src: Source, peer: Peer) -> bool:
+        """Prefill answered the claim: post the one READ of its packed range (True), or,
+        not packed, give the landing back (False: read the rows). Raises
+        :class:`KVBridgeError` for an answer that does not fit what we asked."""
+        landing, rows = src.landing, src.packed
+        assert landing is not None and rows is not None
+        if src.packed_at < 0:
+            self._give_back(src)
+            self._metrics.packed_fallbacks += 1
+            return False
+        remote = peer.remote_lists.get(GATHER_LIST)
+        page = self._pool.slot_bytes
+        first, n = src.packed_at // page, int(landing.slots.size)
+        if (
+            remote is None
+            or src.packed_bytes != rows.num_bytes
+            or src.packed_at % page
+            or first + n > remote.num_descs
+        ):
+            raise KVBridgeError(
+                f"prefill {src.key} packed {src.packed_bytes} B at {src.packed_at}, we read "
+                f"{rows.num_bytes} B in {page} B pages of its {remote.num_descs if remote else 0}"
+            )
+        for g in peer.plan.groups if peer.plan is not None else ():  # blocks that get data
+            found = load.rows(g, self._buffers.config.groups[g.group_id].spec)
+            if found.touched is not None:
+                load.touch(g.group_id, found.touched)
+        local = self._pool.local_list(0, page)
+        handle = self._engine.read(local, landing.slots, remote, np.arange(first, first + n))
+        landing.handles.append(handle)
+        src.handles.append(handle)
+        load.num_bytes += rows.num_bytes
+        self._metrics.descriptors_posted += handle.num_descs
+        return True
+
+    def land(self, load: Load, src: Source) -> None:
+        """The READ ended: copy the rows into our blocks, then the landing goes back."""
+        landing, rows = src.landing, src.packed
+        assert landing is not None and rows is not None
+        scatter(rows, self._units, self._pool.run_bytes(landing.slots)[: rows.num_bytes])
+        self._order.fence("packed scatter")  # the next packed READ may land in these pages
+        load.kernels = True
+        self._metrics.packed_reads += 1
+        self._give_back(src)
+
+    def held(self, src: Source) -> StageBatch | None:
+        """A failing load: the landing with the READ that may still write into it (for
+        the quarantine), or None when no READ was posted (the pages go back now)."""
+        landing, src.landing, src.packed = src.landing, None, None
+        if landing is None or landing.handles:
+            return landing
+        landing.pool.give_back(landing.slots)
+        return None
+
+    def _give_back(self, src: Source) -> None:
+        landing, src.landing, src.packed = src.landing, None, None
+        if landing is not None:
+            for h in landing.handles:
+                if h in src.handles:
+                    src.handles.remove(h)
+                self._engine.release(h)
+            landing.pool.give_back(landing.slots)

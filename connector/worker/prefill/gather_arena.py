@@ -1,0 +1,133 @@
+"""Prefill side of packed reads: a claim's rows copied into one range of a registered arena.
+
+A pulling decode that would post many small rows asks for them packed (``Prepare.packed``,
+``extra.gather_mib`` on both sides). Prefill names the rows with decode's own plan, as it
+does to digest a verified load (``kvbridge.connector.worker.prefill.reader_digests``),
+copies them, in the plan's order, into a run of free pages of its arena
+(``kvbridge.connector.worker.packed_rows``), waits for the copy on the device, and
+answers where they lie (``Prepared.packed_at``)::
+
+    Prepare(packed, plan digest, tokens)  -> rows of decode's plan, on our block ids
+                                          -> a run of free pages: gather, fence
+                                          <- Prepared(packed_at, packed_bytes)
+    (no run free, no plan)                <- Prepared(packed_at=-1): decode reads the rows
+
+The pages are lent like the blocks: to the request, until its hold ends (every reader's
+``Done``, or the lease), since decode's READ of them counts only within that hold. A
+reader that claims again is answered the same range (copied once). The arena is
+registered before the worker describes itself, so the NIXL metadata decode gets covers
+it, and advertised in pages (``WorkerDescription.gather``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvbridge.connector.common.metadata import SendSpec
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.notifications import Prepare
+from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.digests import PlanSide
+from kvbridge.connector.worker.packed_rows import gather, packed_rows
+from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests, writer_rows
+from kvbridge.connector.worker.staging.arenas import StagingArena, slot_region
+from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.region import KVRegion
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 64 << 10  # the arena's lending unit (a packed range is a run of pages)
+
+Reader = tuple[str, int]  # (decode agent, rank)
+
+
+def open_arena(
+    engine: TransferEngine, capacity_bytes: int, device: torch.device | str
+) -> StagingArena:
+    """Register the arena (``extra.gather_mib``, whole pages): before the worker
+    describes itself. Decode lands packed ranges in pages of the same arena."""
+    pages = capacity_bytes // PAGE_BYTES
+    if pages < 1:
+        raise KVBridgeError(
+            f"extra.gather_mib: {capacity_bytes} B is less than one {PAGE_BYTES} B page"
+        )
+    return StagingArena(engine, pages * PAGE_BYTES, device)
+
+
+class GatherArena:
+    """The registered pages claims' rows are packed into, lent per (request, reader)."""
+
+    def __init__(
+        self,
+        arena: StagingArena,
+        units: list[torch.Tensor],
+        plans: ReaderDigests,
+        order: DeviceOrder,
+        metrics: ConnectorMetrics,
+    ) -> None:
+        """``arena``: from :func:`open_arena`; ``units``: this worker's region memory,
+        where NIXL moves from (the host mirror when staged); ``plans``: the readers' plans
+        (negotiated from the descriptions they sent with their handshake)."""
+        self._arena = arena
+        self.region: KVRegion = slot_region(arena.region, PAGE_BYTES)
+        self._units = units
+        self._plans = plans
+        self._order = order
+        self._metrics = metrics
+        # request -> reader -> (pages, byte offset, bytes)
+        self._lent: dict[str, dict[Reader, tuple[np.ndarray, int, int]]] = {}
+
+    @property
+    def num_lent_bytes(self) -> int:
+        return self._arena.num_leased_bytes
+
+    def pack(self, spec: SendSpec, agent: str, msg: Prepare) -> tuple[int, int, str]:
+        """Copy the rows ``msg``'s reader reads into a run of free pages: (byte offset,
+        bytes, '') or (-1, 0, why not). Called after the claim's rewrites: the rows are
+        copied as the reader would READ them."""
+        reader = (agent, msg.reader_rank)
+        lent = self._lent.get(spec.request_id, {}).get(reader)
+        if lent is not None:  # a claim sent again: the range is there already
+            return lent[1], lent[2], ""
+        try:
+            layout, plan = self._plans.plan_for(agent, msg.plan_digest)
+            packed = packed_rows(
+                plan, PlanSide.WRITER, writer_rows(layout, spec, msg.start_token, msg.end_token)
+            )
+        except KVBridgeError as exc:
+            return -1, 0, f"not packed: {exc}"
+        if packed is None:
+            return -1, 0, "not packed: a group of the plan goes through staging slots"
+        if packed.num_bytes == 0:
+            return -1, 0, "not packed: the load moves no rows"
+        pages = self._arena.lease_run(PAGE_BYTES, -(-packed.num_bytes // PAGE_BYTES))
+        if not pages.size:
+            self._metrics.packed_refused += 1
+            return (
+                -1,
+                0,
+                (
+                    f"not packed: no run of {packed.num_bytes} B free in the gather arena "
+                    f"({self.num_lent_bytes} of {self._arena.capacity_bytes} B lent)"
+                ),
+            )
+        at = int(pages[0]) * PAGE_BYTES
+        try:
+            gather(packed, self._units, self._arena.buf[at : at + packed.num_bytes])
+            self._order.fence("packed rows")  # UCX's copies do not see our stream
+        except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch
+            self._arena.give_back(PAGE_BYTES, pages)
+            logger.warning("packing %s for %s failed: %s", spec.request_id, agent or "?", exc)
+            return -1, 0, f"not packed: {exc}"
+        self._lent.setdefault(spec.request_id, {})[reader] = (pages, at, packed.num_bytes)
+        self._metrics.packed_bytes += packed.num_bytes
+        return at, packed.num_bytes, ""
+
+    def give_back(self, request_id: str) -> None:
+        """The request's hold ended: every range lent for it is free again."""
+        for pages, _, _ in self._lent.pop(request_id, {}).values():
+            self._arena.give_back(PAGE_BYTES, pages)
