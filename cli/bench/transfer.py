@@ -162,12 +162,14 @@ def _config(
     kv_ip: str = "127.0.0.1",
     verify: str = "off",
     busy_us: int = 0,
+    gather_mib: float = 0,
 ) -> KVTransferConfig:
     extra: dict[str, object] = {
         "transfer_mode": mode,
         "rewrite_on_save": on_save,
         "verify": verify,  # decode's: the rows without digests unless a row says so
         "busy_progress_us": busy_us,
+        "gather_mib": gather_mib,
     }
     if warm:
         extra["warm_peers"] = list(warm)
@@ -218,6 +220,7 @@ def serve(
     merge: MergeRuns,
     tp: PrefillRank = PrefillRank(),
     busy_us: int = 0,
+    gather_mib: float = 0,
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
     engines: list[NixlTransferEngine] = []
@@ -242,6 +245,7 @@ def serve(
         kv_port=tp.kv_port,
         kv_ip=tp.kv_ip,
         busy_us=busy_us,
+        gather_mib=gather_mib,
     )
     with KVBridgeWorker(
         config,
@@ -300,6 +304,7 @@ class Child:
         tp: PrefillRank = PrefillRank(),
         engine_id: str | None = None,
         busy_us: int = 0,
+        gather_mib: float = 0,
     ) -> None:
         """``engine_id``: shared by the ranks of one TP engine (default: a new one)."""
         self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
@@ -317,6 +322,7 @@ class Child:
             *(["--staged"] if staged else []),
             f"--merge={merge.value}",
             f"--busy-progress-us={busy_us}",
+            f"--gather-mib={gather_mib}",
             *tp.cli(),
             f"--kv-ip={PREFILL_HOST}",
             *shape_args(shape),
@@ -527,8 +533,11 @@ def measure_connector(
     merge_named: bool = False,
     verify: str = "off",
     busy_us: int = 0,
+    gather_mib: float = 0,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
-    child = Child(shape, pfmt, mode, device, on_save, staged, merge, busy_us=busy_us)
+    child = Child(
+        shape, pfmt, mode, device, on_save, staged, merge, busy_us=busy_us, gather_mib=gather_mib
+    )
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
@@ -546,6 +555,7 @@ def measure_connector(
             kv_ip=DECODE_HOST,
             verify=verify,
             busy_us=busy_us,
+            gather_mib=gather_mib,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -611,6 +621,9 @@ def measure_connector(
     name += ", warm peer" if warm else ""
     name += f", merge {merge.value}" if merge_named else ""
     name += f", verify {verify}" if verify != "off" else ""
+    if gather_mib:
+        packed = decode.metrics.packed_reads
+        name += ", packed" if packed >= iterations + 1 else f", packed {packed} of {iterations + 1}"
     if verify == "all" and decode.metrics.loads_verified < iterations + 1:
         raise SystemExit(f"{name}: {decode.metrics.loads_verified} loads verified")
     keep = statistics.median(keep_ms[1:])  # after the warm-up
@@ -834,6 +847,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra.busy_progress_us on both sides (0: a peer waits for the other side's "
         f"next step; default {BUSY_PROGRESS_US})",
     )
+    ap.add_argument(
+        "--gather-mib",
+        type=float,
+        default=0,
+        help="add the per-layer pull rows again with extra.gather_mib=MIB on both sides "
+        "(packed reads: the rows move as one range; 0: not)",
+    )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", metavar="FORMAT", help=argparse.SUPPRESS)
@@ -864,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_ip=args.kv_ip,
             ),
             args.busy_progress_us,
+            args.gather_mib,
         )
         return
     indices_s = time_indices()
@@ -915,6 +936,12 @@ def main(argv: list[str] | None = None) -> int:
         runs += [
             (mode, *f, staging, False, merge, False, "all") for mode in modes for f in formats[:2]
         ]
+    gathers = [0.0] * len(runs)
+    if args.gather_mib and "pull" in modes:  # the per-layer pull rows again, packed
+        packed = [(*r[:5], staging, False, merge, False, verify) for r in runs if r[0] == "pull"]
+        packed = [r for r in packed if r[1] in ("bf-NHD", "ks-NHD")]
+        runs += packed
+        gathers += [args.gather_mib] * len(packed)
     raw_rows: list[Row] = []
     for i, (mode, pfmt, dfmt, shuffled, on_save, staged, warm, m, named, v) in enumerate(runs):
         row, child, decode, buffers = measure_connector(
@@ -933,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
             merge_named=named,
             verify=v,
             busy_us=args.busy_progress_us,
+            gather_mib=gathers[i],
         )
         try:
             rows.append(row)

@@ -49,6 +49,7 @@ EVERY_FIELD = KVTransferConfig(
         max_quarantined_mib=256.0,
         verify=VerifyMode.ALL,
         verify_rate=0.5,
+        gather_mib=16,
         read_probe=ReadProbeMode.OFF,
     ),
 )
