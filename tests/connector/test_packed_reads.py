@@ -7,13 +7,18 @@ arena, is read row by row."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
 from kvbridge.connector.common.config import ConfigError, ExtraConfig
+from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_engine import NixlTransferEngine
 from kvbridge.connector.worker.decode import packed_reads
+from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.prefill.gather_arena import PAGE_BYTES
+from kvbridge.layouts.allocation import CacheFormat
 from kvbridge.layouts.layout import KVLayout, KVPacking
 from tests.connector.conftest import (
     Cluster,
@@ -22,12 +27,25 @@ from tests.connector.conftest import (
     expectations,
     plan_request,
 )
+from tests.connector.late_transport import LateTransport
+from tests.connector.pair_harness import (
+    FakeClock,
+    Request,
+    Side,
+    decode_admit,
+    failed,
+    make_side,
+    prefill_finish,
+    run_until,
+    token_ids,
+)
 
 BF = SideFormat(16)
 KS = SideFormat(16, packing=KVPacking.KV_SPLIT)
 BF_HND = SideFormat(16, layout=KVLayout.HND)
 BF_32 = SideFormat(32)
 GATHER = {"gather_mib": 4}
+TIMEOUT_S = 5.0
 
 
 def _reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -112,3 +130,67 @@ def test_no_packed_read_unless_both_sides_have_an_arena(cluster, monkeypatch, si
 def test_a_negative_arena_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"extra\.gather_mib=-1"):
         ExtraConfig(gather_mib=-1)
+
+
+# ------------------------------------------------ a failed load's landing stays held
+
+
+@pytest.fixture
+def late_pair() -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
+    """A prefill and a decode with gather arenas; decode's READs land when the test says."""
+    clock = FakeClock()
+    transports: list[LateTransport] = []
+
+    def factory(name: str) -> LateTransport:
+        transports.append(LateTransport(nixl_engine(name)))
+        return transports[-1]
+
+    fmt = CacheFormat(layout=KVLayout.NHD)  # per layer: a row per block and layer
+    prefill = make_side("kv_producer", "prefill", 16, fmt, "F", clock, lease_s=120.0, extra=GATHER)
+    try:
+        decode = make_side(
+            "kv_consumer",
+            "decode",
+            16,
+            fmt,
+            "F",
+            clock,
+            engine_factory=factory,
+            transfer_timeout_s=TIMEOUT_S,
+            extra={**GATHER, "verify": "off"},
+        )
+    except BaseException:
+        prefill.worker.shutdown()
+        raise
+    try:
+        yield prefill, decode, transports[0], clock
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()
+
+
+def _landing_bytes(decode: Side) -> int:
+    packed = decode.worker._receiver._packed
+    assert packed is not None
+    return packed._pool._arena.num_leased_bytes
+
+
+def test_a_failed_packed_read_holds_its_landing_until_the_read_ended(late_pair):
+    prefill, decode, late, clock = late_pair
+    p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
+    d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
+    decode_admit(decode, d)
+    run_until([decode, prefill], lambda: late.num_in_flight > 0, "decode's packed READ")
+    assert [q.local_idx.size for q in late.queued] == [1]  # one page: the packed range
+    leased = _landing_bytes(decode)
+    assert leased == PAGE_BYTES
+
+    clock.now += TIMEOUT_S + 1  # the deadline passes with the READ on the wire
+    decode.step()
+    assert not failed(decode, "d1") and decode.worker.metrics.loads_held == 1
+    assert _landing_bytes(decode) == leased, "the landing went back with its READ out"
+
+    late.land(prefill.step)  # the released READ lands after all
+    run_until([decode, prefill], lambda: bool(failed(decode, "d1")), "the held failure")
+    assert _landing_bytes(decode) == 0  # the READ ended: the pages are free again
+    assert decode.worker.metrics.packed_reads == 0  # nothing was scattered

@@ -65,16 +65,18 @@ class PackedReads:
         ``src.landing`` set); False: it reads its rows as they are."""
         if GATHER_LIST not in peer.remote_lists or peer.plan is None:
             return False
-        groups = self._buffers.config.groups
-        rows = packed_rows(
-            peer.plan, PlanSide.READER, lambda g: load.rows(g, groups[g.group_id].spec)
-        )
+        specs = self._buffers.config.groups
+        found = {g.group_id: load.rows(g, specs[g.group_id].spec) for g in peer.plan.groups}
+        rows = packed_rows(peer.plan, PlanSide.READER, lambda g: found[g.group_id])
         if rows is None or rows.num_rows < MIN_ROWS:
             return False
         pages = self._pool.lease_run(-(-rows.num_bytes // self._pool.slot_bytes))
         if not pages.size:
             self._metrics.packed_fallbacks += 1
             return False
+        for group_id, rows_of_group in found.items():  # the blocks that will get data
+            if rows_of_group.touched is not None:
+                load.touch(group_id, rows_of_group.touched)
         src.packed = rows
         src.landing = StageBatch(None, pages[:0], self._pool, pages)
         return True
@@ -102,10 +104,6 @@ class PackedReads:
                 f"prefill {src.key} packed {src.packed_bytes} B at {src.packed_at}, we read "
                 f"{rows.num_bytes} B in {page} B pages of its {remote.num_descs if remote else 0}"
             )
-        for g in peer.plan.groups if peer.plan is not None else ():  # blocks that get data
-            found = load.rows(g, self._buffers.config.groups[g.group_id].spec)
-            if found.touched is not None:
-                load.touch(g.group_id, found.touched)
         local = self._pool.local_list(0, page)
         handle = self._engine.read(local, landing.slots, remote, np.arange(first, first + n))
         landing.handles.append(handle)
