@@ -622,7 +622,7 @@ def measure_connector(
     name += f", merge {merge.value}" if merge_named else ""
     name += f", verify {verify}" if verify != "off" else ""
     if gather_mib:
-        packed = decode.metrics.packed_reads
+        packed = decode.metrics.packed_loads
         name += ", packed" if packed >= iterations + 1 else f", packed {packed} of {iterations + 1}"
     if verify == "all" and decode.metrics.loads_verified < iterations + 1:
         raise SystemExit(f"{name}: {decode.metrics.loads_verified} loads verified")

@@ -90,10 +90,10 @@ class ConnectorMetrics:
     read_probes: int = 0
     read_probe_first_seconds: float = 0.0
     read_probes_slow: int = 0
-    # extra.gather_mib (kvbridge.connector.worker.packed_rows): decode loads read as one
+    # extra.gather_mib (kvbridge.connector.worker.packed_rows): decode loads moved as one
     # packed range, and those that asked but read their rows (prefill had no room, or
     # none of ours); prefill: bytes it packed, claims it could not pack for want of room
-    packed_reads: int = 0
+    packed_loads: int = 0
     packed_fallbacks: int = 0
     packed_bytes: int = 0
     packed_refused: int = 0
@@ -179,10 +179,10 @@ HELP = {
     "read_probes": "Prefills decode READ at the handshake (extra.read_probe).",
     "read_probe_first_seconds": "Seconds of those probes' first READs (connection, mapping).",
     "read_probes_slow": "Prefills whose GPU memory the probe READ slower than 5 GB/s.",
-    "packed_reads": "Decode loads read as one packed range (extra.gather_mib).",
-    "packed_fallbacks": "Decode loads that asked to read packed but read their rows.",
-    "packed_bytes": "Bytes prefill packed into its gather arena for readers.",
-    "packed_refused": "Claims prefill could not pack: no room in its gather arena.",
+    "packed_loads": "Decode loads moved as one packed range (extra.gather_mib).",
+    "packed_fallbacks": "Decode loads that asked to move packed but moved their rows.",
+    "packed_bytes": "Bytes prefill packed into its gather arena for decode workers.",
+    "packed_refused": "Claims or pushes prefill could not pack: no room in its arena.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",
     "claims_resent": "Claims decode sent again because the first went unanswered.",
     "loads_verified": "Decode loads whose landed bytes matched prefill's digests.",

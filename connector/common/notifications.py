@@ -65,7 +65,9 @@ Protocol history:
         the reader reads into its gather arena, in the plan's order
         (``kvbridge.connector.worker.packed_rows``); Prepared.packed_at / packed_bytes say
         where (-1: not packed, read the rows as they are). An older prefill ignores the
-        question and answers -1.
+        question and answers -1. Push.packed_at / packed_bytes: write the rows, packed, into
+        decode's gather arena there; Pushed.packed says they went there (an older prefill
+        writes them into the blocks and says nothing: not packed).
 """
 
 from __future__ import annotations
@@ -221,6 +223,10 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     staged: list[StagedPages] = msgspec.field(default_factory=list)
     verify: bool = False  # answer round 0 with the digests of the rows written
     skipped_groups: list[int] = msgspec.field(default_factory=list)  # as Prepare's
+    # a packed push (round 0 only): WRITE the rows, packed, as one range at this byte
+    # offset of decode's gather arena (advertised in its description); -1: into the blocks
+    packed_at: int = -1
+    packed_bytes: int = 0
 
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):
@@ -237,6 +243,8 @@ class Pushed(msgspec.Struct, frozen=True, tag=True):
     num_descs: int = 0
     round: int = 0  # the Push.round answered
     digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Push.verify, ok
+    # ok: the rows went packed into decode's gather arena (Push.packed_at), not its blocks
+    packed: bool = False
 
 
 Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed

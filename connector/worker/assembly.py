@@ -178,7 +178,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
     staging = StagingPools(engine, extra.staging_bytes, device=buffers.device)
     # packed reads: registered before the description, which advertises it to readers
     gather = None
-    if mode is TransferMode.PULL and extra.gather_bytes:
+    if extra.gather_bytes:
         gather = open_arena(engine, extra.gather_bytes, moved.device)
     if stages_pages(w, buffers, TransferMode.PUSH):
         # prefill writes whole pages into these slots: registered before the
@@ -210,6 +210,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
     outbox = Outbox(engine, peers, w.router, metrics, ensure_agent=side.ensure_agent)
     units = region_units(moved)  # where NIXL moves from and to: digests read them there
     digests = ReaderDigests(parse_description(side.description), units, side.agents.layout)
+    packer = None if gather is None else GatherArena(engine, gather, units, digests, order, metrics)
     sender = Sender(
         buffers,
         metrics,
@@ -222,13 +223,20 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         # next step, seconds away under load): wait for it as long as the lease
         early_wait_s=config.lease_s,
         digests=digests,
-        gather=GatherArena(gather, units, digests, order, metrics) if gather is not None else None,
+        gather=packer,
     )
     targets = pusher = push = None
     if mode is TransferMode.PUSH:
         targets = side.directory(writer=True)
         pusher = Pusher(
-            engine, targets, sender, metrics, outbox.send_raw, clock=w.clock, digests=digests
+            engine,
+            targets,
+            sender,
+            metrics,
+            outbox.send_raw,
+            clock=w.clock,
+            digests=digests,
+            gather=packer,
         )
         push = PushEndpoint(config.engine_id, w.router.engine_rank, config.kv_ip, side.port)
     receiver = Receiver(

@@ -254,9 +254,10 @@ class PeerDirectory:
             return KVBridgeError(f"setting up the peer at {where} failed: {exc!r}")
 
     def _packs(self, layout: PeerLayout) -> bool:
-        """Packed reads from this peer: both of us have a gather arena, in equal pages."""
+        """Packed transfers with this peer (reads from it, or pushes to it): both of us
+        have a gather arena, in equal pages."""
         ours, theirs = self._local.gather, layout.gather
-        if self._writer or ours is None or theirs is None:
+        if ours is None or theirs is None:
             return False
         return ours.block_bytes == theirs.block_bytes
 

@@ -48,17 +48,18 @@ GATHER = {"gather_mib": 4}
 TIMEOUT_S = 5.0
 
 
-def _reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Every READ a NIXL engine posts: (descriptors it asked for, bytes)."""
-    posted: list[tuple[int, int]] = []
-    real = NixlTransferEngine.read
+def _transfers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every READ and WRITE a NIXL engine posts: (op, descriptors it asked for, bytes)."""
+    posted: list[tuple[str, int, int]] = []
+    for op in ("read", "write"):
+        real = getattr(NixlTransferEngine, op)
 
-    def read(self, local, local_idx, remote, remote_idx, notif=b""):
-        handle = real(self, local, local_idx, remote, remote_idx, notif)
-        posted.append((handle.num_descs, handle.num_bytes))
-        return handle
+        def post(self, local, local_idx, remote, remote_idx, notif=b"", _op=op, _real=real):
+            handle = _real(self, local, local_idx, remote, remote_idx, notif)
+            posted.append((_op, handle.num_descs, handle.num_bytes))
+            return handle
 
-    monkeypatch.setattr(NixlTransferEngine, "read", read)
+        monkeypatch.setattr(NixlTransferEngine, op, post)
     return posted
 
 
@@ -75,25 +76,29 @@ def _few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_reads, "MIN_ROWS", 8)  # the test model's loads are small
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize(
     ("pfmt", "dfmt", "kinds"),
     [(BF, BF, "F"), (KS, BF, "FWS"), (BF, BF_HND, "FW"), (BF_32, BF, "FS")],
     ids=str,
 )
-def test_a_load_of_many_rows_moves_as_one_packed_range(cluster, monkeypatch, pfmt, dfmt, kinds):
-    posted = _reads(monkeypatch)
-    prefill = cluster.new_node("kv_producer", pfmt, kinds, extra=GATHER)
-    decode = cluster.new_node("kv_consumer", dfmt, kinds, extra=GATHER)  # verifies every load
+def test_a_load_of_many_rows_moves_as_one_packed_range(
+    cluster, monkeypatch, pfmt, dfmt, kinds, mode
+):
+    posted = _transfers(monkeypatch)
+    extra = {**GATHER, "transfer_mode": mode}
+    prefill = cluster.new_node("kv_producer", pfmt, kinds, extra=extra)
+    decode = cluster.new_node("kv_consumer", dfmt, kinds, extra=extra)  # verifies every load
+    op = "read" if mode == "pull" else "write"
     for seed in (1, 2):  # the second load lands in pages the first gave back
         del posted[:]
         _load(cluster, prefill, decode, seed)
-        # one READ of the packed range: the whole pages it spans, adjacent on both sides
-        assert len(posted) == 1, posted
-        packed = prefill.worker.metrics.packed_bytes // seed  # the same load twice
+        # one transfer of the packed range: the whole pages it spans, adjacent on both sides
+        packed = prefill.worker.metrics.packed_bytes // seed  # the same bytes each load
         pages = -(-packed // PAGE_BYTES)
-        assert packed > 0 and posted[0] == (pages, pages * PAGE_BYTES)
+        assert packed > 0 and posted == [(op, pages, pages * PAGE_BYTES)], posted
     dm, pm = decode.worker.metrics, prefill.worker.metrics
-    assert dm.packed_reads == 2 and dm.packed_fallbacks == 0
+    assert dm.packed_loads == 2 and dm.packed_fallbacks == 0
     assert dm.loads_verified == 2  # decode's digests of its blocks equal prefill's
     assert pm.packed_refused == 0
     cluster.pump(
@@ -101,30 +106,45 @@ def test_a_load_of_many_rows_moves_as_one_packed_range(cluster, monkeypatch, pfm
         lambda: prefill.worker._sender.num_pending == 0,
         "prefill's holds to end",
     )
-    gather = prefill.worker._sender._gather
-    assert gather is not None and gather.num_lent_bytes == 0  # every range went back
+    assert _arena_bytes(prefill) == 0 and _arena_bytes(decode) == 0  # every page went back
 
 
-def test_a_prefill_without_room_is_read_row_by_row(cluster, monkeypatch):
-    posted = _reads(monkeypatch)
-    prefill = cluster.new_node("kv_producer", BF, "F", extra={"gather_mib": 0.0625})  # 1 page
-    decode = cluster.new_node("kv_consumer", BF, "F", extra=GATHER)
+def _arena_bytes(node) -> int:
+    """Bytes of the worker's gather arena lent (prefill's ranges and decode's landings)."""
+    gather = node.worker._sender._gather
+    assert gather is not None
+    return gather.num_lent_bytes
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_prefill_without_room_moves_the_rows_as_they_are(cluster, monkeypatch, mode):
+    posted = _transfers(monkeypatch)
+    small = {"gather_mib": 0.0625, "transfer_mode": mode}  # one page
+    prefill = cluster.new_node("kv_producer", BF, "F", extra=small)
+    decode = cluster.new_node("kv_consumer", BF, "F", extra={**GATHER, "transfer_mode": mode})
     prefill.worker._sender._gather._arena.lease(PAGE_BYTES, 1)  # its one page is lent
     _load(cluster, prefill, decode, seed=5)
-    assert sum(descs for descs, _ in posted) >= packed_reads.MIN_ROWS  # the rows, one by one
-    assert decode.worker.metrics.packed_fallbacks == 1 and decode.worker.metrics.packed_reads == 0
+    assert sum(descs for _, descs, _ in posted) >= packed_reads.MIN_ROWS  # the rows, one by one
+    assert decode.worker.metrics.packed_fallbacks == 1 and decode.worker.metrics.packed_loads == 0
     assert prefill.worker.metrics.packed_refused == 1
+    assert _arena_bytes(decode) == 0  # its landing went back
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("side", ["prefill", "decode"])
-def test_no_packed_read_unless_both_sides_have_an_arena(cluster, monkeypatch, side):
-    posted = _reads(monkeypatch)
-    prefill = cluster.new_node("kv_producer", BF, "F", extra=GATHER if side == "decode" else {})
-    decode = cluster.new_node("kv_consumer", BF, "F", extra=GATHER if side == "prefill" else {})
+def test_nothing_moves_packed_unless_both_sides_have_an_arena(cluster, monkeypatch, side, mode):
+    posted = _transfers(monkeypatch)
+    with_arena, without = {**GATHER, "transfer_mode": mode}, {"transfer_mode": mode}
+    prefill = cluster.new_node(
+        "kv_producer", BF, "F", extra=with_arena if side == "decode" else without
+    )
+    decode = cluster.new_node(
+        "kv_consumer", BF, "F", extra=with_arena if side == "prefill" else without
+    )
     _load(cluster, prefill, decode, seed=6)
-    assert sum(descs for descs, _ in posted) >= packed_reads.MIN_ROWS  # the rows, one by one
+    assert sum(descs for _, descs, _ in posted) >= packed_reads.MIN_ROWS  # the rows, one by one
     dm = decode.worker.metrics
-    assert (dm.packed_reads, dm.packed_fallbacks, prefill.worker.metrics.packed_bytes) == (0, 0, 0)
+    assert (dm.packed_loads, dm.packed_fallbacks, prefill.worker.metrics.packed_bytes) == (0, 0, 0)
 
 
 def test_a_negative_arena_is_refused_by_name():
@@ -135,9 +155,11 @@ def test_a_negative_arena_is_refused_by_name():
 # ------------------------------------------------ a failed load's landing stays held
 
 
-@pytest.fixture
-def late_pair() -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
-    """A prefill and a decode with gather arenas; decode's READs land when the test says."""
+@pytest.fixture(params=["pull", "push"])
+def late_pair(request) -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
+    """A prefill and a decode with gather arenas; the side that moves the bytes (decode's
+    READ, prefill's WRITE) moves them when the test says."""
+    mode = request.param
     clock = FakeClock()
     transports: list[LateTransport] = []
 
@@ -146,7 +168,19 @@ def late_pair() -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
         return transports[-1]
 
     fmt = CacheFormat(layout=KVLayout.NHD)  # per layer: a row per block and layer
-    prefill = make_side("kv_producer", "prefill", 16, fmt, "F", clock, lease_s=120.0, extra=GATHER)
+    extra = {**GATHER, "transfer_mode": mode}
+    late = {"engine_factory": factory}
+    prefill = make_side(
+        "kv_producer",
+        "prefill",
+        16,
+        fmt,
+        "F",
+        clock,
+        lease_s=120.0,
+        extra=extra,
+        **(late if mode == "push" else {}),
+    )
     try:
         decode = make_side(
             "kv_consumer",
@@ -155,9 +189,9 @@ def late_pair() -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
             fmt,
             "F",
             clock,
-            engine_factory=factory,
             transfer_timeout_s=TIMEOUT_S,
-            extra={**GATHER, "verify": "off"},
+            extra={**extra, "verify": "off"},
+            **(late if mode == "pull" else {}),
         )
     except BaseException:
         prefill.worker.shutdown()
@@ -169,28 +203,26 @@ def late_pair() -> Iterator[tuple[Side, Side, LateTransport, FakeClock]]:
         prefill.worker.shutdown()
 
 
-def _landing_bytes(decode: Side) -> int:
-    packed = decode.worker._receiver._packed
-    assert packed is not None
-    return packed._pool._arena.num_leased_bytes
-
-
-def test_a_failed_packed_read_holds_its_landing_until_the_read_ended(late_pair):
+def test_a_failed_packed_load_holds_its_landing_until_its_transfer_ended(late_pair):
     prefill, decode, late, clock = late_pair
     p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
     d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
     decode_admit(decode, d)
-    run_until([decode, prefill], lambda: late.num_in_flight > 0, "decode's packed READ")
+    run_until([decode, prefill], lambda: late.num_in_flight > 0, "the packed READ or WRITE")
     assert [q.local_idx.size for q in late.queued] == [1]  # one page: the packed range
-    leased = _landing_bytes(decode)
+    leased = _arena_bytes(decode)
     assert leased == PAGE_BYTES
 
-    clock.now += TIMEOUT_S + 1  # the deadline passes with the READ on the wire
-    decode.step()
+    clock.now += TIMEOUT_S + 1  # the deadline passes with the transfer on the wire
+    for _ in range(3):
+        decode.step()
+        prefill.step()  # push: gets Done(ok=False), but its WRITE still runs
     assert not failed(decode, "d1") and decode.worker.metrics.loads_held == 1
-    assert _landing_bytes(decode) == leased, "the landing went back with its READ out"
+    assert _arena_bytes(decode) == leased, "the landing went back with a transfer out"
 
-    late.land(prefill.step)  # the released READ lands after all
+    late.land(lambda: (decode.step(), prefill.step()))  # it lands after all
     run_until([decode, prefill], lambda: bool(failed(decode, "d1")), "the held failure")
-    assert _landing_bytes(decode) == 0  # the READ ended: the pages are free again
-    assert decode.worker.metrics.packed_reads == 0  # nothing was scattered
+    assert _arena_bytes(decode) == 0  # it ended: the pages are free again
+    assert decode.worker.metrics.packed_loads == 0  # nothing was scattered
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1")
+    assert _arena_bytes(prefill) == 0  # push: its own pages went back with the WRITE

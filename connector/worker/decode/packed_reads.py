@@ -25,11 +25,12 @@ import torch
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.transfer.transport import TransferEngine
-from kvbridge.connector.worker.decode.inflight import Load, Source
+from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.digests import PlanSide
 from kvbridge.connector.worker.packed_rows import packed_rows, scatter
 from kvbridge.connector.worker.peers import GATHER_LIST, Peer
+from kvbridge.connector.worker.rows import GroupRows
 from kvbridge.connector.worker.staging.arenas import StagingArena, StagingPool
 from kvbridge.connector.worker.staging.staged_reads import StageBatch
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -60,13 +61,17 @@ class PackedReads:
         self._order = order
         self._metrics = metrics
 
-    def lease(self, load: Load, src: Source, peer: Peer) -> bool:
-        """Lease a landing for ``src`` when it should read packed (``src.packed`` and
-        ``src.landing`` set); False: it reads its rows as they are."""
+    def lease(
+        self, load: Load, src: Source, peer: Peer, found: dict[int, GroupRows] | None = None
+    ) -> bool:
+        """Lease a landing for ``src`` when its rows should move packed (``src.packed`` and
+        ``src.landing`` set); False: they move as they are. ``found``: the load's rows by
+        group, when the caller has them."""
         if GATHER_LIST not in peer.remote_lists or peer.plan is None:
             return False
         specs = self._buffers.config.groups
-        found = {g.group_id: load.rows(g, specs[g.group_id].spec) for g in peer.plan.groups}
+        if found is None:
+            found = {g.group_id: load.rows(g, specs[g.group_id].spec) for g in peer.plan.groups}
         rows = packed_rows(peer.plan, PlanSide.READER, lambda g: found[g.group_id])
         if rows is None or rows.num_rows < MIN_ROWS:
             return False
@@ -80,6 +85,26 @@ class PackedReads:
         src.packed = rows
         src.landing = StageBatch(None, pages[:0], self._pool, pages)
         return True
+
+    @property
+    def page_bytes(self) -> int:
+        return self._pool.slot_bytes
+
+    def landing_at(self, src: Source) -> int:
+        """The byte offset of ``src``'s landing in our gather arena (push: where prefill
+        WRITEs the packed range)."""
+        assert src.landing is not None
+        return int(src.landing.slots[0]) * self._pool.slot_bytes
+
+    def pushed(self, load: Load, src: Source, *, ok: bool, packed: bool) -> None:
+        """Prefill answered the push round that named the landing (none of its WRITEs runs
+        any more): the rows into place when they came packed, then the landing goes back."""
+        if ok and packed:
+            self.land(load, src)
+            return
+        if ok:
+            self._metrics.packed_fallbacks += 1  # written into the blocks as they are
+        self._give_back(src)
 
     def post(self, load: Load, src: Source, peer: Peer) -> bool:
         """Prefill answered the claim: post the one READ of its packed range (True), or,
@@ -119,14 +144,15 @@ class PackedReads:
         scatter(rows, self._units, self._pool.run_bytes(landing.slots)[: rows.num_bytes])
         self._order.fence("packed scatter")  # the next packed READ may land in these pages
         load.kernels = True
-        self._metrics.packed_reads += 1
+        self._metrics.packed_loads += 1
         self._give_back(src)
 
     def held(self, src: Source) -> StageBatch | None:
-        """A failing load: the landing with the READ that may still write into it (for
-        the quarantine), or None when no READ was posted (the pages go back now)."""
+        """A failing load: the landing with the READ, or the push round, that may still
+        write into it (for the quarantine, which waits for them), or None when neither
+        runs (the pages go back now)."""
         landing, src.landing, src.packed = src.landing, None, None
-        if landing is None or landing.handles:
+        if landing is None or landing.handles or src.state is LoadState.PUSHED:
             return landing
         landing.pool.give_back(landing.slots)
         return None

@@ -117,7 +117,9 @@ class Receiver:
         self._packed = packed
         self._reads = PullReads(engine, peers, buffers, self._staged, metrics, packed)
         self._rounds = (
-            PushRounds(self._staged, buffers, push, send, clock=clock) if push is not None else None
+            PushRounds(self._staged, buffers, push, send, clock=clock, packed=packed)
+            if push is not None
+            else None
         )
         self._peers = peers
         self._quarantine = Quarantine(

@@ -162,7 +162,10 @@ class PushRounds:
         send: Callable[[Peer, object], bool],
         *,
         clock: Callable[[], float] = time.monotonic,
+        packed: PackedReads | None = None,
     ) -> None:
+        """``packed``: asks prefill to write a load's rows packed into our gather arena."""
+        self._packed = packed
         self._staged = staged
         self._buffers = buffers
         self._endpoint = endpoint
@@ -173,15 +176,19 @@ class PushRounds:
         """Send round 0. Raises :class:`KVBridgeError` naming why prefill could not be
         asked (the load fails)."""
         assert peer.plan is not None
+        by_group = {}
         try:
             for g in peer.plan.groups:  # the blocks that will receive data (and checks)
-                found = load.rows(g, self._buffers.config.groups[g.group_id].spec)
+                found = by_group[g.group_id] = load.rows(
+                    g, self._buffers.config.groups[g.group_id].spec
+                )
                 if found.staged is not None:
                     src.staged.append(found.staged)
                 elif found.touched is not None:
                     load.touch(g.group_id, found.touched)
         except KVBridgeError as exc:
             raise KVBridgeError(f"could not plan the push: {exc}") from None
+        packs = self._packed is not None and self._packed.lease(load, src, peer, by_group)
         spec = load.spec
         src.push = Push(
             request_id=spec.params.remote_request_id,
@@ -197,10 +204,14 @@ class PushRounds:
             timeout_s=1.0,  # each round sets its own
             verify=load.verify,  # round 0's answer brings the digests of what it wrote
             skipped_groups=peer.plan.skipped_groups(),
+            packed_at=self._packed.landing_at(src) if packs and self._packed else -1,
+            packed_bytes=src.packed.num_bytes if packs and src.packed else 0,
         )
         try:
             encode_notification(src.push)  # too many blocks for one notification: this load
         except NotificationError as exc:
+            if self._packed is not None:
+                self._packed.held(src)  # never asked for: the landing is free
             raise KVBridgeError(f"cannot ask {peer.key} to push: {exc}") from None
         src.round = 0
         self.next_round(load, src, peer)
@@ -265,6 +276,8 @@ class PushRounds:
         or mark the source DONE. Raises :class:`KVBridgeError` when the load fails."""
         batch, src.batch = src.batch, None
         src.round_agent = ""  # answered: no WRITE of the round runs any more
+        if src.landing is not None and self._packed is not None:  # a packed round 0
+            self._packed.pushed(load, src, ok=msg.ok, packed=msg.packed)
         if not msg.ok:
             if batch is not None:
                 self._staged.cancel(batch)  # prefill released its writes before answering

@@ -44,7 +44,7 @@ ANSWER_ATTEMPTS = 3  # handshakes tried to deliver a Pushed to a decode we lost
 
 
 def carried_answer(
-    msg: Push, *, num_bytes: int, num_rows: int, digests: list[GroupDigest]
+    msg: Push, *, num_bytes: int, num_rows: int, digests: list[GroupDigest], packed: bool = False
 ) -> bytes:
     """The encoded ``Pushed(ok=True)`` a round's only WRITE carries as its completion
     notification (``num_descs``: the rows asked for, before any merging), or b"" when it
@@ -56,6 +56,7 @@ def carried_answer(
         num_descs=num_rows,
         round=msg.round,
         digests=digests,
+        packed=packed,
     )
     try:
         return encode_notification(answer)

@@ -29,21 +29,19 @@ import torch
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Prepare
-from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.transfer.transport import DescList, TransferEngine
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.digests import PlanSide
-from kvbridge.connector.worker.packed_rows import gather, packed_rows
+from kvbridge.connector.worker.packed_rows import PackedRows, gather, packed_rows
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests, writer_rows
 from kvbridge.connector.worker.staging.arenas import StagingArena, slot_region
+from kvbridge.layouts.descriptors import descriptor_table
 from kvbridge.layouts.errors import KVBridgeError
 from kvbridge.layouts.region import KVRegion
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = 64 << 10  # the arena's lending unit (a packed range is a run of pages)
-
-Reader = tuple[str, int]  # (decode agent, rank)
-
 
 def open_arena(
     engine: TransferEngine, capacity_bytes: int, device: torch.device | str
@@ -59,10 +57,13 @@ def open_arena(
 
 
 class GatherArena:
-    """The registered pages claims' rows are packed into, lent per (request, reader)."""
+    """The registered pages rows are packed into: lent to a claim until its request's
+    hold ends (pull), or to a push until its WRITE ended (``kvbridge.connector.worker
+    .prefill.pushes``)."""
 
     def __init__(
         self,
+        engine: TransferEngine,
         arena: StagingArena,
         units: list[torch.Tensor],
         plans: ReaderDigests,
@@ -72,26 +73,35 @@ class GatherArena:
         """``arena``: from :func:`open_arena`; ``units``: this worker's region memory,
         where NIXL moves from (the host mirror when staged); ``plans``: the readers' plans
         (negotiated from the descriptions they sent with their handshake)."""
+        self._engine = engine
         self._arena = arena
         self.region: KVRegion = slot_region(arena.region, PAGE_BYTES)
         self._units = units
         self._plans = plans
         self._order = order
         self._metrics = metrics
-        # request -> reader -> (pages, byte offset, bytes)
-        self._lent: dict[str, dict[Reader, tuple[np.ndarray, int, int]]] = {}
+        self._list: DescList | None = None
+        # request -> claim (reader, plan, tokens, rewrites) -> (pages, byte offset, bytes)
+        self._lent: dict[str, dict[tuple, tuple[np.ndarray, int, int]]] = {}
 
     @property
     def num_lent_bytes(self) -> int:
         return self._arena.num_leased_bytes
 
+    def local_list(self) -> DescList:
+        """The arena's pages as this worker's descriptor list (row = page), prepared once."""
+        if self._list is None:
+            self._list = self._engine.prep_local(descriptor_table(self.region))
+        return self._list
+
     def pack(self, spec: SendSpec, agent: str, msg: Prepare) -> tuple[int, int, str]:
         """Copy the rows ``msg``'s reader reads into a run of free pages: (byte offset,
         bytes, '') or (-1, 0, why not). Called after the claim's rewrites: the rows are
         copied as the reader would READ them."""
-        reader = (agent, msg.reader_rank)
-        lent = self._lent.get(spec.request_id, {}).get(reader)
-        if lent is not None:  # a claim sent again: the range is there already
+        key = (agent, msg.reader_rank, msg.plan_digest, msg.start_token, msg.end_token)
+        key += tuple(msg.rewrites)
+        lent = self._lent.get(spec.request_id, {}).get(key)
+        if lent is not None:  # the same claim sent again: the range is there already
             return lent[1], lent[2], ""
         try:
             layout, plan = self._plans.plan_for(agent, msg.plan_digest)
@@ -102,18 +112,24 @@ class GatherArena:
             return -1, 0, f"not packed: {exc}"
         if packed is None:
             return -1, 0, "not packed: a group of the plan goes through staging slots"
+        pages, why = self.fill(packed)
+        if not pages.size:
+            return -1, 0, f"not packed: {why}"
+        at = int(pages[0]) * PAGE_BYTES
+        self._lent.setdefault(spec.request_id, {})[key] = (pages, at, packed.num_bytes)
+        return at, packed.num_bytes, ""
+
+    def fill(self, packed: PackedRows) -> tuple[np.ndarray, str]:
+        """Lend a run of free pages and copy ``packed``'s rows into it, fenced: the pages
+        (give them back with :meth:`give_back_pages`), or none and why."""
         if packed.num_bytes == 0:
-            return -1, 0, "not packed: the load moves no rows"
+            return np.zeros(0, dtype=np.int64), "the load moves no rows"
         pages = self._arena.lease_run(PAGE_BYTES, -(-packed.num_bytes // PAGE_BYTES))
         if not pages.size:
             self._metrics.packed_refused += 1
-            return (
-                -1,
-                0,
-                (
-                    f"not packed: no run of {packed.num_bytes} B free in the gather arena "
-                    f"({self.num_lent_bytes} of {self._arena.capacity_bytes} B lent)"
-                ),
+            return pages, (
+                f"no run of {packed.num_bytes} B free in the gather arena "
+                f"({self.num_lent_bytes} of {self._arena.capacity_bytes} B lent)"
             )
         at = int(pages[0]) * PAGE_BYTES
         try:
@@ -121,13 +137,15 @@ class GatherArena:
             self._order.fence("packed rows")  # UCX's copies do not see our stream
         except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch
             self._arena.give_back(PAGE_BYTES, pages)
-            logger.warning("packing %s for %s failed: %s", spec.request_id, agent or "?", exc)
-            return -1, 0, f"not packed: {exc}"
-        self._lent.setdefault(spec.request_id, {})[reader] = (pages, at, packed.num_bytes)
+            logger.warning("packing %d rows failed: %s", packed.num_rows, exc)
+            return pages[:0], str(exc)
         self._metrics.packed_bytes += packed.num_bytes
-        return at, packed.num_bytes, ""
+        return pages, ""
+
+    def give_back_pages(self, pages: np.ndarray) -> None:
+        self._arena.give_back(PAGE_BYTES, pages)
 
     def give_back(self, request_id: str) -> None:
-        """The request's hold ended: every range lent for it is free again."""
+        """The request's hold ended: every range lent for its claims is free again."""
         for pages, _, _ in self._lent.pop(request_id, {}).values():
             self._arena.give_back(PAGE_BYTES, pages)

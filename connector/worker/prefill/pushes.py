@@ -63,11 +63,14 @@ from kvbridge.connector.transfer.transport import (
     XferState,
     release_if_ended,
 )
-from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
+from kvbridge.connector.worker.digests import PlanSide
+from kvbridge.connector.worker.packed_rows import packed_rows
+from kvbridge.connector.worker.peers import GATHER_LIST, Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.prefill.answers import Answers, carried_answer
+from kvbridge.connector.worker.prefill.gather_arena import PAGE_BYTES, GatherArena
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
-from kvbridge.connector.worker.rows import group_rows, staged_rows
+from kvbridge.connector.worker.rows import GroupRows, group_rows, staged_rows
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
 
@@ -100,6 +103,9 @@ class _Push:
     # the round's only WRITE, whose completion notification is the answer (answers.py)
     carrier: XferHandle | None = None
     delivered: bool = False  # the carrier completed: decode has the answer
+    # a packed push: the gather arena's pages its one WRITE reads (lent until it ended)
+    pages: np.ndarray | None = None
+    packed: bool = False  # the rows went packed (Pushed.packed)
 
 
 class Pusher:
@@ -115,10 +121,13 @@ class Pusher:
         *,
         clock: Callable[[], float] = time.monotonic,
         digests: ReaderDigests | None = None,
+        gather: GatherArena | None = None,
     ) -> None:
         """``digests``: answers a verified Push (``Push.verify``) with the digests of
-        the rows it wrote (refused by name without it)."""
+        the rows it wrote (refused by name without it). ``gather``: packs a Push's rows
+        into one WRITE when decode asks (``Push.packed_at``)."""
         self._digests = digests
+        self._gather = gather
         self._engine = engine
         self._targets = targets
         self._sender = sender
@@ -329,6 +338,7 @@ class Pusher:
             except RuntimeError as exc:  # torch (out of memory): this push only
                 raise KVBridgeError(f"could not digest the rows: {exc}") from None
         writes: list[tuple[GroupPlan, Sequence[tuple[int, np.ndarray, np.ndarray]]]] = []
+        found_by_group: dict[int, GroupRows] = {}
         for g in plan.groups:
             first = spec.first_block[g.group_id] if spec.first_block else 0
             mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
@@ -352,6 +362,9 @@ class Pusher:
                     msg.end_token,
                 )
                 writes.append((g, found.rows))
+                found_by_group[g.group_id] = found
+        if msg.packed_at >= 0 and self._write_packed(push, peer, found_by_group):
+            return
         notif = b""
         # only a round that is the whole load: decode asks a staged load's next round
         # once it has an answer, and this round's poll may not have seen its WRITE done
@@ -366,6 +379,49 @@ class Pusher:
             )
         for g, rows in writes:
             self._write(push, peer, g, rows, notif)
+
+    def _write_packed(self, push: _Push, peer: Peer, found: dict[int, GroupRows]) -> bool:
+        """Decode asked for the rows packed: copy them into a run of our gather arena's
+        pages and WRITE that run into decode's (one descriptor; the round's only WRITE
+        carries its answer). False: not packed (no arena, a staged group, no room); the
+        rows go into decode's blocks as they are. Raises :class:`KVBridgeError` for a
+        request that does not fit what we computed."""
+        msg, plan = push.msg, peer.plan
+        theirs = peer.remote_lists.get(GATHER_LIST)
+        if self._gather is None or theirs is None or plan is None or msg.staged:
+            return False
+        packed = packed_rows(plan, PlanSide.WRITER, lambda g: found.get(g.group_id, GroupRows()))
+        if packed is None:
+            return False
+        first, rest = divmod(msg.packed_at, PAGE_BYTES)
+        pages_asked = -(-msg.packed_bytes // PAGE_BYTES)
+        if packed.num_bytes != msg.packed_bytes or rest or first + pages_asked > theirs.num_descs:
+            raise KVBridgeError(
+                f"decode asked for {msg.packed_bytes} B packed at {msg.packed_at} of its "
+                f"{theirs.num_descs} pages; its rows here are {packed.num_bytes} B"
+            )
+        pages, why = self._gather.fill(packed)
+        if not pages.size:
+            logger.debug("push of %s not packed: %s", msg.request_id, why)
+            return False
+        push.pages, push.packed = pages, True
+        notif = b""
+        if peer.agent == push.agent:
+            notif = carried_answer(
+                msg,
+                num_bytes=packed.num_bytes,
+                num_rows=packed.num_rows,
+                digests=push.digests,
+                packed=True,
+            )
+        remote_idx = np.arange(first, first + pages.size)
+        handle = self._engine.write(self._gather.local_list(), pages, theirs, remote_idx, notif)
+        push.handles.append(handle)
+        if notif:
+            push.carrier = handle
+        push.num_descs += handle.num_descs
+        push.num_bytes += packed.num_bytes
+        return True
 
     def _write(
         self,
@@ -463,6 +519,9 @@ class Pusher:
     def _forget(self, push: _Push) -> None:
         """The round is over here (no WRITE of it runs any more): unpin the blocks."""
         self._pushes.pop((push.msg.request_id, push.agent), None)
+        if push.pages is not None and self._gather is not None:
+            self._gather.give_back_pages(push.pages)
+            push.pages = None
         if push.pinned:
             push.pinned = False
             self._sender.unpin(push.msg.request_id)
@@ -478,6 +537,7 @@ class Pusher:
             num_descs=push.num_descs if ok else 0,
             round=push.msg.round,
             digests=push.digests if ok else [],
+            packed=ok and push.packed,
         )
         self._answers.send(push.msg, push.agent, answer)
 
