@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 PAGE_BYTES = 64 << 10  # the arena's lending unit (a packed range is a run of pages)
 
+
 def open_arena(
     engine: TransferEngine, capacity_bytes: int, device: torch.device | str
 ) -> StagingArena:
