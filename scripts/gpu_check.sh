@@ -5,8 +5,9 @@
 #      (kv_buffer_device "cpu": pinned host mirrors);
 #   2. kvbridge bench layouts --device cuda: rewrites vs a device copy of the same bytes,
 #      the default (batched) strategy, then the fused one (one Triton kernel);
-#   3. kvbridge bench transfer --device cuda --host-staging compare: connector loads vs
-#      raw NIXL READ / WRITE on VRAM, direct and host-staged;
+#   3. kvbridge bench transfer --device cuda --host-staging compare --gather-mib N:
+#      connector loads vs raw NIXL READ / WRITE on VRAM, direct, host-staged and packed
+#      (the per-layer formats' rows moved as one range through gather arenas);
 #   4. when `import vllm` finds a CUDA build and a GPU: real vLLM prefill + decode servers
 #      on the GPU (scripts/run_vllm_pd.sh, tiny generated models, TP 1; a Mamba2 hybrid
 #      too), pull and push,
@@ -161,11 +162,12 @@ if [ -n "${QUICK:-}" ]; then
     step layouts-fused "$PYTHON" -m kvbridge.cli bench layouts --device cuda --quick \
         --strategy fused
     step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --layers 8 \
-        --iterations 5 --host-staging compare
+        --iterations 5 --host-staging compare --gather-mib 128
 else
     step layouts "$PYTHON" -m kvbridge.cli bench layouts --device cuda
     step layouts-fused "$PYTHON" -m kvbridge.cli bench layouts --device cuda --strategy fused
-    step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --host-staging compare
+    step transfer "$PYTHON" -m kvbridge.cli bench transfer --device cuda --host-staging compare \
+        --gather-mib 512
 fi
 fi
 

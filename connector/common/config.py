@@ -60,6 +60,7 @@ class ReadProbeMode(enum.Enum):
 
 
 DEFAULT_STAGING_MIB = 64
+GATHER_PAGE_MIB = 1 / 16  # extra.gather_mib: the arena lends 64 KiB pages
 DEFAULT_VERIFY_RATE = 0.01
 DEFAULT_MAX_QUARANTINED_MIB = 1024
 
@@ -188,15 +189,17 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     Read by: decode."""
 
     gather_mib: float = 0
-    """Packed reads (pull mode): MiB of a registered arena on each side through which a
-    load of many small rows (per-layer caches: one row per block and layer, or two) moves
-    as one range instead of one descriptor per row. Prefill copies the rows into its arena
-    (advertised in its description), decode READs the range into its own and copies the
-    rows into its blocks: two copies of the bytes for one descriptor instead of thousands
-    (docs/performance.md). A load packs when both sides set it, it has at least 64 rows
-    and both arenas have room for it; otherwise it reads its rows as they are. 0 (the
-    default): off. On a GPU the arenas take GPU memory.
-    Read by: both (pull mode)."""
+    """Packed transfers: MiB of a registered arena on each side through which a load of
+    many small rows (per-layer caches: one row per block and layer, or two) moves as one
+    range instead of one descriptor per row. Prefill copies the rows into its arena (which
+    its description advertises); pull: decode READs the range into its own arena, push:
+    prefill WRITEs it there; decode then copies the rows into its blocks. Two copies of the
+    bytes for one descriptor instead of thousands (docs/performance.md). A load packs when
+    both sides set it, it has at least 64 rows and both arenas have room for it; otherwise
+    its rows move as they are. 0 (the default): off. On a GPU the arenas take GPU memory,
+    allocated after the engine sized its KV cache (outside vLLM's
+    ``gpu_memory_utilization``).
+    Read by: both."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_rate <= 1.0:
@@ -208,9 +211,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"extra.max_quarantined_mib={self.max_quarantined_mib:g} must be a positive "
                 f"number of MiB (blocks held for one prefill's unfinished READs)"
             )
-        if self.gather_mib < 0:
+        if self.gather_mib < 0 or 0 < self.gather_mib < GATHER_PAGE_MIB:
             raise ConfigError(
-                f"extra.gather_mib={self.gather_mib:g} must be >= 0 MiB (0: no packed reads)"
+                f"extra.gather_mib={self.gather_mib:g} must be 0 (no packed transfers) or at "
+                f"least {GATHER_PAGE_MIB:g} MiB (one 64 KiB page)"
             )
         if self.staging_mib <= 0:
             raise ConfigError(

@@ -403,11 +403,22 @@ class Cluster:
         kinds: str,
         *,
         engine_factory: Callable[[str], TransferEngine] | None = None,
+        device: str = "cpu",
+        host_staging: bool | None = None,
         **config,
     ) -> Node:
         """A worker of its own (not shared); ``config`` overrides KVTransferConfig fields,
-        ``engine_factory`` builds its transfer engine from the agent name."""
-        node = self._build(role, fmt, kinds, config, engine_factory=engine_factory)
+        ``engine_factory`` builds its transfer engine from the agent name; ``device`` and
+        ``host_staging`` as for :meth:`node`."""
+        node = self._build(
+            role,
+            fmt,
+            kinds,
+            config,
+            engine_factory=engine_factory,
+            device=device,
+            host_staging=host_staging,
+        )
         self._extra.append(node)
         return node
 

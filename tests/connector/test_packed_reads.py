@@ -76,6 +76,17 @@ def _few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_reads, "MIN_ROWS", 8)  # the test model's loads are small
 
 
+PLACES = [
+    pytest.param({}, id="cpu"),
+    pytest.param({"host_staging": True}, id="host-staged"),  # packed from / into the mirrors
+    pytest.param({"device": "cuda"}, id="cuda", marks=pytest.mark.gpu),
+    pytest.param(
+        {"device": "cuda", "kv_buffer_device": "cpu"}, id="cuda-host-staged", marks=pytest.mark.gpu
+    ),
+]
+
+
+@pytest.mark.parametrize("where", PLACES)
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize(
     ("pfmt", "dfmt", "kinds"),
@@ -83,12 +94,12 @@ def _few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=str,
 )
 def test_a_load_of_many_rows_moves_as_one_packed_range(
-    cluster, monkeypatch, pfmt, dfmt, kinds, mode
+    cluster, monkeypatch, pfmt, dfmt, kinds, mode, where
 ):
     posted = _transfers(monkeypatch)
     extra = {**GATHER, "transfer_mode": mode}
-    prefill = cluster.new_node("kv_producer", pfmt, kinds, extra=extra)
-    decode = cluster.new_node("kv_consumer", dfmt, kinds, extra=extra)  # verifies every load
+    prefill = cluster.new_node("kv_producer", pfmt, kinds, extra=extra, **where)
+    decode = cluster.new_node("kv_consumer", dfmt, kinds, extra=extra, **where)  # verifies
     op = "read" if mode == "pull" else "write"
     for seed in (1, 2):  # the second load lands in pages the first gave back
         del posted[:]
@@ -147,9 +158,28 @@ def test_nothing_moves_packed_unless_both_sides_have_an_arena(cluster, monkeypat
     assert (dm.packed_loads, dm.packed_fallbacks, prefill.worker.metrics.packed_bytes) == (0, 0, 0)
 
 
-def test_a_negative_arena_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"extra\.gather_mib=-1"):
-        ExtraConfig(gather_mib=-1)
+@pytest.mark.parametrize("mib", [0, 4])
+def test_params_naming_too_few_prefill_blocks_fail_the_load_by_name(cluster, mib):
+    """The rows are planned when the load starts (to size the landing): a load whose params
+    name too few blocks fails, as it does unpacked, and the worker keeps serving."""
+    prefill = cluster.new_node("kv_producer", BF, "F", extra={"gather_mib": mib})
+    decode = cluster.new_node("kv_consumer", BF, "F", extra={"gather_mib": mib})
+    prefill.fill(7)
+    req = plan_request(prefill, decode, 0, 160, np.random.default_rng(7))
+    req.remote_ids[0] = req.remote_ids[0][:-2]  # two blocks short of the tokens
+    prefill.send(req.send_id, req.remote_ids, req.remote_first)
+    decode.load(req.spec(prefill))
+    cluster.pump([prefill, decode], lambda: req.load_id in decode.failed, "the load to fail")
+    assert "need remote logical blocks" in decode.failed[req.load_id].reason
+    if mib:
+        assert _arena_bytes(decode) == 0  # no landing kept
+    _load(cluster, prefill, decode, seed=8)  # and the next load is exact
+
+
+@pytest.mark.parametrize("mib", [-1, 0.01])
+def test_an_arena_of_less_than_a_page_is_refused_by_name(mib):
+    with pytest.raises(ConfigError, match=rf"extra\.gather_mib={mib:g} must be 0 .* 64 KiB"):
+        ExtraConfig(gather_mib=mib)
 
 
 # ------------------------------------------------ a failed load's landing stays held

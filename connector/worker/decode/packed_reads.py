@@ -1,21 +1,27 @@
-"""Decode side of packed reads: one READ of prefill's packed range, then the rows into place.
+"""Decode side of packed transfers: one range of prefill's packed rows, then into place.
 
-A pull source whose plan would post at least ``MIN_ROWS`` rows, from a prefill that
-advertises a gather arena in pages of ours (``extra.gather_mib`` on both sides), reads
+A source whose plan would move at least ``MIN_ROWS`` rows, from or to a prefill that
+advertises a gather arena in pages of ours (``extra.gather_mib`` on both sides), moves
 packed (``kvbridge.connector.worker.packed_rows``)::
 
     start     rows of the load (our plan) -> a run of free pages of our arena (the
-              landing), or read the rows as they are (no run free: counted)
-    claim     Prepare(packed, plan digest, tokens); wait for the answer
-    answer    Prepared(packed_at >= 0) -> one READ: their pages -> our landing pages
+              landing), or the rows as they are (no run free: counted)
+    pull      Prepare(packed, plan digest, tokens); wait for the answer
+              Prepared(packed_at >= 0) -> one READ: their pages -> our landing pages
               Prepared(packed_at = -1)  -> landing back, read the rows (counted)
-    READ done scatter the landing into our blocks, fence, landing back
+    push      Push(packed_at: our landing) -> prefill WRITEs its packed pages there
+              Pushed(packed)  -> the rows are in the landing; not packed: in our blocks
+    arrived   scatter the landing into our blocks, fence, landing back
 
-The landing belongs to the READ until NIXL says it ended: a load that fails before hands
-it to the quarantine with the READ (``kvbridge.connector.worker.decode.quarantine``),
-which gives the pages back only then. The scatter is fenced before the pages go back,
-since the next packed READ may land in them. Both ranges are runs of adjacent pages,
-which NIXL posts as one descriptor (it coalesces adjacent prepared rows).
+The landing belongs to the READ, or the push round, that writes into it until it ended
+(the READ: NIXL says so; the round: prefill answered it): a load that fails before hands
+it to the quarantine with them (``kvbridge.connector.worker.decode.quarantine``), which
+gives the pages back only then. The scatter is fenced before the pages go back, since
+the next packed load may land in them. Both ranges are runs of adjacent 64 KiB pages:
+kvbridge posts (and counts in ``descriptors_posted``) one row per page, which NIXL
+coalesces into one operation. Waiting for prefill's answer before the READ (the rows
+must be packed first) costs a pull the claim's round trip, which an unpacked load
+without rewrites does not wait for.
 """
 
 from __future__ import annotations
@@ -156,6 +162,9 @@ class PackedReads:
             return landing
         landing.pool.give_back(landing.slots)
         return None
+
+    def close(self) -> None:
+        self._pool.close()
 
     def _give_back(self, src: Source) -> None:
         landing, src.landing, src.packed = src.landing, None, None

@@ -289,7 +289,7 @@ class Receiver:
         load, src = found
         try:
             self._rounds.answered(load, src, msg, self._ready_peer(src))
-        except KVBridgeError as exc:
+        except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (our copies)
             self._finish_failed(load, str(exc))
 
     def step(self) -> None:
@@ -385,7 +385,11 @@ class Receiver:
             self._ask_push(load, src, peer, rewrites)
             return
         src.rewrites = rewrites
-        packs = self._packed is not None and self._packed.lease(load, src, peer)
+        try:
+            packs = self._packed is not None and self._packed.lease(load, src, peer)
+        except KVBridgeError as exc:  # rows the params cannot name: this load only
+            self._finish_failed(load, f"could not plan the read: {exc}")
+            return
         if not self._first_claim(load, src, peer):
             if self._packed is not None:
                 self._packed.held(src)  # nothing posted: the landing goes back
@@ -476,8 +480,14 @@ class Receiver:
             self._finish_failed(load, f"could not stage the remote pages: {exc}")
             return
         if done:
+            src.reads_done = self._clock()  # before our copies: the hold counts to here
+            if src.landing is not None and self._packed is not None:
+                try:
+                    self._packed.land(load, src)
+                except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch
+                    self._finish_failed(load, f"could not place the packed rows: {exc}")
+                    return
             self._release_source(load, src)
-            src.reads_done = self._clock()
             self._fail(load, self._claims.reads_ended(src))
 
     def _complete(self, load: Load) -> None:
@@ -618,3 +628,5 @@ class Receiver:
             self._finish_failed(load, "connector shut down")
         self._quarantine.close()
         self._staged.close()
+        if self._packed is not None:
+            self._packed.close()

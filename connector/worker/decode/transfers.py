@@ -107,8 +107,6 @@ class PullReads:
     def poll(self, load: Load, src: Source, peer: Peer | None) -> bool:
         """Advance ``src``'s READs and rounds; True when all of them are done."""
         pending = [h for h in src.handles if self._engine.poll(h) is XferState.PENDING]
-        if not pending and src.landing is not None and self._packed is not None:
-            self._packed.land(load, src)  # every READ ended (a failed one raised)
         batch = src.batch
         if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
             src.batch = None

@@ -1,22 +1,26 @@
-"""Prefill side of packed reads: a claim's rows copied into one range of a registered arena.
+"""Prefill side of packed transfers: a load's rows copied into one range of an arena.
 
-A pulling decode that would post many small rows asks for them packed (``Prepare.packed``,
-``extra.gather_mib`` on both sides). Prefill names the rows with decode's own plan, as it
-does to digest a verified load (``kvbridge.connector.worker.prefill.reader_digests``),
-copies them, in the plan's order, into a run of free pages of its arena
-(``kvbridge.connector.worker.packed_rows``), waits for the copy on the device, and
-answers where they lie (``Prepared.packed_at``)::
+A decode whose load would move many small rows asks for them packed (``extra.gather_mib``
+on both sides; ``kvbridge.connector.worker.packed_rows``). Prefill names the rows with
+decode's own plan, as it does to digest a verified load
+(``kvbridge.connector.worker.prefill.reader_digests``), copies them, in the plan's order,
+into a run of free pages of its arena, and waits for the copy on the device::
 
-    Prepare(packed, plan digest, tokens)  -> rows of decode's plan, on our block ids
-                                          -> a run of free pages: gather, fence
-                                          <- Prepared(packed_at, packed_bytes)
-    (no run free, no plan)                <- Prepared(packed_at=-1): decode reads the rows
+    pull  Prepare(packed, plan digest, tokens) -> rows of decode's plan, on our block ids
+                                               -> a run of free pages: gather, fence
+                                               <- Prepared(packed_at, packed_bytes)
+          (no run free, no plan)               <- Prepared(packed_at=-1): decode reads rows
+    push  Push(packed_at: decode's landing)    -> gather, fence, one WRITE of the run into
+          (``kvbridge.connector.worker.prefill.pushes``)  decode's landing, Pushed(packed)
 
-The pages are lent like the blocks: to the request, until its hold ends (every reader's
-``Done``, or the lease), since decode's READ of them counts only within that hold. A
-reader that claims again is answered the same range (copied once). The arena is
-registered before the worker describes itself, so the NIXL metadata decode gets covers
-it, and advertised in pages (``WorkerDescription.gather``).
+A claim's pages are lent like the blocks: to the request, until its hold ends (every
+reader's ``Done``, or the lease), since decode's READ of them counts only within that
+hold. The same claim sent again (same reader, plan, tokens and rewrites) is answered the
+same range, copied once; another claim gets its own. A push's pages belong to its WRITE
+until NIXL says it ended. The last page's tail is zeroed: the whole pages move. The arena
+is registered before the worker describes itself, so the NIXL metadata a peer gets covers
+it, and advertised in pages (``WorkerDescription.gather``). On a GPU it is allocated after
+the engine sized its KV cache: outside vLLM's ``gpu_memory_utilization``.
 """
 
 from __future__ import annotations
@@ -109,8 +113,8 @@ class GatherArena:
             packed = packed_rows(
                 plan, PlanSide.WRITER, writer_rows(layout, spec, msg.start_token, msg.end_token)
             )
-        except KVBridgeError as exc:
-            return -1, 0, f"not packed: {exc}"
+        except Exception as exc:  # a claim naming rows we cannot plan: never this worker's
+            return -1, 0, f"not packed: {exc!s}"
         if packed is None:
             return -1, 0, "not packed: a group of the plan goes through staging slots"
         pages, why = self.fill(packed)
@@ -135,6 +139,8 @@ class GatherArena:
         at = int(pages[0]) * PAGE_BYTES
         try:
             gather(packed, self._units, self._arena.buf[at : at + packed.num_bytes])
+            # the last page's tail is read too: no bytes of an earlier range go with it
+            self._arena.buf[at + packed.num_bytes : at + int(pages.size) * PAGE_BYTES].zero_()
             self._order.fence("packed rows")  # UCX's copies do not see our stream
         except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch
             self._arena.give_back(PAGE_BYTES, pages)

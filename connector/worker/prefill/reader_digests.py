@@ -93,8 +93,9 @@ class ReaderDigests:
         layout = self._reader_layout(agent)
         if layout is None:
             raise KVBridgeError(
-                f"reader {agent or '?'} asked for verified loads but sent no description "
-                f"with its handshake request (or it was pruned here): it must handshake again"
+                f"reader {agent or '?'} asked for digests or packed rows but sent no "
+                f"description with its handshake request (or it was pruned here): it must "
+                f"handshake again"
             )
         try:
             plan = negotiate(layout, self._local, can_repack=layout.can_repack)
