@@ -18,9 +18,10 @@ connection)::
 coalescing to NIXL); ``compare`` adds per-layer rows with contiguous blocks both ways, so
 ``descs`` shows the descriptors posted before and after merging and ``rows`` the blocks
 x streams asked for.
-``--gather-mib N`` adds the per-layer rows (blocks-first, kv-split) again with
-``extra.gather_mib`` on both sides: packed transfers, the rows gathered by prefill and
-moved as one range (``descs`` counts its 64 KiB pages, which NIXL coalesces).
+``--gather-mib N`` adds the shuffled rows of each format (cross-layer, blocks-first,
+kv-split) again with ``extra.gather_mib`` on both sides: packed transfers, the rows
+gathered by prefill and moved as one range (``descs`` counts its 64 KiB pages, which
+NIXL coalesces).
 ``--host-staging compare`` adds the x-NHD rows again with both sides staged through host
 mirrors (``kv_buffer_device: "cpu"``; forced for caches already in host memory), and
 ``on`` stages every row. ``keep ms`` is the time prefill took to keep the request (its
@@ -854,8 +855,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gather-mib",
         type=float,
         default=0,
-        help="add the per-layer rows again with extra.gather_mib=MIB on both sides "
-        "(packed transfers: the rows move as one range; 0: not)",
+        help="add the shuffled rows of each format again with extra.gather_mib=MIB on both "
+        "sides (packed transfers: the rows move as one range; 0: not)",
     )
     ap.add_argument("--rewrite-on-save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--staged", action="store_true", help=argparse.SUPPRESS)
@@ -940,9 +941,9 @@ def main(argv: list[str] | None = None) -> int:
             (mode, *f, staging, False, merge, False, "all") for mode in modes for f in formats[:2]
         ]
     gathers = [0.0] * len(runs)
-    if args.gather_mib:  # the per-layer rows again, packed
+    if args.gather_mib:  # the shuffled rows of each format again (no rewrite), packed
         packed = [(*r[:5], staging, False, merge, False, verify) for r in runs]
-        packed = [r for r in packed if r[1] in ("bf-NHD", "ks-NHD") and not r[4]]
+        packed = [r for r in packed if r[1] == r[2] and r[3] and not r[4]]
         runs += packed
         gathers += [args.gather_mib] * len(packed)
     raw_rows: list[Row] = []
