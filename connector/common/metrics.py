@@ -91,8 +91,8 @@ class ConnectorMetrics:
     read_probe_first_seconds: float = 0.0
     read_probes_slow: int = 0
     # extra.gather_mib (kvbridge.connector.worker.packed_rows): decode loads moved as one
-    # packed range, and those that asked but read their rows (prefill had no room, or
-    # none of ours); prefill: bytes it packed, claims it could not pack for want of room
+    # packed range, and those that could but moved their rows (no room in our arena or
+    # prefill's); prefill: bytes it packed, claims or pushes it could not pack (no room)
     packed_loads: int = 0
     packed_fallbacks: int = 0
     packed_bytes: int = 0
@@ -180,7 +180,7 @@ HELP = {
     "read_probe_first_seconds": "Seconds of those probes' first READs (connection, mapping).",
     "read_probes_slow": "Prefills whose GPU memory the probe READ slower than 5 GB/s.",
     "packed_loads": "Decode loads moved as one packed range (extra.gather_mib).",
-    "packed_fallbacks": "Decode loads that asked to move packed but moved their rows.",
+    "packed_fallbacks": "Decode loads that could move packed but moved their rows (no room).",
     "packed_bytes": "Bytes prefill packed into its gather arena for decode workers.",
     "packed_refused": "Claims or pushes prefill could not pack: no room in its arena.",
     "claims_sent": "Prepare messages decode sent claiming a hold.",

@@ -92,10 +92,6 @@ class PackedReads:
         src.landing = StageBatch(None, pages[:0], self._pool, pages)
         return True
 
-    @property
-    def page_bytes(self) -> int:
-        return self._pool.slot_bytes
-
     def landing_at(self, src: Source) -> int:
         """The byte offset of ``src``'s landing in our gather arena (push: where prefill
         WRITEs the packed range)."""
