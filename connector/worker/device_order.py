@@ -10,12 +10,17 @@ Who touches a block, in what order::
     prefill    rewrite after save / host-mirror copy (kvbridge kernels, this thread's
                current stream)  -> fence("sender rewrite")    before a claim is answered
                                                                  or a WRITE is posted
+               packed rows gathered into its arena
+                                -> fence("packed rows")       the same
     NIXL       READ (decode) or WRITE (prefill) of the blocks
     decode     a staging round arrived: the engine splits its pages into blocks
                -> fence("staged split")                       before the slots go back
                                                                  (the next round's READs
                                                                  land in them)
                NIXL says every READ is done (or prefill answered Pushed)
+               packed rows scattered from the landing into blocks
+               -> mark("packed scatter")                      the landing goes back once
+                                                                 it completed (polled)
                rewrite / merge / host mirror to the cache (kvbridge kernels),
                the engine's splits of staged pages
                -> mark("load complete")                       the load is reported

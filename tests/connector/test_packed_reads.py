@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from kvbridge.connector.common.config import ConfigError, ExtraConfig
 from kvbridge.connector.common.params import KVTransferParams
@@ -34,11 +35,13 @@ from tests.connector.pair_harness import (
     Side,
     decode_admit,
     failed,
+    loaded,
     make_side,
     prefill_finish,
     run_until,
     token_ids,
 )
+from tests.connector.test_device_order import RecordingOrder
 
 BF = SideFormat(16)
 KS = SideFormat(16, packing=KVPacking.KV_SPLIT)
@@ -256,3 +259,51 @@ def test_a_failed_packed_load_holds_its_landing_until_its_transfer_ended(late_pa
     assert decode.worker.metrics.packed_loads == 0  # nothing was scattered
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "prefill to free p1")
     assert _arena_bytes(prefill) == 0  # push: its own pages went back with the WRITE
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_landing_goes_back_once_the_scatter_finished_never_waited_for(mode):
+    """On a GPU the scatter's kernels may still run when the load is done with NIXL: the
+    landing goes back (the next packed load may land there) only once their mark
+    completed, looked at each step, and the host never waits for it."""
+    clock = FakeClock()
+    orders: list[RecordingOrder] = []
+
+    def held_order(device: torch.device) -> RecordingOrder:
+        orders.append(RecordingOrder(device, [], hold=True))
+        return orders[-1]
+
+    fmt = CacheFormat(layout=KVLayout.NHD)
+    extra = {**GATHER, "transfer_mode": mode}
+    prefill = make_side("kv_producer", "prefill", 16, fmt, "F", clock, lease_s=30.0, extra=extra)
+    try:
+        decode = make_side(
+            "kv_consumer", "decode", 16, fmt, "F", clock, device_order=held_order, extra=extra
+        )
+    except BaseException:
+        prefill.worker.shutdown()
+        raise
+    try:
+        p = Request("p1", token_ids(150), KVTransferParams(do_remote_decode=True))
+        d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))
+        decode_admit(decode, d)
+        order = orders[0]
+
+        def scattered() -> bool:
+            return any(m.why == "packed scatter" for m in order.marks)
+
+        run_until([prefill, decode], scattered, "the packed scatter")
+        for _ in range(10):
+            decode.step()
+            prefill.step()
+        scatter = next(m for m in order.marks if m.why == "packed scatter")
+        assert not scatter.waited and not scatter.done()
+        assert _arena_bytes(decode) == PAGE_BYTES  # still the scatter's
+        assert not loaded(decode, "d1")  # its kernels are the load's too
+        order.complete()
+        decode.step()
+        assert _arena_bytes(decode) == 0 and loaded(decode, "d1")
+        assert not any(m.waited for m in order.marks)
+    finally:
+        decode.worker.shutdown()
+        prefill.worker.shutdown()

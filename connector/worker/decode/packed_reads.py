@@ -11,13 +11,14 @@ packed (``kvbridge.connector.worker.packed_rows``)::
               Prepared(packed_at = -1)  -> landing back, read the rows (counted)
     push      Push(packed_at: our landing) -> prefill WRITEs its packed pages there
               Pushed(packed)  -> the rows are in the landing; not packed: in our blocks
-    arrived   scatter the landing into our blocks, fence, landing back
+    arrived   scatter the landing into our blocks; the landing back once that finished
 
 The landing belongs to the READ, or the push round, that writes into it until it ended
 (the READ: NIXL says so; the round: prefill answered it): a load that fails before hands
 it to the quarantine with them (``kvbridge.connector.worker.decode.quarantine``), which
-gives the pages back only then. The scatter is fenced before the pages go back, since
-the next packed load may land in them. Both ranges are runs of adjacent 64 KiB pages:
+gives the pages back only then. After the scatter the pages go back once its kernels
+finished (a mark, looked at each step, never waited for), since the next packed load may
+land in them. Both ranges are runs of adjacent 64 KiB pages:
 kvbridge posts (and counts in ``descriptors_posted``) one row per page, which NIXL
 coalesces into one operation. Waiting for prefill's answer before the READ (the rows
 must be packed first) costs a pull the claim's round trip, which an unpacked load
@@ -32,7 +33,7 @@ import torch
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
-from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.digests import PlanSide
 from kvbridge.connector.worker.packed_rows import packed_rows, scatter
 from kvbridge.connector.worker.peers import GATHER_LIST, Peer
@@ -66,6 +67,8 @@ class PackedReads:
         self._units = units
         self._order = order
         self._metrics = metrics
+        # landings scattered, given back once the scatter's kernels finished (a mark)
+        self._draining: list[tuple[Mark, StageBatch]] = []
 
     def lease(
         self, load: Load, src: Source, peer: Peer, found: dict[int, GroupRows] | None = None
@@ -140,14 +143,27 @@ class PackedReads:
         return True
 
     def land(self, load: Load, src: Source) -> None:
-        """The READ ended: copy the rows into our blocks, then the landing goes back."""
+        """The rows arrived: copy them into our blocks; the landing goes back once the
+        copy finished (the next packed load may land in these pages), never waited for
+        here: on a GPU by a mark that :meth:`drain` looks at."""
         landing, rows = src.landing, src.packed
         assert landing is not None and rows is not None
         scatter(rows, self._units, self._pool.run_bytes(landing.slots)[: rows.num_bytes])
-        self._order.fence("packed scatter")  # the next packed READ may land in these pages
-        load.kernels = True
+        load.kernels = True  # the load is reported once its mark (after these) completed
         self._metrics.packed_loads += 1
-        self._give_back(src)
+        self._release(src)
+        self._draining.append((self._order.mark("packed scatter"), landing))
+        self.drain()
+
+    def drain(self) -> None:
+        """Give back the landings whose scatter finished (no wait: a GPU's next step)."""
+        busy = []
+        for mark, landing in self._draining:
+            if mark.done():
+                landing.pool.give_back(landing.slots)
+            else:
+                busy.append((mark, landing))
+        self._draining = busy
 
     def held(self, src: Source) -> StageBatch | None:
         """A failing load: the landing with the READ, or the push round, that may still
@@ -160,13 +176,22 @@ class PackedReads:
         return None
 
     def close(self) -> None:
+        """Shutdown: the memory goes with the process."""
+        self._draining.clear()
         self._pool.close()
 
     def _give_back(self, src: Source) -> None:
+        landing = self._release(src)
+        if landing is not None:
+            landing.pool.give_back(landing.slots)
+
+    def _release(self, src: Source) -> StageBatch | None:
+        """``src``'s landing, detached, with the READ that filled it released (it ended)."""
         landing, src.landing, src.packed = src.landing, None, None
         if landing is not None:
             for h in landing.handles:
                 if h in src.handles:
                     src.handles.remove(h)
                 self._engine.release(h)
-            landing.pool.give_back(landing.slots)
+            landing.handles.clear()
+        return landing

@@ -294,6 +294,8 @@ class Receiver:
 
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
+        if self._packed is not None:
+            self._packed.drain()  # landings whose scatter finished go back
         for load in [ld for ld in self._loads.values() if self._writers.writer_gone(ld)]:
             self._finish_failed(load, "the prefill writing this load was found gone")
         for peer in self._peers.poll():
