@@ -98,11 +98,10 @@ def gather(packed: PackedRows, units: Sequence[torch.Tensor], out: torch.Tensor)
         dst = out[seg.start : seg.start + seg.num_bytes].view(-1, seg.length)
         for piece, at, blocks in _pieces(seg, units[seg.region]):
             if units[seg.region].is_cuda:
-                src = piece.index_select(0, _on(blocks, piece))
                 if at is None:
-                    dst.copy_(src)
+                    torch.index_select(piece, 0, _on(blocks, piece), out=dst)
                 else:
-                    dst.index_copy_(0, _on(at, piece), src)
+                    dst.index_copy_(0, _on(at, piece), piece.index_select(0, _on(blocks, piece)))
             elif at is None:
                 np.take(piece.numpy(), blocks, axis=0, out=dst.numpy())
             else:
@@ -146,7 +145,10 @@ def _pieces(
 
 
 def _on(ids: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(ids)).to(like.device)
+    """Indices on ``like``'s GPU, copied from pinned memory without a host wait (torch's
+    pinned allocator keeps the source until the copy ran)."""
+    host = torch.from_numpy(np.ascontiguousarray(ids))
+    return host.pin_memory().to(like.device, non_blocking=True)
 
 
 def _check(packed: PackedRows, units: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ import torch
 from kvbridge.connector.common.notifications import Push, decode_notification, encode_notification
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import SendState
+from kvbridge.connector.worker.prefill.pushes import PushState
 from kvbridge.handshake.description import parse_description
 from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
 from kvbridge.layouts.layout import KVLayout
@@ -489,3 +490,31 @@ def test_a_staging_arena_too_small_for_one_page_fails_the_push_by_name(make_stag
     assert "raise extra.staging_mib on decode" in _refused_load(prefill, decode)
     assert decode.worker.metrics.bytes_read == 0
     _pools_full(prefill, decode)
+
+
+def test_a_push_from_a_decode_that_restarted_since_is_written_nowhere(pair, caplog):
+    """A Push waits for its request; meanwhile decode restarted under the same engine id
+    and address, and prefill's handshake found the new process (another NIXL agent). The
+    Push names the old process's blocks, which are the new one's now: prefill writes
+    nothing. Shown here by the Push coming from another agent than the one prefill now
+    knows at decode's address (a restart in one test process also disconnects the old)."""
+    prefill, decode = pair
+    p = Request("p1", token_ids(150), _remote_decode())
+    d = Request("d1", p.prompt_token_ids, prefill_finish(prefill, p))  # no worker step yet
+    decode_admit(decode, d)
+    pusher = prefill.worker._pusher
+    assert pusher is not None
+    run_until([decode], lambda: _worker_progress(prefill) and pusher.num_inflight == 1, "Push")
+    [(key, push)] = pusher._pushes.items()
+    run_until(
+        [decode],
+        lambda: _worker_progress(prefill) and pusher._targets.get(push.key) is not None,
+        "prefill's handshake with decode",
+    )
+    # the Push came from the process before the restart
+    push.agent = "decode-before-a-restart"
+    pusher._pushes = {(key[0], push.agent): push}
+    run_until([prefill], lambda: push.state is not PushState.WAITING, "the Push to start")
+    assert push.handles == [] and prefill.worker.num_live_handles == 0  # nothing posted
+    assert "restarted since it asked" in caplog.text
+    run_until([prefill], lambda: pusher.num_inflight == 0, "the Push to end")

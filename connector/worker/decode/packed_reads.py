@@ -78,6 +78,7 @@ class PackedReads:
         group, when the caller has them."""
         if GATHER_LIST not in peer.remote_lists or peer.plan is None:
             return False
+        self.drain()  # landings whose scatter finished since the last step are free
         specs = self._buffers.config.groups
         if found is None:
             found = {g.group_id: load.rows(g, specs[g.group_id].spec) for g in peer.plan.groups}
@@ -101,10 +102,17 @@ class PackedReads:
         assert src.landing is not None
         return int(src.landing.slots[0]) * self._pool.slot_bytes
 
-    def pushed(self, load: Load, src: Source, *, ok: bool, packed: bool) -> None:
+    def pushed(self, load: Load, src: Source, *, ok: bool, packed: bool, num_bytes: int) -> None:
         """Prefill answered the push round that named the landing (none of its WRITEs runs
-        any more): the rows into place when they came packed, then the landing goes back."""
+        any more): the rows into place when they came packed, then the landing goes back.
+        Raises :class:`KVBridgeError` for packed bytes that are not the ones we named."""
         if ok and packed:
+            assert src.packed is not None
+            if num_bytes != src.packed.num_bytes:
+                self._give_back(src)
+                raise KVBridgeError(
+                    f"prefill {src.key} wrote {num_bytes} B packed, we named {src.packed.num_bytes}"
+                )
             self.land(load, src)
             return
         if ok:

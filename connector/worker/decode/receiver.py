@@ -109,7 +109,7 @@ class Receiver:
         ``fail_early`` (``failure_policy: fail``): a load that fails while transfers of
         its may still land is also reported at once, as failing (the engine ends the
         request and keeps its blocks until the failure itself is reported). ``packed``:
-        reads many small rows as one packed range (``extra.gather_mib``, pull)."""
+        moves many small rows as one packed range (``extra.gather_mib``, pull and push)."""
         self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         order = order or DeviceOrder(buffers.device)

@@ -275,7 +275,9 @@ class PushRounds:
         batch, src.batch = src.batch, None
         src.round_agent = ""  # answered: no WRITE of the round runs any more
         if src.landing is not None and self._packed is not None:  # a packed round 0
-            self._packed.pushed(load, src, ok=msg.ok, packed=msg.packed)
+            self._packed.pushed(load, src, ok=msg.ok, packed=msg.packed, num_bytes=msg.num_bytes)
+        elif msg.ok and msg.packed:
+            raise KVBridgeError(f"prefill {src.key} wrote packed rows this load named no room for")
         if not msg.ok:
             if batch is not None:
                 self._staged.cancel(batch)  # prefill released its writes before answering

@@ -267,6 +267,15 @@ class Pusher:
             return
         if spec is None or peer.state is not PeerState.READY:
             return
+        if peer.agent != push.agent:
+            # decode restarted under the same engine id and address since it asked: its
+            # blocks (and gather arena) are another process's now, which never asked
+            self._fail(
+                push,
+                f"decode {push.key} restarted since it asked (agent {push.agent}, now "
+                f"{peer.agent}): nothing written",
+            )
+            return
         self._start(push, peer)
 
     def _start(self, push: _Push, peer: Peer) -> None:
