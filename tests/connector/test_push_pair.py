@@ -14,7 +14,7 @@ import torch
 from kvbridge.connector.common.notifications import Push, decode_notification, encode_notification
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.scheduler.lifecycle import SendState
-from kvbridge.connector.worker.prefill.pushes import PushState
+from kvbridge.connector.worker.prefill.push_writes import PushState
 from kvbridge.handshake.description import parse_description
 from kvbridge.layouts.allocation import CacheFormat, read_group_token_major
 from kvbridge.layouts.layout import KVLayout

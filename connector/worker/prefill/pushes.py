@@ -22,9 +22,10 @@ rewrites are not undone, whatever ends the lease).
 
 Prefill looks decode up with its own handshake (``PeerDirectory(writer=True)``), so it
 plans exactly as decode did: the same pure ``negotiate`` on the same two descriptions,
-checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.worker.rows``, the
-very function decode uses to READ; here they become WRITEs from this worker's blocks (rewritten
-after save, as for a ``Prepare``) into decode's. The blocks stay kept until decode's
+checked by ``TransferPlan.digest``. The rows come from ``kvbridge.connector.worker.rows``,
+the very function decode uses to READ; here they become WRITEs from this worker's blocks
+(rewritten after save, as for a ``Prepare``) into decode's
+(``kvbridge.connector.worker.prefill.push_writes``). The blocks stay kept until decode's
 ``Done``, which restores and frees them as in pull mode. A ``Done(ok=False)`` from decode
 (it gave up) cancels the push: no WRITE starts any more, and the answer follows once the
 ones posted ended.
@@ -39,19 +40,13 @@ slots to no other load before that answer.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import numpy as np
-
-from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
     NOTIF_PROTOCOL_VERSION,
-    GroupDigest,
     Prepare,
     Push,
     Pushed,
@@ -63,49 +58,17 @@ from kvbridge.connector.transfer.transport import (
     XferState,
     release_if_ended,
 )
-from kvbridge.connector.worker.digests import PlanSide
-from kvbridge.connector.worker.packed_rows import packed_rows
-from kvbridge.connector.worker.peers import GATHER_LIST, Peer, PeerDirectory, PeerKey, PeerState
-from kvbridge.connector.worker.prefill.answers import Answers, carried_answer
-from kvbridge.connector.worker.prefill.gather_arena import PAGE_BYTES, GatherArena
+from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerState
+from kvbridge.connector.worker.prefill.answers import Answers
+from kvbridge.connector.worker.prefill.gather_arena import GatherArena
+from kvbridge.connector.worker.prefill.push_writes import PushRound, PushState, RoundWrites
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
-from kvbridge.connector.worker.rows import GroupRows, group_rows, staged_rows
-from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
 
 MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
-
-
-class PushState(enum.Enum):
-    WAITING = "waiting"  # for the request to be kept here and for decode's description
-    WRITING = "writing"
-    ENDING = "ending"  # failed or cancelled: answered once every WRITE posted ended
-
-
-@dataclass
-class _Push:
-    msg: Push
-    agent: str  # decode's NIXL agent: where Pushed goes
-    key: PeerKey
-    deadline: float  # no write starts after this; writes still running then are cancelled
-    wait_until: float  # the request must be kept here by then
-    state: PushState = PushState.WAITING
-    handles: list[XferHandle] = field(default_factory=list)
-    num_bytes: int = 0
-    num_descs: int = 0
-    pinned: bool = False  # the request's blocks are pinned in the Sender
-    reason: str = ""  # ENDING: why it failed
-    overdue: bool = False  # ENDING longer than its timeout: logged once
-    digests: list[GroupDigest] = field(default_factory=list)  # Push.verify: what it wrote
-    # the round's only WRITE, whose completion notification is the answer (answers.py)
-    carrier: XferHandle | None = None
-    delivered: bool = False  # the carrier completed: decode has the answer
-    # a packed push: the gather arena's pages its one WRITE reads (lent until it ended)
-    pages: np.ndarray | None = None
-    packed: bool = False  # the rows went packed (Pushed.packed)
 
 
 class Pusher:
@@ -126,8 +89,8 @@ class Pusher:
         """``digests``: answers a verified Push (``Push.verify``) with the digests of
         the rows it wrote (refused by name without it). ``gather``: packs a Push's rows
         into one WRITE when decode asks (``Push.packed_at``)."""
-        self._digests = digests
         self._gather = gather
+        self._writes = RoundWrites(engine, targets, digests=digests, gather=gather)
         self._engine = engine
         self._targets = targets
         self._sender = sender
@@ -136,8 +99,8 @@ class Pusher:
         self._clock = clock
         # (request id, decode's agent) -> push: two decodes may push the same params (a
         # retried or hedged request); each is its own reader, cancelled only by its own Done
-        self._pushes: dict[tuple[str, str], _Push] = {}
-        self._posted: list[_Push] = []  # started in this round: polled again at its end
+        self._pushes: dict[tuple[str, str], PushRound] = {}
+        self._posted: list[PushRound] = []  # started in this round: polled again at its end
 
     @property
     def num_inflight(self) -> int:
@@ -185,7 +148,7 @@ class Pusher:
             )
             self._targets.drop(key, f"restarted: Push from agent {agent}, we knew {known.agent}")
         self._targets.ensure(key, msg.reader_host, msg.reader_port, for_read=True)
-        self._pushes[where] = _Push(
+        self._pushes[where] = PushRound(
             msg=msg,
             agent=agent,
             key=key,
@@ -249,7 +212,7 @@ class Pusher:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _try_start(self, push: _Push, now: float) -> None:
+    def _try_start(self, push: PushRound, now: float) -> None:
         peer = self._targets.get(push.key)
         if peer is None or peer.state in (PeerState.FAILED, PeerState.INCOMPATIBLE):
             reason = peer.reason if peer is not None else "forgotten"
@@ -278,7 +241,7 @@ class Pusher:
             return
         self._start(push, peer)
 
-    def _start(self, push: _Push, peer: Peer) -> None:
+    def _start(self, push: PushRound, peer: Peer) -> None:
         msg = push.msg
         if peer.plan is None or peer.layout is None:
             self._fail(push, f"decode {push.key} reads none of this rank's heads")
@@ -310,7 +273,7 @@ class Pusher:
         self._sender.pin(msg.request_id)
         push.pinned = True
         try:
-            self._post_writes(push, peer, spec)
+            self._writes.post(push, peer, spec)
         except PeerDisconnectedError as exc:  # decode is gone: nothing it holds matters
             self._fail(push, f"write to decode {push.key} failed: {exc}")
             self._targets.drop(push.key, f"transfer failed: {exc}")
@@ -321,138 +284,7 @@ class Pusher:
         self._metrics.descriptors_posted += push.num_descs
         self._posted.append(push)
 
-    def _post_writes(self, push: _Push, peer: Peer, spec: SendSpec) -> None:
-        """WRITE what the Push asks: round 0 every group decode does not stage, straight
-        into its blocks; every round the staged pages it names into decode's slots."""
-        msg, plan, layout = push.msg, peer.plan, peer.layout
-        assert plan is not None and layout is not None
-        if len(msg.block_ids) != len(plan.groups):
-            raise KVBridgeError(
-                f"Push names {len(msg.block_ids)} groups, the plan has {len(plan.groups)}"
-            )
-        pages = {p.group_id: p for p in msg.staged}
-        if len(pages) != len(msg.staged) or not pages.keys() <= {g.group_id for g in plan.groups}:
-            raise KVBridgeError(
-                f"Push names staging pages of groups {[p.group_id for p in msg.staged]}; the "
-                f"plan has groups 0..{len(plan.groups) - 1}, each at most once a round"
-            )
-        if msg.verify and msg.round == 0:
-            if self._digests is None:
-                raise KVBridgeError("this prefill gives no digests of what it writes")
-            # the rows it is about to write, as they are (pinned and rewritten)
-            try:
-                push.digests = self._digests.for_plan(
-                    plan, layout, spec, msg.start_token, msg.end_token
-                )
-            except RuntimeError as exc:  # torch (out of memory): this push only
-                raise KVBridgeError(f"could not digest the rows: {exc}") from None
-        writes: list[tuple[GroupPlan, Sequence[tuple[int, np.ndarray, np.ndarray]]]] = []
-        found_by_group: dict[int, GroupRows] = {}
-        for g in plan.groups:
-            first = spec.first_block[g.group_id] if spec.first_block else 0
-            mine = np.asarray(spec.block_ids[g.group_id], dtype=np.int64)
-            staged = pages.get(g.group_id)
-            if g.split_from:
-                if staged is not None:
-                    assert layout.staging is not None  # negotiation refuses a push without
-                    num_slots = layout.staging.block_bytes // g.staging_bytes
-                    rows = staged_rows(g, staged.blocks, staged.slots, mine, first, num_slots)
-                    writes.append((g, rows))
-            elif staged is not None:
-                raise KVBridgeError(f"group {g.group_id} is not staged, yet the Push names slots")
-            elif msg.round == 0:  # decode's blocks of unstaged groups: with round 0 only
-                found = group_rows(
-                    g,
-                    layout.config.groups[g.group_id].spec,
-                    np.asarray(msg.block_ids[g.group_id], dtype=np.int64),
-                    mine,
-                    first,
-                    msg.start_token,
-                    msg.end_token,
-                )
-                writes.append((g, found.rows))
-                found_by_group[g.group_id] = found
-        if msg.packed_at >= 0 and self._write_packed(push, peer, found_by_group):
-            return
-        notif = b""
-        # only a round that is the whole load: decode asks a staged load's next round
-        # once it has an answer, and this round's poll may not have seen its WRITE done
-        streams = [(g, row) for g, rows in writes for row in rows]
-        if len(streams) == 1 and peer.agent == push.agent and not msg.staged:
-            g, (i, reader_rows, _) = streams[0]
-            notif = carried_answer(
-                msg,
-                num_bytes=int(reader_rows.size) * g.streams[i].length,
-                num_rows=int(reader_rows.size),
-                digests=push.digests,
-            )
-        for g, rows in writes:
-            self._write(push, peer, g, rows, notif)
-
-    def _write_packed(self, push: _Push, peer: Peer, found: dict[int, GroupRows]) -> bool:
-        """Decode asked for the rows packed: copy them into a run of our gather arena's
-        pages and WRITE that run into decode's (one descriptor; the round's only WRITE
-        carries its answer). False: not packed (no arena, a staged group, no room); the
-        rows go into decode's blocks as they are. Raises :class:`KVBridgeError` for a
-        request that does not fit what we computed."""
-        msg, plan = push.msg, peer.plan
-        theirs = peer.remote_lists.get(GATHER_LIST)
-        if self._gather is None or theirs is None or plan is None or msg.staged:
-            return False
-        packed = packed_rows(plan, PlanSide.WRITER, lambda g: found.get(g.group_id, GroupRows()))
-        if packed is None:
-            return False
-        first, rest = divmod(msg.packed_at, PAGE_BYTES)
-        pages_asked = -(-msg.packed_bytes // PAGE_BYTES)
-        if packed.num_bytes != msg.packed_bytes or rest or first + pages_asked > theirs.num_descs:
-            raise KVBridgeError(
-                f"decode asked for {msg.packed_bytes} B packed at {msg.packed_at} of its "
-                f"{theirs.num_descs} pages; its rows here are {packed.num_bytes} B"
-            )
-        pages, why = self._gather.fill(packed)
-        if not pages.size:
-            logger.debug("push of %s not packed: %s", msg.request_id, why)
-            return False
-        push.pages, push.packed = pages, True
-        notif = b""
-        if peer.agent == push.agent:
-            notif = carried_answer(
-                msg,
-                num_bytes=packed.num_bytes,
-                num_rows=packed.num_rows,
-                digests=push.digests,
-                packed=True,
-            )
-        remote_idx = np.arange(first, first + pages.size)
-        handle = self._engine.write(self._gather.local_list(), pages, theirs, remote_idx, notif)
-        push.handles.append(handle)
-        if notif:
-            push.carrier = handle
-        push.num_descs += handle.num_descs
-        push.num_bytes += packed.num_bytes
-        return True
-
-    def _write(
-        self,
-        push: _Push,
-        peer: Peer,
-        g: GroupPlan,
-        rows: Sequence[tuple[int, np.ndarray, np.ndarray]],
-        notif: bytes = b"",
-    ) -> None:
-        """``notif``: the round's answer, carried by its only WRITE."""
-        for i, reader_rows, writer_rows in rows:
-            stream = g.streams[i]
-            mine = self._targets.local_list(g, stream)
-            theirs = peer.remote_lists[(g.group_id, i)]
-            handle = self._engine.write(mine, writer_rows, theirs, reader_rows, notif)
-            push.handles.append(handle)
-            if notif:
-                push.carrier = handle
-            push.num_descs += handle.num_descs  # a merged run counts once
-            push.num_bytes += int(reader_rows.size) * stream.length
-
-    def _poll(self, push: _Push, now: float) -> None:
+    def _poll(self, push: PushRound, now: float) -> None:
         try:
             pending = [h for h in push.handles if self._engine.poll(h) is XferState.PENDING]
         except PeerDisconnectedError as exc:
@@ -475,7 +307,7 @@ class Pusher:
             return
         self._answer(push, ok=True)
 
-    def _fail(self, push: _Push, reason: str) -> None:
+    def _fail(self, push: PushRound, reason: str) -> None:
         """The push fails: answered at once when no WRITE of it can still run, else once
         NIXL reported each ended (ENDING)."""
         self._metrics.push_failures += 1
@@ -485,7 +317,7 @@ class Pusher:
         push.state, push.reason = PushState.ENDING, reason
         self._settle(push, self._clock())
 
-    def _settle(self, push: _Push, now: float) -> None:
+    def _settle(self, push: PushRound, now: float) -> None:
         """ENDING: drop the WRITEs that ended; answer once none is left."""
         push.handles[:] = [h for h in push.handles if not self._ended(h, push)]
         if not push.handles:
@@ -507,7 +339,7 @@ class Pusher:
                 push.key,
             )
 
-    def _ended(self, handle: XferHandle, push: _Push | None = None) -> bool:
+    def _ended(self, handle: XferHandle, push: PushRound | None = None) -> bool:
         """A WRITE that cannot touch our blocks any more. One released with its decode
         forgotten (it restarted under a new agent) counts as ended: it only *reads* our
         blocks, so what it may still carry lands in the old decode's memory, whose
@@ -525,7 +357,7 @@ class Pusher:
             return True
         return handle.released or release_if_ended(self._engine, handle)
 
-    def _forget(self, push: _Push) -> None:
+    def _forget(self, push: PushRound) -> None:
         """The round is over here (no WRITE of it runs any more): unpin the blocks."""
         self._pushes.pop((push.msg.request_id, push.agent), None)
         if push.pages is not None and self._gather is not None:
@@ -535,7 +367,7 @@ class Pusher:
             push.pinned = False
             self._sender.unpin(push.msg.request_id)
 
-    def _answer(self, push: _Push, *, ok: bool, reason: str = "") -> None:
+    def _answer(self, push: PushRound, *, ok: bool, reason: str = "") -> None:
         """The one answer of a round (no WRITE of it runs any more); unpins the blocks."""
         self._forget(push)
         answer = Pushed(
@@ -556,7 +388,7 @@ class Pusher:
         answer = Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
         self._answers.send(msg, agent, answer)
 
-    def _release(self, push: _Push) -> None:
+    def _release(self, push: PushRound) -> None:
         for h in push.handles:
             self._engine.release(h)
         push.handles.clear()
