@@ -59,6 +59,7 @@ from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.connector.common.config import KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec, SendSpec
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.transfer.nixl_config import ProgressMode
 from kvbridge.connector.transfer.nixl_engine import MergeRuns, NixlEngineConfig, NixlTransferEngine
 from kvbridge.connector.transfer.transport import wait_done
 from kvbridge.connector.worker.worker import KVBridgeWorker, ModelInfo
@@ -167,6 +168,7 @@ def _config(
     verify: str = "off",
     busy_us: int = 0,
     gather_mib: float = 0,
+    progress_us: int = 0,
 ) -> KVTransferConfig:
     extra: dict[str, object] = {
         "transfer_mode": mode,
@@ -174,6 +176,7 @@ def _config(
         "verify": verify,  # decode's: the rows without digests unless a row says so
         "busy_progress_us": busy_us,
         "gather_mib": gather_mib,
+        "nixl_progress_us": progress_us,  # the engine factories below read it
     }
     if warm:
         extra["warm_peers"] = list(warm)
@@ -187,6 +190,16 @@ def _config(
             "transfer_timeout_s": TIMEOUT_S,
             "extra": extra,
         }
+    )
+
+
+def engine_config(name: str, merge: MergeRuns, progress_us: int) -> NixlEngineConfig:
+    """A bench worker's engine, as the worker's own factory makes it (``nixl_setup``):
+    shared (the worker's progress thread calls it too), NIXL's progress thread sleeping
+    ``progress_us`` between rounds (``extra.nixl_progress_us``; 0: none)."""
+    progress = {"progress": ProgressMode.PROGRESS_THREAD_DELAY, "progress_delay_us": progress_us}
+    return NixlEngineConfig(
+        agent_name=name, merge=merge, shared=True, **(progress if progress_us else {})
     )
 
 
@@ -225,12 +238,13 @@ def serve(
     tp: PrefillRank = PrefillRank(),
     busy_us: int = 0,
     gather_mib: float = 0,
+    progress_us: int = 0,
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
     engines: list[NixlTransferEngine] = []
 
     def factory(name: str) -> NixlTransferEngine:
-        engines.append(NixlTransferEngine(NixlEngineConfig(agent_name=name, merge=merge)))
+        engines.append(NixlTransferEngine(engine_config(name, merge, progress_us)))
         return engines[-1]
 
     def say(**event: object) -> None:
@@ -250,6 +264,7 @@ def serve(
         kv_ip=tp.kv_ip,
         busy_us=busy_us,
         gather_mib=gather_mib,
+        progress_us=progress_us,
     )
     with KVBridgeWorker(
         config,
@@ -309,6 +324,7 @@ class Child:
         engine_id: str | None = None,
         busy_us: int = 0,
         gather_mib: float = 0,
+        progress_us: int = 0,
     ) -> None:
         """``engine_id``: shared by the ranks of one TP engine (default: a new one)."""
         self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
@@ -327,6 +343,7 @@ class Child:
             f"--merge={merge.value}",
             f"--busy-progress-us={busy_us}",
             f"--gather-mib={gather_mib}",
+            f"--nixl-progress-us={progress_us}",
             *tp.cli(),
             f"--kv-ip={PREFILL_HOST}",
             *shape_args(shape),
@@ -538,15 +555,29 @@ def measure_connector(
     verify: str = "off",
     busy_us: int = 0,
     gather_mib: float = 0,
+    progress_us: int = 0,
+    progress_side: str = "both",
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
+    """``progress_us``: NIXL's progress thread on ``progress_side`` (both, prefill or
+    decode; the other side runs none)."""
+    prefill_us = progress_us if progress_side in ("both", "prefill") else 0
+    progress_us = progress_us if progress_side in ("both", "decode") else 0
     child = Child(
-        shape, pfmt, mode, device, on_save, staged, merge, busy_us=busy_us, gather_mib=gather_mib
+        shape,
+        pfmt,
+        mode,
+        device,
+        on_save,
+        staged,
+        merge,
+        busy_us=busy_us,
+        gather_mib=gather_mib,
+        progress_us=prefill_us,
     )
     engines: list[TimedEngine] = []
 
     def factory(name: str) -> TimedEngine:
-        config = NixlEngineConfig(agent_name=name, merge=merge)
-        engines.append(TimedEngine(NixlTransferEngine(config)))
+        engines.append(TimedEngine(NixlTransferEngine(engine_config(name, merge, progress_us))))
         return engines[-1]
 
     decode = KVBridgeWorker(
@@ -560,6 +591,7 @@ def measure_connector(
             verify=verify,
             busy_us=busy_us,
             gather_mib=gather_mib,
+            progress_us=progress_us,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -852,6 +884,20 @@ def main(argv: list[str] | None = None) -> int:
         f"next step; default {BUSY_PROGRESS_US})",
     )
     ap.add_argument(
+        "--nixl-progress-us",
+        type=int,
+        default=0,
+        help="extra.nixl_progress_us on both sides: NIXL's progress thread sleeping that "
+        "long between rounds (0: none, progress in the worker's calls only; vLLM's "
+        "default is 1000)",
+    )
+    ap.add_argument(
+        "--nixl-progress-side",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="which side runs NIXL's progress thread (--nixl-progress-us); the other none",
+    )
+    ap.add_argument(
         "--gather-mib",
         type=float,
         default=0,
@@ -889,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             args.busy_progress_us,
             args.gather_mib,
+            args.nixl_progress_us,
         )
         return
     indices_s = time_indices()
@@ -902,7 +949,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.iterations} timed runs each (median); pid {os.getpid()}, "
         f"{os.cpu_count()} CPUs; device {args.device}; "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; "
-        f"extra.busy_progress_us={args.busy_progress_us} on both sides",
+        f"extra.busy_progress_us={args.busy_progress_us}, "
+        f"extra.nixl_progress_us={args.nixl_progress_us} on "
+        f"{'both sides' if args.nixl_progress_side == 'both' else args.nixl_progress_side}",
         flush=True,
     )
     rows: list[Row] = []
@@ -965,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
             verify=v,
             busy_us=args.busy_progress_us,
             gather_mib=gathers[i],
+            progress_us=args.nixl_progress_us,
+            progress_side=args.nixl_progress_side,
         )
         try:
             rows.append(row)
@@ -1033,6 +1084,8 @@ def main(argv: list[str] | None = None) -> int:
         shape=asdict(shape),
         device=args.device,
         busy_progress_us=args.busy_progress_us,
+        nixl_progress_us=args.nixl_progress_us,
+        nixl_progress_side=args.nixl_progress_side,
         **({"digest": digest} if digest else {}),
     )
     return 0

@@ -26,6 +26,8 @@ from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.errors import KVBridgeError
 
 MIN_BUSY_PROGRESS_US = 50  # extra.busy_progress_us below this only spins on the GIL
+# NIXL's UCX progress thread rounds its event wait up to whole milliseconds (ucx_backend.cpp)
+NIXL_PROGRESS_STEP_US = 1000
 
 
 class ConfigError(KVBridgeError, ValueError):
@@ -111,9 +113,12 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     Read by: decode, or a pushing prefill."""
 
     nixl_progress_us: int = 0
-    """Above 0: run NIXL's progress thread with that sleep (microseconds) between rounds, for
-    engines that stop calling the connector while idle (an idle prefill must still answer
-    its readers' READs); 0 leaves progress to the worker's calls.
+    """Above 0: run NIXL's progress thread, for engines that stop calling the connector while
+    idle (an idle prefill must still answer its readers' READs); 0 leaves progress to the
+    worker's calls. The thread waits for UCX's events with this timeout, which NIXL counts
+    in whole milliseconds: a multiple of 1000 (microseconds). While it runs, the worker's
+    own calls no longer move UCX's traffic along, the thread does: on a small CPU host that
+    cost push loads about 1 ms each (docs/performance.md, "NIXL's progress thread").
     Read by: both."""
 
     idle_progress_ms: float = 0.0
@@ -221,9 +226,11 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"extra.staging_mib={self.staging_mib:g} must be a positive number of MiB "
                 f"(landing pages for remote blocks larger than the local ones)"
             )
-        if self.nixl_progress_us < 0:
+        if self.nixl_progress_us < 0 or self.nixl_progress_us % NIXL_PROGRESS_STEP_US:
             raise ConfigError(
-                f"extra.nixl_progress_us={self.nixl_progress_us} must be >= 0 (microseconds)"
+                f"extra.nixl_progress_us={self.nixl_progress_us} must be 0 (no thread) or a "
+                f"multiple of {NIXL_PROGRESS_STEP_US} microseconds: NIXL's progress thread "
+                f"waits in whole milliseconds"
             )
         if self.idle_progress_ms < 0:
             raise ConfigError(

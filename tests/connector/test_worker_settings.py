@@ -12,7 +12,7 @@ from kvbridge.connector.worker.nixl_setup import nixl_engine
     ("progress_us", "merge", "mode"),
     [
         (0, MergeRuns.OFF, ProgressMode.PROGRESS_THREAD_OFF),
-        (500, MergeRuns.ON, ProgressMode.PROGRESS_THREAD_DELAY),
+        (2000, MergeRuns.ON, ProgressMode.PROGRESS_THREAD_DELAY),
     ],
 )
 def test_the_engine_gets_the_settings(progress_us, merge, mode):
