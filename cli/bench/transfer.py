@@ -851,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="pull,push", help="transfer modes to run (comma list)")
     ap.add_argument("--mode", default="pull", help=argparse.SUPPRESS)
     ap.add_argument(
+        "--formats",
+        default="",
+        help="only the rows whose prefill and decode formats are both in this comma list "
+        "(x-NHD, bf-NHD, ks-NHD, x-HND; default: every row)",
+    )
+    ap.add_argument(
         "--host-staging",
         choices=["off", "on", "compare"],
         default="off",
@@ -966,6 +972,11 @@ def main(argv: list[str] | None = None) -> int:
         # before the timed load starts: off the handover's critical path
         ("x-NHD", "x-HND", True, True),
     ]
+    if args.formats:
+        wanted = {f.strip() for f in args.formats.split(",") if f.strip()}
+        formats = [f for f in formats if f[0] in wanted and f[1] in wanted]
+        if not formats:
+            raise SystemExit(f"--formats {args.formats}: no row has both formats in it")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staging = args.host_staging == "on"
     merge = MergeRuns.ON if args.merge == "on" else MergeRuns.OFF

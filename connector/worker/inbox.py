@@ -58,12 +58,15 @@ class Inbox:
         self._receiver = receiver
         self._pusher = pusher
 
-    def handle_notifications(self) -> None:
+    def handle_notifications(self) -> int:
+        """Read and route what came since the last call; returns how many claims
+        (``Prepare``) it answered ok: their readers' READs follow."""
+        answered = 0
         try:
             notifs = self._engine.get_notifs()
         except TransferError as exc:
             logger.warning("reading notifications failed: %s", exc)
-            return
+            return 0
         for agent, messages in notifs.items():
             for raw in messages:
                 self._metrics.notifications_received += 1
@@ -77,6 +80,7 @@ class Inbox:
                     reply = self._sender.on_prepare(msg, agent)
                     if reply is not None:  # else answered once the request is added
                         self._outbox.send_raw(agent, reply)
+                        answered += reply.ok
                 elif isinstance(msg, Done):
                     # a decode that gave up: stop writing. Done(ok=True) comes after every
                     # round's answer, so no WRITE of it runs (a round whose WRITE carried
@@ -93,11 +97,16 @@ class Inbox:
                     self._on_push(msg, agent)
                 elif isinstance(msg, Pushed):
                     self._receiver.on_pushed(msg, agent)
+        return answered
 
-    def send_replies(self) -> None:
-        """Answer the Prepare messages that came before their request was added."""
+    def send_replies(self) -> int:
+        """Answer the Prepare messages that came before their request was added; returns
+        how many it answered ok."""
+        answered = 0
         for agent, reply in self._sender.take_replies():
             self._outbox.send_raw(agent, reply)
+            answered += reply.ok
+        return answered
 
     def _on_push(self, msg: Push, agent: str) -> None:
         if self._pusher is None:

@@ -300,11 +300,13 @@ class KVBridgeWorker:
                     sender.abort(order)
                 else:
                     self._apply(order)
-            self._progress()
+            answered = self._progress()
+            assert self._inbox is not None
             if step:  # the engine's own rounds: leases end, early claims are answered
                 sender.expire()
-                assert self._inbox is not None
-                self._inbox.send_replies()
+                answered += self._inbox.send_replies()
+            if answered:  # their READs come now: over TCP a GET moves with our progress
+                self._inbox.handle_notifications()
             return True
 
     @engine_call
@@ -399,21 +401,23 @@ class KVBridgeWorker:
             raise KVBridgeError("worker connector is not registered or already shut down")
         return self._receiver, self._sender
 
-    def _progress(self) -> None:
+    def _progress(self) -> int:
+        """One round's work; returns how many claims it answered ok."""
         receiver, _ = self._ready()
         assert self._side is not None and self._inbox is not None and self._outbox is not None
         self._side.add_requesters()
-        self._inbox.handle_notifications()
+        answered = self._inbox.handle_notifications()
         if self._pusher is not None:
             self._pusher.step()
         receiver.step()
         self._outbox.flush()
-        self._inbox.send_replies()
+        answered += self._inbox.send_replies()
         if self._pusher is not None:  # last: the rest of the round let its WRITEs progress
             self._pusher.poll_posted()
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)
+        return answered
 
     # -- teardown ---------------------------------------------------------------------------
 
