@@ -20,6 +20,7 @@ description is known here (``MAX_PLANS`` readers at most, the oldest forgotten f
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 
 from kvbridge.connector.common.metadata import SendSpec
-from kvbridge.connector.common.notifications import GroupDigest
+from kvbridge.connector.common.metrics import ConnectorMetrics
+from kvbridge.connector.common.notifications import GroupDigest, Prepare
 from kvbridge.connector.worker.digests import PlanSide, load_digests
 from kvbridge.connector.worker.rows import GroupRows, group_rows
 from kvbridge.handshake.description import PeerLayout
@@ -35,6 +37,8 @@ from kvbridge.handshake.errors import IncompatiblePeerError
 from kvbridge.handshake.plan import negotiate
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.errors import KVBridgeError
+
+logger = logging.getLogger(__name__)
 
 MAX_PLANS = 1024  # reader agents whose plan is kept
 
@@ -136,3 +140,27 @@ def writer_rows(
         )
 
     return rows_of
+
+
+def claim_digests(
+    digests: ReaderDigests | None,
+    metrics: ConnectorMetrics,
+    spec: SendSpec,
+    agent: str,
+    msg: Prepare,
+) -> tuple[list[GroupDigest], str]:
+    """What a claim's answer carries: for a verified claim (``Prepare.verify``) the
+    digests of what it reads, as NIXL will read it (after this claim's rewrites, from the
+    host mirror when staged); or none and why (the claim still stands: decode fails the
+    load and says Done). Nothing for a claim that does not verify."""
+    if not msg.verify:
+        return [], ""
+    if digests is None:
+        return [], "this prefill gives no digests"
+    try:
+        found = digests.for_claim(spec, agent, msg.plan_digest, msg.start_token, msg.end_token)
+    except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (out of memory)
+        logger.warning("no digests for %s to %s: %s", msg.request_id, agent or "?", exc)
+        return [], f"no digests: {exc}"
+    metrics.digests_sent += 1
+    return found, ""

@@ -24,34 +24,8 @@ allowed at all (``rewrites_in_place``) and asked for (``rewrite_on_save``, which
 handshake advertises: a reader that needs no rewrite then claims the blocks with an empty
 ``Prepare`` before reading, so a guess never reaches it).
 
-One clock decides when a hold ends: this one. The scheduler frees kept blocks only when
-this sender reports the request finished (``finished_sending``), never on a clock of its
-own. A claim (``Prepare``) belongs to its reader, the (decode agent, rank) that sent it:
-it extends the hold to at least ``max(lease_s, hold_s)`` from now and answers how long it
-lasts (``Prepared.held_s``). The hold then ends no sooner for *any* reason (the readers'
-``Done``, an engine abort) unless that reader's own ``Done`` names the claim: the same
-params may reach two decodes (a router retrying or hedging, a client replaying them), and
-the first one's ``Done`` must not free blocks the second was promised. A push writing from
-the blocks *pins* them (:meth:`Sender.pin`): the hold does not end, whatever ends it,
-until the push's WRITEs ended::
-
-    kept --(Done from the last reader | lease ran out | abort)--> ending: no new reader
-         is granted a claim; wait for every granted claim (its reader's Done, or its time
-         ran out) and the pushes' WRITEs --> restored, reported finished
-
-The readers a hold waits for are counted by their ``Done`` (``Done.readers``: decode ranks
-that each read some of this rank's heads), one per (agent, rank).
-
-A ``Done`` may arrive before the request does: an engine hands its worker the finished
-request with its next step, and an idle engine takes none, while decode (which needs no
-``Prepare`` when no rewrite is due) has already read the blocks. Such a ``Done`` is kept
-for ``EARLY_DONE_TTL_S`` and ends the request as soon as it is added. A ``Prepare`` may
-arrive that early too (a rewrite, or a decode claiming the blocks near the lease end): it
-is answered when the request is added, or refused once ``early_wait_s`` passed (the
-worker passes its lease: the engine hands over a finished request with its next step,
-which under load may be seconds away, and a request it still owns is finishing, not
-gone); one for a request that already ended here, or that the engine freed before
-handing it over, is refused at once.
+How long a request's blocks stay, and for whom, is its hold (``prefill.holds``); messages
+that come before their request wait for it (``prefill.early``).
 """
 
 from __future__ import annotations
@@ -59,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,15 +41,16 @@ from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
     NOTIF_PROTOCOL_VERSION,
     Done,
-    GroupDigest,
     Heartbeat,
     Prepare,
     Prepared,
 )
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.block_lending import BlockLending
+from kvbridge.connector.worker.prefill.early import EARLY_DONE_TTL_S, EARLY_PREPARE_TTL_S, Early
 from kvbridge.connector.worker.prefill.gather_arena import GatherArena
-from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
+from kvbridge.connector.worker.prefill.holds import Claim, Kept, Reader
+from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests, claim_digests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.arrangement import BlockArrangement
@@ -84,44 +58,7 @@ from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
 
-EARLY_DONE_TTL_S = 120.0  # how long a Done for a request not added yet is kept
-# how long a Prepare (or Push) waits for its request to be added, unless the worker says
-# otherwise (it passes its lease): the engine may take several seconds to hand over a
-# request it finished (a long step under load); 5 s lost pushes under 8 concurrent loads
-EARLY_PREPARE_TTL_S = 30.0
 MAX_HOLD_S = 600.0  # the longest hold one claim may ask for (Prepare.hold_s)
-
-
-Reader = tuple[str, int]  # (decode's NIXL agent, its rank): who claims and says Done
-
-
-@dataclass
-class _Claim:
-    """What one reader was granted: the hold lasts for it until ``until`` unless its own
-    ``Done`` names one of ``numbers`` first."""
-
-    numbers: set[int]
-    until: float
-    ended: bool = False  # its reader's Done named it
-
-
-@dataclass
-class _Pending:
-    spec: SendSpec
-    deadline: float
-    rewritten: dict[int, tuple[BlockArrangement, BlockArrangement]] = field(default_factory=dict)
-    done_by: set[Reader] = field(default_factory=set)  # readers that said Done
-    readers: int = 1  # readers the hold waits for (the last Done's ``readers``)
-    eager: bool = False  # rewritten on add, in the last reader's format; no reader asked yet
-    claims: dict[Reader, _Claim] = field(default_factory=dict)  # granted, by reader
-    pins: int = 0  # pushes whose WRITEs may still read the blocks
-    native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
-    ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
-
-    def claimed_until(self, now: float) -> float:
-        """When the last granted claim still running runs out (0.0: none runs)."""
-        live = [c.until for c in self.claims.values() if not c.ended and c.until > now]
-        return max(live, default=0.0)
 
 
 class Sender:
@@ -157,19 +94,20 @@ class Sender:
         self._rewrites_in_place = rewrites_in_place
         self._metrics = metrics
         self._clock = clock
-        self.early_wait_s = early_wait_s
-        self._pending: dict[str, _Pending] = {}
+        self._early = Early(metrics, wait_s=early_wait_s, clock=clock)
+        self._pending: dict[str, Kept] = {}
         self._lending = BlockLending(buffers, metrics, self._order)
         self._finished: set[str] = set()
         self._expired: set[str] = set()
-        # request -> (expiry, [(reader's agent, Done)]): Dones that came before the request
-        self._early: dict[str, tuple[float, list[tuple[str, Done]]]] = {}
-        # request -> (expiry, [(requester agent, Prepare)]) waiting for the request
-        self._early_prepares: dict[str, tuple[float, list[tuple[str, Prepare]]]] = {}
         self._replies: list[tuple[str, Prepared]] = []  # deferred answers to send
         self._ended: dict[str, float] = {}  # request -> when it ended here (recent ones)
         # the rewrites the last reader asked for: applied on add (permute after save)
         self._learned: dict[int, tuple[BlockArrangement, BlockArrangement]] = {}
+
+    @property
+    def early_wait_s(self) -> float:
+        """How long a ``Prepare`` or ``Push`` waits for its request to be handed over."""
+        return self._early.wait_s
 
     @property
     def num_pending(self) -> int:
@@ -178,18 +116,17 @@ class Sender:
     def add(self, spec: SendSpec) -> None:
         if spec.request_id in self._pending:
             return
-        pending = _Pending(spec=spec, deadline=self._clock() + spec.lease_s)
+        pending = Kept(spec=spec, deadline=self._clock() + spec.lease_s)
         self._pending[spec.request_id] = pending
         if self._learned and self._rewrite_on_save:
             self._rewrite_eagerly(pending)
         self._stage_out(pending)
-        _, prepares = self._early_prepares.pop(spec.request_id, (0.0, []))
+        prepares, dones = self._early.take(spec.request_id)
         for agent, prepare in prepares:
             reply = self.on_prepare(prepare, agent)
             assert reply is not None  # the request is pending now
             self._replies.append((agent, reply))
-        _, early = self._early.pop(spec.request_id, (0.0, []))
-        for agent, msg in early:
+        for agent, msg in dones:
             self.on_done(msg, agent)
 
     def on_prepare(self, msg: Prepare, agent: str = "") -> Prepared | None:
@@ -208,18 +145,11 @@ class Sender:
         if pending is not None and not pending.ending and self._clock() > pending.deadline:
             self.expire()  # its lease ran out before this step's expire(): so it ended
             pending = self._pending.get(msg.request_id)
-        if pending is not None and pending.ending and not self._extends(pending, reader):
+        if pending is not None and pending.ending and not pending.extends(reader, self._clock()):
             return _unknown(msg.request_id, msg.claim)  # its hold is ending: no new reader
         if pending is None:
-            if msg.request_id in self._ended or len(self._early_prepares) >= 4096:
+            if msg.request_id in self._ended or not self._early.keep_prepare(msg, agent):
                 return _unknown(msg.request_id, msg.claim)
-            _, waiting = self._early_prepares.setdefault(
-                msg.request_id, (self._clock() + self.early_wait_s, [])
-            )
-            # a claim sent again replaces the reader's earlier one: answered once (and
-            # digested once), from the latest send, which decode counts its hold from
-            waiting[:] = [(a, p) for a, p in waiting if (a, p.reader_rank) != reader]
-            waiting.append((agent, msg))
             return None
         if msg.rewrites and not self._rewrites_in_place:
             return Prepared(
@@ -265,10 +195,10 @@ class Sender:
         pending.deadline = max(pending.deadline, now + hold)
         claim = pending.claims.get(reader)
         if claim is None or claim.ended:
-            claim = pending.claims[reader] = _Claim(numbers=set(), until=0.0)
+            claim = pending.claims[reader] = Claim(numbers=set(), until=0.0)
         claim.numbers.add(msg.claim)
         claim.until = max(claim.until, pending.deadline)  # what the answer promises
-        digests, why = self._digests_for(pending.spec, agent, msg) if msg.verify else ([], "")
+        digests, why = claim_digests(self._digests, self._metrics, pending.spec, agent, msg)
         packed_at, packed_bytes, unpacked = -1, 0, ""
         if msg.packed and self._gather is not None:
             packed_at, packed_bytes, unpacked = self._gather.pack(pending.spec, agent, msg)
@@ -285,25 +215,7 @@ class Sender:
             packed_bytes=packed_bytes,
         )
 
-    def _digests_for(
-        self, spec: SendSpec, agent: str, msg: Prepare
-    ) -> tuple[list[GroupDigest], str]:
-        """A verified claim: the digests of what it reads, as NIXL will read it (after
-        this claim's rewrites, from the host mirror when staged); or none and why (the
-        claim still stands: decode fails the load and says Done)."""
-        if self._digests is None:
-            return [], "this prefill gives no digests"
-        try:
-            digests = self._digests.for_claim(
-                spec, agent, msg.plan_digest, msg.start_token, msg.end_token
-            )
-        except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (out of memory)
-            logger.warning("no digests for %s to %s: %s", msg.request_id, agent or "?", exc)
-            return [], f"no digests: {exc}"
-        self._metrics.digests_sent += 1
-        return digests, ""
-
-    def _stage_out(self, pending: _Pending) -> None:
+    def _stage_out(self, pending: Kept) -> None:
         """Host staging: the mirror gets the request's blocks as the device holds them."""
         if self._stage is None:
             return
@@ -311,7 +223,7 @@ class Sender:
             if ids:
                 self._stage.to_host(group_id, np.asarray(ids, dtype=np.int64))
 
-    def _rewrite_eagerly(self, pending: _Pending) -> None:
+    def _rewrite_eagerly(self, pending: Kept) -> None:
         """Rewrite a request just added into the last reader's format (a guess: undone
         when its reader wants another one; skipped when a block is lent another way)."""
         try:
@@ -323,25 +235,14 @@ class Sender:
             return
         pending.eager = True
 
-    def _extends(self, pending: _Pending, reader: Reader) -> bool:
-        """``reader`` holds a claim that still runs: it may extend it while the hold is
-        ending (its READs outlast half the hold); a reader without one may not start."""
-        claim = pending.claims.get(reader)
-        return claim is not None and not claim.ended and claim.until > self._clock()
-
     def on_done(self, msg: Done, agent: str = "") -> bool:
         """A reader is done: its claim ends (the claims ``msg`` names, and only the
         reader's own); the hold ends once ``readers`` readers said Done and no claim
         granted to another still runs. False: unknown or a repeat."""
         pending = self._pending.get(msg.request_id)
         if pending is None:
-            if msg.request_id in self._ended or len(self._early) >= 4096:
-                return False  # ended here already (a late Done), or too many waiting
-            _, early = self._early.setdefault(
-                msg.request_id, (self._clock() + EARLY_DONE_TTL_S, [])
-            )
-            early.append((agent, msg))
-            return True
+            # False: ended here already (a late Done), or too many waiting
+            return msg.request_id not in self._ended and self._early.keep_done(msg, agent)
         reader = (agent, msg.reader_rank)
         claim = pending.claims.get(reader)
         if claim is not None and not claim.ended and claim.numbers & set(msg.claims):
@@ -371,7 +272,9 @@ class Sender:
         hold is ending, unless ``reader`` holds a claim on it that still runs: a push's
         later rounds go on for it)."""
         pending = self._pending.get(request_id)
-        if pending is None or (pending.ending and not (reader and self._extends(pending, reader))):
+        if pending is None or (
+            pending.ending and not (reader and pending.extends(reader, self._clock()))
+        ):
             return None
         return pending.spec
 
@@ -395,7 +298,7 @@ class Sender:
         pending = self._pending.get(request_id)
         if pending is None:
             return request_id in self._ended
-        return bool(pending.ending) and not (reader and self._extends(pending, reader))
+        return bool(pending.ending) and not (reader and pending.extends(reader, self._clock()))
 
     def readers_done(self, request_id: str) -> tuple[int, ...] | None:
         """Reader ranks that said Done for a held request (None: not held)."""
@@ -416,13 +319,12 @@ class Sender:
         pending = self._pending.get(request_id)
         if pending is None:
             self._ended.setdefault(request_id, self._clock())  # also when it never got here
-        _, waiting = self._early_prepares.pop(request_id, (0.0, []))
+        waiting = self._early.drop(request_id)
         self._replies += [(agent, _unknown(request_id, p.claim)) for agent, p in waiting]
-        self._early.pop(request_id, None)
         if pending is not None:
             self._end(pending, "aborted", report=report)
 
-    def _end(self, pending: _Pending, why: str, *, report: bool = True) -> None:
+    def _end(self, pending: Kept, why: str, *, report: bool = True) -> None:
         """End the hold now, or mark it ending when a push still writes from the blocks
         or a claim granted to a reader still runs (that reader has not said Done);
         :meth:`expire`, :meth:`unpin` or that reader's :meth:`on_done` end it later."""
@@ -455,15 +357,8 @@ class Sender:
 
     def expire(self) -> None:
         now = self._clock()
-        for rid, (expiry, _) in list(self._early.items()):
-            if now > expiry:
-                _, msgs = self._early.pop(rid)
-                self._metrics.bad_notifications += len(msgs)
-                logger.warning("Done for %s arrived but the request never did; dropped", rid)
-        for rid, (expiry, waiting) in list(self._early_prepares.items()):
-            if now > expiry:
-                del self._early_prepares[rid]
-                self._replies += [(agent, _unknown(rid, p.claim)) for agent, p in waiting]
+        refused = self._early.expire()
+        self._replies += [(agent, _unknown(p.request_id, p.claim)) for agent, p in refused]
         for rid, ended in list(self._ended.items()):
             if now - ended > EARLY_DONE_TTL_S:
                 del self._ended[rid]
