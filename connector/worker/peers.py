@@ -39,12 +39,10 @@ import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
 from kvbridge.connector.worker.peer_setup import PeerSetup
+from kvbridge.connector.worker.plan_lists import PlanLists
 from kvbridge.connector.worker.read_probe import ReadProbe
-from kvbridge.connector.worker.staging.arenas import slot_offsets, slot_region
 from kvbridge.handshake.client import HandshakeClient
 from kvbridge.handshake.compat import check_compatible
 from kvbridge.handshake.description import PeerLayout, parse_description
@@ -53,16 +51,11 @@ from kvbridge.handshake.messages import WorkerDescription
 from kvbridge.handshake.plan import negotiate
 from kvbridge.handshake.plan_model import GroupPlan, PieceStream, TransferPlan
 from kvbridge.handshake.tp_plan import reads_from
-from kvbridge.layouts.descriptors import block_descriptors, descriptor_table
 from kvbridge.layouts.errors import KVBridgeError
-from kvbridge.layouts.region import KVRegion
 
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]  # (engine id, rank)
-# Peer.remote_lists key of a peer's gather arena, in pages (packed reads; streams are
-# keyed by (group id, stream index) >= 0)
-GATHER_LIST = (-1, 0)
 
 
 class PeerState(enum.Enum):
@@ -135,7 +128,7 @@ class PeerDirectory:
         self._warmed: queue.SimpleQueue[tuple[str, int, _Prepared | KVBridgeError]] = (
             queue.SimpleQueue()
         )
-        self._local_lists: dict[tuple, DescList] = {}
+        self._lists = PlanLists(engine, local_layout, writer=writer)
         self.handshakes = 0
         self.failures = 0
         # called with a peer's agent once it is removed and the transport confirmed it
@@ -217,27 +210,8 @@ class PeerDirectory:
                 agent = self._setup.load_agent(desc.nixl_metadata)
                 return _Prepared(desc, agent, incompatible=str(exc))
             prepared = _Prepared(desc, self._setup.load_agent(desc.nixl_metadata), layout, plan)
-            first: KVRegion | None = None  # a region of the peer's the probe may READ
             try:
-                for g in plan.groups:
-                    for i, stream in enumerate(g.streams):
-                        region, offsets = self._their_rows(layout, g, i)
-                        table = block_descriptors(
-                            region,
-                            np.arange(region.num_blocks),
-                            offsets=offsets,
-                            length=stream.length,
-                        )
-                        prepared.lists[(g.group_id, i)] = self._engine.prep_remote(
-                            prepared.agent, table, memory_kind=region.memory_kind
-                        )
-                        first = first or region
-                if self._packs(layout):
-                    gather = layout.gather
-                    assert gather is not None
-                    prepared.lists[GATHER_LIST] = self._engine.prep_remote(
-                        prepared.agent, descriptor_table(gather), memory_kind=gather.memory_kind
-                    )
+                first = self._lists.remote(prepared.agent, layout, plan, prepared.lists)
             except KVBridgeError:
                 self._release(list(prepared.lists.values()), prepared.agent)
                 raise
@@ -252,14 +226,6 @@ class PeerDirectory:
         except Exception as exc:  # a bug: the peer fails by name instead of waiting forever
             logger.exception("setting up peer %s failed", where)
             return KVBridgeError(f"setting up the peer at {where} failed: {exc!r}")
-
-    def _packs(self, layout: PeerLayout) -> bool:
-        """Packed transfers with this peer (reads from it, or pushes to it): both of us
-        have a gather arena, in equal pages."""
-        ours, theirs = self._local.gather, layout.gather
-        if ours is None or theirs is None:
-            return False
-        return ours.block_bytes == theirs.block_bytes
 
     def _wire_up(self, agent: str, desc: WorkerDescription) -> None:
         """Start UCX's connection to the peer now (NIXL's ``make_connection`` returns at
@@ -414,58 +380,13 @@ class PeerDirectory:
         for hook in self.on_drop if self.gone(agent) else ():
             hook(agent)
 
-    def _their_rows(
-        self, layout: PeerLayout, group: GroupPlan, i: int
-    ) -> tuple[KVRegion, np.ndarray]:
-        """The peer's region and piece offsets of stream ``i``: its blocks, or, for a
-        writer of pages the peer stages, its staging slots (row = slot id)."""
-        stream = group.streams[i]
-        if self._writer and group.split_from:
-            if layout.staging is None:  # negotiation refuses such a push: a bug if here
-                raise KVBridgeError(f"group {group.group_id}: the reader has no staging slots")
-            region = slot_region(layout.staging, group.staging_bytes)
-            return region, np.array([slot_offsets(group)[i]], dtype=np.int64)
-        if self._writer:
-            return layout.regions[stream.local_region].region, group.local_offsets(stream)
-        return layout.regions[stream.remote_region].region, group.remote_offsets(stream)
-
-    def _mine(self, group: GroupPlan, stream: PieceStream) -> tuple[int, np.ndarray]:
-        """This worker's region index and piece offsets of a stream."""
-        if self._writer:
-            return stream.remote_region, group.remote_offsets(stream)
-        return stream.local_region, group.local_offsets(stream)
-
     def local_list(self, group: GroupPlan, stream: PieceStream) -> DescList:
         """This worker's descriptor list for a plan's stream, prepared once and shared."""
-        # the attributes the offsets derive from (no array built per call: a hot path)
-        if self._writer:
-            side = (
-                stream.remote_region,
-                stream.remote_offsets,
-                group.remote_chunks_per_block,
-                stream.remote_chunk_starts,
-            )
-            chunk_bytes = stream.remote_chunk_bytes
-        else:
-            side = (stream.local_region, stream.local_offsets, group.local_chunks_per_block)
-            chunk_bytes = stream.local_chunk_bytes
-        key = (group.group_id, *side, chunk_bytes, stream.length)
-        dl = self._local_lists.get(key)
-        if dl is None:
-            index, offsets = self._mine(group, stream)
-            region = self._local.regions[index].region
-            table = block_descriptors(
-                region, np.arange(region.num_blocks), offsets=offsets, length=stream.length
-            )
-            dl = self._engine.prep_local(table)
-            self._local_lists[key] = dl
-        return dl
+        return self._lists.local(group, stream)
 
     def close(self) -> None:
         """Drop every peer (their agents and lists go on the set-up thread, which the
         worker closes after this) and release the local lists (gate held)."""
         for key in list(self._peers):
             self.drop(key, "closed")
-        for dl in self._local_lists.values():
-            dl.release()
-        self._local_lists.clear()
+        self._lists.close()

@@ -36,7 +36,8 @@ from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.digests import PlanSide
 from kvbridge.connector.worker.packed_rows import packed_rows, scatter
-from kvbridge.connector.worker.peers import GATHER_LIST, Peer
+from kvbridge.connector.worker.peers import Peer
+from kvbridge.connector.worker.plan_lists import GATHER_LIST
 from kvbridge.connector.worker.rows import GroupRows
 from kvbridge.connector.worker.staging.arenas import StagingArena, StagingPool
 from kvbridge.connector.worker.staging.staged_reads import StageBatch

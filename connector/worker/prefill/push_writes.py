@@ -25,7 +25,8 @@ from kvbridge.connector.common.notifications import GroupDigest, Push
 from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
 from kvbridge.connector.worker.digests import PlanSide
 from kvbridge.connector.worker.packed_rows import packed_rows
-from kvbridge.connector.worker.peers import GATHER_LIST, Peer, PeerDirectory, PeerKey
+from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey
+from kvbridge.connector.worker.plan_lists import GATHER_LIST
 from kvbridge.connector.worker.prefill.answers import carried_answer
 from kvbridge.connector.worker.prefill.gather_arena import PAGE_BYTES, GatherArena
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
