@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from kvbridge.cli.bench.results import add_json_argument, write_json
-from kvbridge.connector.common.config import KVTransferConfig
+from kvbridge.connector.common.config import NIXL_PROGRESS_STEP_US, KVTransferConfig
 from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec, SendSpec
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.transfer.nixl_config import ProgressMode
@@ -854,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
         "--formats",
         default="",
         help="only the rows whose prefill and decode formats are both in this comma list "
-        "(x-NHD, bf-NHD, ks-NHD, x-HND; default: every row)",
+        "(x-NHD, bf-NHD, ks-NHD, x-HND; x-NHD among them: the raw baseline and the "
+        "compare rows run on its child; default: every row)",
     )
     ap.add_argument(
         "--host-staging",
@@ -893,9 +894,9 @@ def main(argv: list[str] | None = None) -> int:
         "--nixl-progress-us",
         type=int,
         default=0,
-        help="extra.nixl_progress_us on both sides: NIXL's progress thread sleeping that "
-        "long between rounds (0: none, progress in the worker's calls only; vLLM's "
-        "default is 1000)",
+        help="extra.nixl_progress_us: NIXL's progress thread, waiting for UCX's events at "
+        "most that long, a multiple of 1000 (0: none, progress in the worker's calls only; "
+        "vLLM's default is 1000), on --nixl-progress-side",
     )
     ap.add_argument(
         "--nixl-progress-side",
@@ -921,6 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-rewrites-in-place", action="store_true", help=argparse.SUPPRESS)
     add_json_argument(ap)
     args = ap.parse_args(argv)
+    if args.nixl_progress_us < 0 or args.nixl_progress_us % NIXL_PROGRESS_STEP_US:
+        ap.error(f"--nixl-progress-us must be 0 or a multiple of {NIXL_PROGRESS_STEP_US}")
     shape = Shape.from_args(args)
     if args.serve:
         serve(
@@ -974,9 +977,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.formats:
         wanted = {f.strip() for f in args.formats.split(",") if f.strip()}
+        if "x-NHD" not in wanted:  # the raw rows need the first row's child cross-layer
+            raise SystemExit(f"--formats {args.formats}: x-NHD must be among them")
         formats = [f for f in formats if f[0] in wanted and f[1] in wanted]
-        if not formats:
-            raise SystemExit(f"--formats {args.formats}: no row has both formats in it")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staging = args.host_staging == "on"
     merge = MergeRuns.ON if args.merge == "on" else MergeRuns.OFF

@@ -116,9 +116,10 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Above 0: run NIXL's progress thread, for engines that stop calling the connector while
     idle (an idle prefill must still answer its readers' READs); 0 leaves progress to the
     worker's calls. The thread waits for UCX's events with this timeout, which NIXL counts
-    in whole milliseconds: a multiple of 1000 (microseconds). While it runs, the worker's
-    own calls no longer move UCX's traffic along, the thread does: on a small CPU host that
-    cost push loads about 1 ms each (docs/performance.md, "NIXL's progress thread").
+    in whole milliseconds: a multiple of 1000 (microseconds). While it runs, reading
+    notifications no longer moves UCX along (polling a transfer still does): on a small CPU
+    host a decode-side thread cost push loads about 1.3 ms each (docs/performance.md,
+    "What a READ waits for over TCP, and NIXL's progress thread").
     Read by: both."""
 
     idle_progress_ms: float = 0.0

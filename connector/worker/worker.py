@@ -119,6 +119,8 @@ class KVBridgeWorker:
         self.metrics = ConnectorMetrics()
         self._clock = clock
         delay_us = extra.nixl_progress_us
+        # get_notifs moves UCX along only where NIXL runs no progress thread of its own
+        self._notifs_progress = not delay_us
         merge = MergeRuns.ON if extra.merge_runs else MergeRuns.OFF
         self._engine_factory = engine_factory or (
             # called from the step, the idle thread and the set-up thread, one at a time
@@ -305,8 +307,8 @@ class KVBridgeWorker:
             if step:  # the engine's own rounds: leases end, early claims are answered
                 sender.expire()
                 answered += self._inbox.send_replies()
-            if answered:  # their READs come now: over TCP a GET moves with our progress
-                self._inbox.handle_notifications()
+            if answered and self._notifs_progress:  # their READs come now: over TCP a
+                self._inbox.handle_notifications()  # GET moves with our progress
             return True
 
     @engine_call

@@ -108,7 +108,6 @@ class Receiver:
         its may still land is also reported at once, as failing (the engine ends the
         request and keeps its blocks until the failure itself is reported). ``packed``:
         moves many small rows as one packed range (``extra.gather_mib``, pull and push)."""
-        self._engine = engine
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         order = order or DeviceOrder(buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker, order)
