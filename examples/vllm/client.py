@@ -3,7 +3,8 @@
 Requests use vLLM 0.32's completions API with token-id prompts, ``temperature=0``,
 ``logprobs=1``, ``ignore_eos`` (every answer has ``max_tokens`` tokens) and
 ``return_token_ids`` (the answer's ``choices[0].token_ids`` are the generated ids;
-``choices[0].logprobs.token_logprobs`` their log-probabilities).
+``choices[0].logprobs.token_logprobs`` their log-probabilities; ``logprobs=None`` in
+``extra`` asks for none, and ``Completion.logprobs`` is then empty).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def complete(
         answer = json.loads(raw)
         choice = answer["choices"][0]
         token_ids = [int(t) for t in choice["token_ids"]]
-        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        asked = choice.get("logprobs")  # None: the request set "logprobs": None
+        logprobs = [float(x) for x in asked["token_logprobs"]] if asked is not None else []
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise RequestError(
             url, resp.status, f"unexpected answer ({exc!r}): {raw[:300]!r}"

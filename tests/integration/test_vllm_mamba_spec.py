@@ -65,7 +65,10 @@ def test_only_the_running_state_moves_byte_for_byte_and_decode_drafts(servers):
         params = prefilled(servers["K1"], p, model=MODEL)
         # a state model's prefill stops one token short: decode resumes from that state
         assert (params["num_tokens"], params["resume_tokens"]) == (len(p), len(p) - 1)
-        got = run(decode, p, model=MODEL, kv_transfer_params=params)
+        # no logprobs: in one full CI run (not in seven alone) decode answered HTTP 400 "Out
+        # of range float values are not JSON compliant" (an inf or NaN logprob under n-gram
+        # speculation); the loads are verified byte for byte below, the output not compared
+        got = run(decode, p, model=MODEL, kv_transfer_params=params, logprobs=None)
         assert len(got.token_ids) == 8, got
     after = scrape(decode.url)
     moved = str(_deltas(before, after))
