@@ -168,10 +168,12 @@ def describe(
     rewrites_on_save: bool = False,
     staging: KVRegion | None = None,
     gather: KVRegion | None = None,
+    kv_role: str = "",
 ) -> WorkerDescription:
     """The description a worker publishes for its buffers (``staging``: its registered
     staging arena, advertised for a pushing writer; ``gather``: the pages it packs
-    claimed rows into, advertised for a pulling reader)."""
+    claimed rows into, advertised for a pulling reader; ``kv_role``: its config's
+    ``kv_role`` value)."""
     config, fmt = buffers.config, buffers.format
     block_size = _side_block_size(config)
     regions = []
@@ -227,6 +229,7 @@ def describe(
         kv_heads=fmt.heads.value,
         numbered_claims=True,
         gather=_region_to_wire(gather) if gather is not None else None,
+        kv_role=kv_role,
     )
 
 

@@ -34,6 +34,9 @@ Protocol history:
         out, so that a prefill can digest what a verifying decode reads;
         WorkerDescription.gather (default none): the registered arena a prefill packs a
         claim's rows into (``extra.gather_mib``), one page per block of the region.
+        WorkerDescription.kv_role (default "": not described): the worker's
+        ``kv_role`` (``kv_producer``, ``kv_consumer`` or ``kv_both``), so that a plan or
+        probe refuses a pair that is not prefill -> decode.
 """
 
 from __future__ import annotations
@@ -191,6 +194,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # reader asks (Prepare.packed), in pages of block_bytes
     # (kvbridge.connector.worker.prefill.gather_arena); none: it packs nothing
     gather: WireRegion | None = None
+    # the worker's kv_role (KVRole value: "kv_producer", "kv_consumer" or "kv_both");
+    # empty: an older peer that did not say
+    kv_role: str = ""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

@@ -108,6 +108,7 @@ class SideChannel:
                 rewrites_on_save=rewrites_on_save,
                 staging=staging,
                 gather=gather,
+                kv_role=config.kv_role.value,
             )
             request = MetadataRequest(
                 protocol_version=self._description.protocol_version,

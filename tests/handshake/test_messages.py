@@ -253,3 +253,15 @@ def test_incompatible_peer_error_lists_one_difference_per_line() -> None:
         "run both sides with the same model",
     ]
     assert error.differences == [("block_size", 16, 64), ("kv_layout", "NHD", "XYZ")]
+
+
+def test_the_role_travels_and_an_older_peer_says_none() -> None:
+    current = msgspec.structs.replace(make_description(), kv_role="kv_consumer")
+    assert decode_reply(encode(current)) == current
+    fields = msgspec.to_builtins(current)
+    del fields["kv_role"]  # a peer from before descriptions carried the role
+    fields["nixl_metadata"] = current.nixl_metadata
+    decoded = decode_reply(msgspec.msgpack.encode(fields))
+    assert isinstance(decoded, WorkerDescription) and decoded.kv_role == ""
+    # the last field: what the schema-evolution rule asks of a new one
+    assert WorkerDescription.__struct_fields__[-1] == "kv_role"
