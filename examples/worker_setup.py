@@ -73,32 +73,41 @@ def build(args: argparse.Namespace) -> tuple[EngineLoop, dict]:
 
 
 def transfer_config(args: argparse.Namespace, device: torch.device) -> KVTransferConfig | None:
-    """The connector's config (None: role "both" without one): ``--kv-transfer-config``,
-    or a default for ``--role``; ``kv_buffer_device`` is ``device``'s type unless given."""
+    """The connector's config (None: role "both" without one): ``--kv-transfer-config``
+    over the defaults ``--role`` gives (``kv_role``, ``engine_id`` ROLE-PORT), so a config
+    that sets only ``kv_port`` or ``secret`` keeps them; ``kv_buffer_device`` is
+    ``device``'s type unless given."""
     role = ROLE_KV[args.role]
     if args.role == "both" and not args.kv_transfer_config:
         return None
-    raw = args.kv_transfer_config or json.dumps(
-        {"kv_role": role.value, "engine_id": f"{args.role}-{args.port}"}
-    )
-    config = KVTransferConfig.from_json(raw)
+    given = _given(args.kv_transfer_config) if args.kv_transfer_config else {}
+    defaults = {"kv_role": role.value, "engine_id": f"{args.role}-{args.port}"}
+    config = KVTransferConfig.from_dict(defaults | given)
     if config.kv_role is not role:
         raise ConfigError(
             f"--role {args.role} needs kv_role {role.value!r}, the "
             f"kv-transfer-config says {config.kv_role.value!r}"
         )
-    if "kv_buffer_device" not in _given_keys(raw):
+    if "kv_buffer_device" not in given:
         config = msgspec.structs.replace(config, kv_buffer_device=device.type)
     return config
 
 
-def _given_keys(text_or_path: str) -> set[str]:
-    """The keys a kv-transfer-config spells out (the config itself fills in defaults);
-    ``text_or_path`` already parsed once, by ``KVTransferConfig.from_json``."""
+def _given(text_or_path: str) -> dict:
+    """The keys a kv-transfer-config spells out (JSON, or the path of a JSON file)."""
     text = text_or_path
     if not text_or_path.lstrip().startswith("{"):
-        text = Path(text_or_path).read_text()
-    return set(json.loads(text))
+        path = Path(text_or_path)
+        if not path.is_file():
+            raise ConfigError(f"kv-transfer-config {text_or_path!r} is neither JSON nor a file")
+        text = path.read_text()
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"kv-transfer-config is not valid JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"kv-transfer-config must be a JSON object, not {type(given).__name__}")
+    return given
 
 
 def _connector(config: KVTransferConfig, runner: ModelRunner, info: dict):

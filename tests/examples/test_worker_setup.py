@@ -80,3 +80,33 @@ def test_launch_passes_the_device_to_both_workers(tmp_path):
             int(block_size),
         )
         assert args.cross_layers is (name == "prefill")
+
+
+@pytest.mark.parametrize(
+    ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")]
+)
+def test_a_config_keeps_the_defaults_the_role_fills_in(role, kv_role, tmp_path):
+    """``--role decode --kv-transfer-config '{"kv_port": 5701}'``: the role's kv_role and
+    engine id stay, the config's keys are added; a key the config gives wins."""
+    raw = json.dumps({"kv_port": 5701, "secret": "s" * 16})
+    config = transfer_config(
+        _args("--role", role, "--port", "8300", "--kv-transfer-config", raw), CUDA0
+    )
+    assert config is not None
+    assert (config.kv_role.value, config.engine_id) == (kv_role, f"{role}-8300")
+    assert (config.kv_port, config.secret) == (5701, "s" * 16)
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"engine_id": "mine"}))
+    config = transfer_config(_args("--role", role, "--kv-transfer-config", str(path)), CUDA0)
+    assert config is not None and (config.kv_role.value, config.engine_id) == (kv_role, "mine")
+
+
+def test_a_config_that_is_not_an_object_names_the_problem(tmp_path):
+    path = tmp_path / "kv.json"
+    path.write_text("[1]")
+    with pytest.raises(ConfigError, match="must be a JSON object, not list"):
+        transfer_config(_args("--role", "decode", "--kv-transfer-config", str(path)), CUDA0)
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        transfer_config(_args("--role", "decode", "--kv-transfer-config", "{nope"), CUDA0)
+    with pytest.raises(ConfigError, match="neither JSON nor a file"):
+        transfer_config(_args("--role", "decode", "--kv-transfer-config", "/no/such.json"), CUDA0)
