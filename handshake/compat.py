@@ -1,7 +1,13 @@
 """What must match between two peers, as a hash and as a field-by-field diff.
 
-The hash covers the protocol version, the model identity (name, dtype, layer count, KV
-heads, head size) and the group structure (kinds, layer names, specs without block size
+A model is identified by what decides its KV cache, never by where it was loaded from:
+``model_name`` (vLLM's ``--model``, a path or a hub id) is not compared, so two copies of
+a model in two directories pair. Compared are the architecture (vLLM's model class) and
+the weights' fingerprint (``extra.model_fingerprint``, else vLLM's served model name),
+each where both sides know it, and the shapes below.
+
+The hash covers the protocol version, the model's shapes (dtype, layer count, KV heads,
+head size) and the group structure (kinds, layer names, specs without block size
 or page size, which negotiation may bridge). A pipeline stage (``pp_size`` above 1) holds
 only some of the model's layers, so its hash leaves the layer count and names out, and
 :func:`check_compatible` leaves them to negotiation, which plans over the layers both
@@ -27,7 +33,6 @@ from kvbridge.layouts.specs import KVCacheKind, StateSpec, dtype_name
 
 class _HashInput(msgspec.Struct, array_like=True):
     protocol_version: int
-    model_name: str
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -73,7 +78,6 @@ def compat_hash(identity: WorkerIdentity, config: KVCacheConfig) -> str:
     payload = msgspec.msgpack.encode(
         _HashInput(
             protocol_version=PROTOCOL_VERSION,
-            model_name=identity.model_name,
             dtype=identity.dtype,
             num_layers=identity.num_layers if whole else 0,
             num_kv_heads=identity.num_kv_heads,
@@ -119,12 +123,24 @@ def _state(spec: WireSpec, tp_size: int) -> tuple[object, ...]:
 
 _IDENTITY_FIELDS = (
     "protocol_version",
-    "model_name",
     "dtype",
     "num_layers",
     "num_kv_heads",
     "head_size",
 )
+# compared where both sides set them ("" : an engine that does not say, or an older peer)
+_NAMED_FIELDS = ("architecture", "model_fingerprint")
+
+_HINTS = {
+    "architecture": "the two sides serve different model architectures: serve the same model",
+    "model_fingerprint": (
+        "the two sides name different weights (extra.model_fingerprint, else vLLM's "
+        "--served-model-name): if they serve the same weights, set the same "
+        "extra.model_fingerprint on both (a copy of a model in another directory is the "
+        "same model); else serve the same model"
+    ),
+}
+_SHAPES_HINT = "both sides must serve the same model with the same KV-cache groups"
 
 
 def check_compatible(
@@ -141,6 +157,10 @@ def check_compatible(
             continue
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
+            diffs.append((name, a, b))
+    for name in _NAMED_FIELDS:
+        a, b = getattr(local, name), getattr(remote, name)
+        if a and b and a != b:
             diffs.append((name, a, b))
     # before the per-rank state shapes, which differ across TP sizes for the same model
     kinds = [KVCacheKind(g.spec.kind) for g in local.groups]
@@ -174,8 +194,17 @@ def check_compatible(
         raise IncompatiblePeerError(
             diffs,
             peer=peer or _name(remote),
-            hint="both sides must serve the same model with the same KV-cache groups",
+            hint=_hint([name for name, _, _ in diffs]),
         )
+
+
+def _hint(names: list[str]) -> str:
+    """What to change for these differing fields: the named fields' own advice, and the
+    shapes' where a shape differs too."""
+    hints = [_HINTS[n] for n in _NAMED_FIELDS if n in names]
+    if any(n not in _HINTS for n in names):
+        hints.append(_SHAPES_HINT)
+    return "; ".join(hints)
 
 
 def _name(desc: WorkerDescription) -> str:

@@ -42,11 +42,17 @@ from kvbridge.layouts.specs import (
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerIdentity:
-    """Who a worker is and which model it serves (what must match across peers)."""
+    """Who a worker is and which model it serves.
+
+    The model is what decides its KV cache (``architecture``, ``dtype``, layers, KV heads,
+    head size, and the groups beside it) and, where weights may differ under the same
+    shapes, ``model_fingerprint``: :func:`kvbridge.handshake.compat.check_compatible`
+    compares those, never ``model_name``, so that two copies of a model in two directories
+    pair."""
 
     engine_id: str
     agent_name: str
-    model_name: str
+    model_name: str  # names the model in logs (vLLM: the --model path); never compared
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -55,6 +61,8 @@ class WorkerIdentity:
     tp_size: int = 1
     pp_rank: int = 0  # pipeline stage; its groups list only the layers it holds
     pp_size: int = 1
+    architecture: str = ""  # the model's class (vLLM: LlamaForCausalLM); "": unknown
+    model_fingerprint: str = ""  # which weights (extra.model_fingerprint); "": unknown
 
     @property
     def engine_rank(self) -> int:
@@ -230,6 +238,8 @@ def describe(
         numbered_claims=True,
         gather=_region_to_wire(gather) if gather is not None else None,
         kv_role=kv_role,
+        architecture=identity.architecture,
+        model_fingerprint=identity.model_fingerprint,
     )
 
 
@@ -323,6 +333,8 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         tp_size=desc.tp_size,
         pp_rank=desc.pp_rank,
         pp_size=desc.pp_size,
+        architecture=desc.architecture,
+        model_fingerprint=desc.model_fingerprint,
     )
     return PeerLayout(
         identity=identity,

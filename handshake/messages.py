@@ -37,6 +37,8 @@ Protocol history:
         WorkerDescription.kv_role (default "": not described): the worker's
         ``kv_role`` (``kv_producer``, ``kv_consumer`` or ``kv_both``), so that a plan or
         probe refuses a pair that is not prefill -> decode.
+        WorkerDescription.architecture and model_fingerprint (default ""): what
+        identifies the model instead of model_name, a path (compared where both are set).
 """
 
 from __future__ import annotations
@@ -181,6 +183,12 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # pipeline parallel: this worker's stage; its groups list only that stage's layers
     pp_rank: int = 0
     pp_size: int = 1
+    # what the model is, beside the shapes above (kvbridge.handshake.compat): its class
+    # (vLLM's architecture, e.g. "LlamaForCausalLM") and the weights' fingerprint
+    # (extra.model_fingerprint, else the served model name); "" : not known, not compared.
+    # model_name (the --model path) only names the model in logs.
+    architecture: str = ""
+    model_fingerprint: str = ""
 
     @property
     def engine_rank(self) -> int:

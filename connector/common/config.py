@@ -207,6 +207,16 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``gpu_memory_utilization``).
     Read by: both."""
 
+    model_fingerprint: str = ""
+    """Names the weights this worker serves, for the handshake to compare: prefill and
+    decode pair only when theirs are equal (where both have one). Set the same string on
+    both sides (a checkpoint's name and revision, or a hash of its files) when they load
+    the same weights from different places. Empty: under vLLM, its
+    ``--served-model-name`` when one is given (else none); a worker with none compares
+    only what decides the KV cache (architecture, dtype, layers, KV heads, head size,
+    groups), never the ``--model`` path.
+    Read by: both."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ConfigError(

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.connector.vllm import parallelism, spin_wait, translate
+from kvbridge.connector.vllm import model_identity, parallelism, spin_wait, translate
 from kvbridge.connector.vllm.stats import KVBridgePromMetrics, KVBridgeStats, own_stats_data
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 config,
                 kv_config,
                 model_name=str(vllm_config.model_config.model),
+                architecture=model_identity.architecture(vllm_config.model_config),
+                model_fingerprint=model_identity.served_fingerprint(vllm_config.model_config),
                 total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 layout_hint=layout,
                 rank=get_tensor_model_parallel_rank(),

@@ -45,6 +45,8 @@ class VLLMWorkerSide:
         *,
         model_name: str,
         total_kv_heads: int,
+        architecture: str = "",
+        model_fingerprint: str = "",
         layout_hint: KVLayout | None,
         rank: int,
         tp_size: int,
@@ -67,8 +69,11 @@ class VLLMWorkerSide:
         through a host mirror: the ``kv_buffer_device: "cpu"`` GPU path, tested on CPU).
         ``cache_dtype``: vLLM's ``--kv-cache-dtype``; its element format is what the
         handshake compares (:func:`~kvbridge.connector.vllm.translate.kv_element_format`).
-        ``model_dtype``: what vLLM writes K and V from; with an fp8 cache it picks the CPU
-        attention kernel's instruction set, and with it the page order."""
+        ``architecture`` / ``model_fingerprint``: what names the model to the handshake
+        beside its shapes (:mod:`kvbridge.connector.vllm.model_identity`); ``model_name``
+        (the ``--model`` path) only names it in logs. ``model_dtype``: what vLLM writes K
+        and V from; with an fp8 cache it picks the CPU attention kernel's instruction set,
+        and with it the page order."""
         self.kv_config = kv_config
         self.layout_hint = layout_hint
         self._cpu_attention = cpu_attention
@@ -87,6 +92,8 @@ class VLLMWorkerSide:
                 dtype=kv_element_format(cache_dtype, spec.dtype),
                 num_kv_heads=total_kv_heads,
                 head_size=spec.head_size,
+                architecture=architecture,
+                model_fingerprint=model_fingerprint,
             ),
             rank=rank,
             tp_size=tp_size,

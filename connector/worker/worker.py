@@ -64,10 +64,12 @@ logger = logging.getLogger(__name__)
 class ModelInfo:
     """The model a worker serves, as far as compatibility goes."""
 
-    model_name: str
+    model_name: str  # names it in logs; never compared (a path differs between copies)
     dtype: str
     num_kv_heads: int  # the model's KV heads (all ranks together; a rank holds a slice)
     head_size: int
+    architecture: str = ""  # the model's class, where the engine says (vLLM's)
+    model_fingerprint: str = ""  # which weights; extra.model_fingerprint takes precedence
 
 
 class KVBridgeWorker:
@@ -229,6 +231,8 @@ class KVBridgeWorker:
             tp_size=self.tp_size,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
+            architecture=self.model.architecture,
+            model_fingerprint=self.config.extra.model_fingerprint or self.model.model_fingerprint,
         )
         wiring = Wiring(
             config=self.config,
