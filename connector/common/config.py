@@ -15,6 +15,7 @@ for keyword construction, decoding and ``msgspec.structs.replace`` alike.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +312,9 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     kv_ip: str = "127.0.0.1"
     """Host the side-channel listener binds, and that prefill advertises in the params for
-    its readers to contact. The default keeps everything on loopback.
+    its readers to contact: the address its peers reach this host by on the KV network.
+    The default keeps everything on loopback. A wildcard (``0.0.0.0``, ``::``) is refused:
+    a peer told to contact it would reach its own host (docs/multihost.md).
     Read by: both."""
 
     kv_port: int = 5600
@@ -374,6 +377,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ConfigError("engine_id must be a non-empty string")
         if self.kv_buffer_device != "auto":
             parse_buffer_device(self.kv_buffer_device)
+        _check_advertised_host(self.kv_ip)
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port={self.kv_port} must lie in [0, 65535]")
         for name in ("lease_s", "heartbeat_s", "handshake_timeout_s", "transfer_timeout_s"):
@@ -437,6 +441,23 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 EXTRA_KEYS = frozenset(ExtraConfig.__struct_fields__)
+
+
+def _check_advertised_host(kv_ip: str) -> None:
+    """``kv_ip`` is advertised to peers as the address to contact: a wildcard (bind every
+    interface) names no host a peer can reach, so it is refused here, at load."""
+    try:
+        wildcard = ipaddress.ip_address(kv_ip.strip("[]")).is_unspecified
+    except ValueError:  # a host name: resolved where it is used
+        wildcard = False
+    if not kv_ip or wildcard:
+        raise ConfigError(
+            f"kv_ip={kv_ip!r} is advertised to peers as the address to reach this worker's "
+            f"side channel (the params' remote_host), and a peer told {kv_ip!r} contacts its "
+            f"own host; set kv_ip to this host's address on the KV network (e.g. its "
+            f"10.x or 192.168.x address, or a host name its peers resolve); the listener "
+            f"binds that address (docs/multihost.md)"
+        )
 
 
 def parse_buffer_device(kv_buffer_device: str) -> torch.device:

@@ -50,6 +50,7 @@ EVERY_FIELD = KVTransferConfig(
         verify=VerifyMode.ALL,
         verify_rate=0.5,
         gather_mib=16,
+        model_fingerprint="llama-3-8b@r1",
         read_probe=ReadProbeMode.OFF,
     ),
 )
