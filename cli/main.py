@@ -2,16 +2,21 @@
 
 ::
 
-    kvbridge describe --role decode --model tiny-hybrid --block-size 16 ... > decode.json
+    kvbridge describe decode --model tiny-hybrid --block-size 16 ... > decode.json
     kvbridge plan prefill.json decode.json [--prompt-tokens 1000]
     kvbridge probe 10.0.0.1:5600 [--as decode.json] [--secret-env KVBRIDGE_SECRET]
     kvbridge serve prefill|decode|both [example server arguments]
     kvbridge bench [--list | NAME [benchmark arguments]]   (kvbridge.cli.bench.NAME)
 
-Exit status: ``plan`` 0 when the pair works, 1 when it is refused (the fields, both
-values and the fix are printed), 2 on bad input; ``probe`` 0 when the worker answered
-(and, with ``--as``, pairs), 1 when it answered but would refuse the pairing, 3 when it did
-not answer or refused the handshake (a readiness check: ``until kvbridge probe ...``).
+``describe`` and ``serve`` take the same arguments: a role, then the example server's
+options (``--help`` lists them all); ``describe`` computes the description offline
+(``kvbridge.cli.describe``: no port bound, no NIXL agent), so it runs beside a worker.
+
+Exit status: ``plan`` 0 when the pair works, 1 when it is refused (not a prefill ->
+decode pair by role, or the fields, both values and the fix are printed), 2 on bad
+input; ``probe`` 0 when the worker answered (and, with ``--as``, pairs), 1 when it
+answered but would refuse the pairing, 3 when it did not answer or refused the
+handshake (a readiness check: ``until kvbridge probe ...``).
 """
 
 from __future__ import annotations
@@ -20,17 +25,50 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbridge.cli.roles import RoleRefusal
 
 OK, REFUSED, BAD_INPUT, UNREACHABLE = 0, 1, 2, 3
 
 
 def _plan(args: argparse.Namespace) -> int:
     from kvbridge.cli.pairing import load_description, pair, plan_text
+    from kvbridge.cli.roles import check_roles
 
     prefill, decode = load_description(args.prefill), load_description(args.decode)
+    refusal = check_roles(prefill, decode)
+    if refusal is not None:
+        print(refusal.text(args.prefill, args.decode, _plan_fix(refusal, args)))
+        return REFUSED
     pairing = pair(prefill, decode)
     print(plan_text(pairing, args.prompt_tokens))
     return OK if pairing.plan is not None else REFUSED
+
+
+def _plan_fix(refusal: RoleRefusal, args: argparse.Namespace) -> str:
+    return _role_fix(
+        refusal,
+        swap=f"pass them the other way round: kvbridge plan {args.decode} {args.prefill}",
+        prefill="pass as PREFILL a prefill worker's description (kvbridge probe "
+        "PREFILL_HOST:KV_PORT --save prefill.json, or kvbridge describe prefill ... "
+        "--out prefill.json)",
+        decode="pass as DECODE a decode worker's description (kvbridge probe "
+        "DECODE_HOST:KV_PORT --save decode.json, or kvbridge describe decode ... "
+        "--out decode.json)",
+    )
+
+
+def _role_fix(refusal: RoleRefusal, *, swap: str, prefill: str, decode: str) -> str:
+    """``swap`` when the two pair the other way round; else how to fix each wrong side
+    (the decode side's for one worker given twice)."""
+    if refusal.swapped:
+        return swap
+    fixes = [] if refusal.prefill_sends else [prefill]
+    if not refusal.decode_loads or (refusal.same_worker and not fixes):
+        fixes.append(decode)
+    return "; ".join(fixes)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -42,6 +80,7 @@ def _probe(args: argparse.Namespace) -> int:
         save_description,
     )
     from kvbridge.cli.probe import fetch_description
+    from kvbridge.cli.roles import check_roles
     from kvbridge.handshake.errors import HandshakeError
 
     secret = os.environ.get(args.secret_env) if args.secret_env else None
@@ -60,40 +99,48 @@ def _probe(args: argparse.Namespace) -> int:
     other = load_description(args.as_)
     # the probed worker is the prefill unless --as describes one
     prefill, decode = (other, desc) if args.as_role == "prefill" else (desc, other)
+    refusal = check_roles(prefill, decode)
+    if refusal is not None:
+        names = {"decode": (args.address, args.as_), "prefill": (args.as_, args.address)}
+        print(refusal.text(*names[args.as_role], _probe_fix(refusal, args)))
+        return REFUSED
     pairing = pair(prefill, decode)
     print(plan_text(pairing, args.prompt_tokens))
     return OK if pairing.plan is not None else REFUSED
 
 
-def _describe(args: argparse.Namespace, rest: list[str]) -> int:
+def _probe_fix(refusal: RoleRefusal, args: argparse.Namespace) -> str:
+    other = "prefill" if args.as_role == "decode" else "decode"
+    fix = {  # what gives a right side, where the probed worker is the other one's
+        args.as_role: f"pass --as a {args.as_role} worker's description (kvbridge describe "
+        f"{args.as_role} ... --out {args.as_role}.json)",
+        other: f"probe a {other} worker's side channel",
+    }
+    return _role_fix(
+        refusal,
+        swap=f"--as {args.as_} describes the {other} side: pass --as-role {other}",
+        prefill=fix["prefill"],
+        decode=fix["decode"],
+    )
+
+
+def _describe(server_args: argparse.Namespace, out: str | None) -> int:
     import msgspec
 
-    from kvbridge.examples.worker_setup import build, make_parser
+    from kvbridge.cli.describe import offline_description
 
-    server_args = make_parser().parse_args(rest)
-    if server_args.role == "both" and not server_args.kv_transfer_config:
-        print(
-            "error: describe needs --role prefill|decode (or --kv-transfer-config)", file=sys.stderr
-        )
-        return BAD_INPUT
-    loop, _ = build(server_args)
-    loop.start()
-    try:
-        assert loop.worker is not None
-        data = msgspec.json.encode(loop.worker.description)
-    finally:
-        loop.close()
-    if args.out:
-        Path(args.out).write_bytes(data)
+    data = msgspec.json.encode(offline_description(server_args))
+    if out:
+        Path(out).write_bytes(data)
     else:
         sys.stdout.buffer.write(data + b"\n")
     return OK
 
 
-def _serve(role: str, rest: list[str]) -> int:
+def _serve(server_argv: list[str]) -> int:
     from kvbridge.examples.server import main as serve
 
-    return serve(["--role", role, *rest])
+    return serve(server_argv)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -125,16 +172,19 @@ def make_parser() -> argparse.ArgumentParser:
     q.add_argument("--retries", type=int, default=1)
     q.add_argument("--save", default=None, help="write the worker's description here (JSON)")
     q.add_argument("--prompt-tokens", type=int, default=1024)
-    d = sub.add_parser(
+    # their options are the example server's: parsed, and listed by --help, in
+    # kvbridge.cli.server_args
+    sub.add_parser(
         "describe",
-        help="build a worker (example server arguments) and print "
-        "its description as JSON, without serving",
+        add_help=False,
+        help="print the description (JSON) of the worker `serve` starts with the same "
+        "arguments, offline (no port bound)",
     )
-    d.add_argument("--out", default=None)
-    s = sub.add_parser(
-        "serve", help="an example prefill/decode server (python -m kvbridge.examples.server)"
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="an example prefill/decode server (python -m kvbridge.examples.server)",
     )
-    s.add_argument("role", choices=("prefill", "decode", "both"))
     from kvbridge.cli.bench import listing
 
     b = sub.add_parser(
@@ -162,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.cmd == "probe":
             return _probe(args)
-        if args.cmd == "describe":
-            return _describe(args, rest)
-        if args.cmd == "serve":
-            return _serve(args.role, rest)
+        if args.cmd in ("describe", "serve"):
+            from kvbridge.cli.server_args import parse_server_args
+
+            server_args, server_argv = parse_server_args(args.cmd, rest)
+            if args.cmd == "describe":
+                return _describe(server_args, server_args.out)
+            return _serve(server_argv)
         return _bench(args)
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
