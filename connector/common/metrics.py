@@ -127,6 +127,10 @@ class ConnectorMetrics:
     )
     # every engine call into this worker's connector, per hook (engine_calls)
     engine_calls: EngineCallTimes = field(default_factory=EngineCallTimes, repr=False)
+    # each peer's state by address (one of PEER_STATES below: peer_health.PeerHealth), a
+    # gauge; and failed handshakes by reason (incompatible, bad_secret, unreachable, failed)
+    peer_states: dict[str, str] = field(default_factory=dict, repr=False)
+    peer_failures: dict[str, int] = field(default_factory=dict, repr=False)
 
     def observe_load(self, phases: dict[str, float]) -> None:
         """One finished load's seconds per phase: into the sums and the histogram."""
@@ -210,6 +214,20 @@ HELP = {
     "loads_unserved": "Decode loads prefill's params could not serve (blocks not kept).",
     "bad_params": "Requests whose kv_transfer_params could not be used.",
 }
+PEER_STATE_HELP = (
+    "1 for each peer's current state (ready, connecting, refused, incompatible, bad_secret, "
+    "unreachable, failed), 0 for the others."
+)
+PEER_FAILURES_HELP = "Failed handshakes with peers, by reason (incompatible, bad_secret, ...)."
+PEER_STATES = (
+    "ready",
+    "connecting",
+    "refused",
+    "incompatible",
+    "bad_secret",
+    "unreachable",
+    "failed",
+)
 GAUGE_HELP = {
     "held_requests": "Prefill requests whose blocks are held for a reader.",
     "held_blocks": "Prefill blocks held for readers.",
@@ -252,6 +270,25 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
         num_bytes.add_metric([peer], n_bytes)
     yield blocks
     yield num_bytes
+    yield from peer_families(metrics.peer_states, metrics.peer_failures, prefix)
+
+
+def peer_families(
+    states: dict[str, str], failures: dict[str, int], prefix: str = "kvbridge"
+) -> Iterator[Metric]:
+    """``<prefix>_peer_state{peer,state}`` (1 for the peer's state, 0 for the others) and
+    ``<prefix>_peer_failures_total{reason}``."""
+    gauge = GaugeMetricFamily(f"{prefix}_peer_state", PEER_STATE_HELP, labels=["peer", "state"])
+    for peer, current in sorted(states.items()):
+        for state in PEER_STATES:
+            gauge.add_metric([peer, state], 1.0 if state == current else 0.0)
+    yield gauge
+    counter = CounterMetricFamily(
+        f"{prefix}_peer_failures", PEER_FAILURES_HELP, labels=["reason"]
+    )
+    for reason, count in sorted(failures.items()):
+        counter.add_metric([reason], count)
+    yield counter
 
 
 def engine_call_family(times: EngineCallTimes, prefix: str = "kvbridge") -> Metric:

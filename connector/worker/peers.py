@@ -29,6 +29,11 @@ many of our blocks for it, ``decode.quarantine``): it keeps its agent (notificat
 go out) but no new load starts from it; the next ``poll`` after a load asks for it
 (``ensure(for_read=True)``) returns it, so the load fails by name at once, and it is READY
 again once the check admits it.
+
+Each peer's state as an operator sees it (by address: ready, connecting, incompatible,
+bad_secret, unreachable, ...) and failed handshakes by reason are in :attr:`PeerDirectory.book`
+(:mod:`kvbridge.connector.worker.peer_health`), which logs a peer's first failure of a
+kind at ERROR with the fix.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.connector.transfer.transport import DescList, TransferEngine
+from kvbridge.connector.worker.peer_health import PeerBook, PeerHealth, classify
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.plan_lists import PlanLists
 from kvbridge.connector.worker.read_probe import ReadProbe
@@ -78,6 +84,11 @@ class Peer:
     layout: PeerLayout | None = None
     plan: TransferPlan | None = None
     remote_lists: dict[tuple[int, int], DescList] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """Its listener's ``host:port`` (how :class:`PeerBook` names it)."""
+        return f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -131,6 +142,7 @@ class PeerDirectory:
         self._lists = PlanLists(engine, local_layout, writer=writer)
         self.handshakes = 0
         self.failures = 0
+        self.book = PeerBook()  # each peer's state by address; failures by reason
         # called with a peer's agent once it is removed and the transport confirmed it
         # gone (transfers posted to it ended, notifications it owed never come)
         self.on_drop: list[Callable[[str], None]] = []
@@ -163,6 +175,7 @@ class PeerDirectory:
             return peer
         peer = Peer(key=key, host=host, port=port)
         self._peers[key] = peer
+        self.book.set(peer.address, PeerHealth.CONNECTING)
         self._setup.handshake(lambda: self._fetch(peer))
         return peer
 
@@ -181,7 +194,7 @@ class PeerDirectory:
             self._client.forget(*peer.key)
             desc = self._client.get(peer.key[0], peer.key[1], peer.host, peer.port)
         except Exception as exc:  # delivered to the step, which fails the loads
-            self._results.put((peer, KVBridgeError(f"handshake with {where} failed: {exc}")))
+            self._results.put((peer, _failure(f"handshake with {where} failed: {exc}", exc)))
             return
         self._setup.nixl(lambda: self._results.put((peer, self._prepare(desc, where))))
 
@@ -189,7 +202,7 @@ class PeerDirectory:
         try:
             desc = self._client.fetch(host, port)
         except Exception as exc:
-            self._warmed.put((host, port, KVBridgeError(str(exc))))
+            self._warmed.put((host, port, _failure(str(exc), exc)))
             return
         self._setup.nixl(lambda: self._warmed.put((host, port, self._prepare(desc, host))))
 
@@ -278,7 +291,7 @@ class PeerDirectory:
                     self._give_back(result)
                 continue
             if isinstance(result, KVBridgeError):
-                self._fail(peer, str(result))
+                self._fail(peer, str(result), classify(result.__cause__ or result))
             else:
                 self._apply(peer, result)
             changed.append(peer)
@@ -303,7 +316,7 @@ class PeerDirectory:
             except queue.Empty:
                 return added
             if isinstance(result, KVBridgeError):
-                logger.warning("warming peer %s:%s failed: %s", host, port, result)
+                self.book.set(f"{host}:{port}", classify(result.__cause__ or result), str(result))
                 continue
             key = (result.desc.engine_id, result.desc.engine_rank)
             if key in self._peers:  # a request got there first
@@ -319,13 +332,13 @@ class PeerDirectory:
         if prepared.incompatible:
             peer.state, peer.reason = PeerState.INCOMPATIBLE, prepared.incompatible
             self.failures += 1
-            logger.warning(
-                "peer %s cannot be read from (notifications only): %s", peer.key, peer.reason
-            )
+            reason = f"cannot be read from (notifications only): {peer.reason}"
+            self.book.set(peer.address, PeerHealth.INCOMPATIBLE, reason)
             return
         peer.layout, peer.plan, peer.remote_lists = prepared.layout, prepared.plan, prepared.lists
         peer.state = PeerState.READY
         self.handshakes += 1
+        self.book.set(peer.address, PeerHealth.READY)
         if prepared.plan is None:
             logger.info("peer %s ready (notifications only: none of our heads)", peer.key)
         else:
@@ -344,10 +357,12 @@ class PeerDirectory:
             why = self._refusal(peer.agent)
             if why and peer.state is PeerState.READY:
                 peer.state, peer.reason = PeerState.REFUSED, why
+                self.book.set(peer.address, PeerHealth.REFUSED, why)
                 logger.warning("peer %s: no new loads from it: %s", peer.key, why)
                 changed.append(peer)
             elif not why and peer.state is PeerState.REFUSED:
                 peer.state, peer.reason = PeerState.READY, ""
+                self.book.set(peer.address, PeerHealth.READY)
                 logger.info("peer %s admits loads again", peer.key)
                 changed.append(peer)
             elif why and peer.key in self._surfaced:
@@ -355,10 +370,10 @@ class PeerDirectory:
         self._surfaced.clear()
         return changed
 
-    def _fail(self, peer: Peer, reason: str) -> None:
+    def _fail(self, peer: Peer, reason: str, health: PeerHealth) -> None:
         peer.state, peer.reason = PeerState.FAILED, reason
         self.failures += 1
-        logger.warning("peer %s failed: %s", peer.key, reason)
+        self.book.set(peer.address, health, reason)  # at ERROR the first time, with the fix
         if peer.agent:
             self.drop(peer.key, reason)
 
@@ -390,3 +405,11 @@ class PeerDirectory:
         for key in list(self._peers):
             self.drop(key, "closed")
         self._lists.close()
+
+
+def _failure(reason: str, cause: BaseException) -> KVBridgeError:
+    """A failed handshake as the step gets it: ``cause`` says the peer's state
+    (:func:`~kvbridge.connector.worker.peer_health.classify`)."""
+    error = KVBridgeError(reason)
+    error.__cause__ = cause
+    return error

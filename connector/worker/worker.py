@@ -43,6 +43,7 @@ from kvbridge.connector.worker.idle_progress import IdleProgress
 from kvbridge.connector.worker.inbox import Inbox
 from kvbridge.connector.worker.nixl_setup import engine_call, nixl_engine
 from kvbridge.connector.worker.outbox import Outbox
+from kvbridge.connector.worker.peer_health import merged
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
 from kvbridge.connector.worker.prefill.pushes import Pusher
@@ -423,6 +424,7 @@ class KVBridgeWorker:
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)
+        self.metrics.peer_states, self.metrics.peer_failures = merged(d.book for d in directories)
         return answered
 
     # -- teardown ---------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_a_silent_warm_peer_is_logged_and_requests_still_load(cluster, dead_port
 
     cluster.pump(
         [decode],
-        lambda: "warming peer" in caplog.text,
+        lambda: f"peer 127.0.0.1:{dead_port} is unreachable" in caplog.text,
         "the warning about the silent listener",
     )
     _load(cluster, prefill, decode, seed=7)
