@@ -10,6 +10,7 @@ only drains kvbridge's block books (vLLM owns the blocks).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,9 +19,15 @@ from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.engine_calls import EngineCallTimes
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.common.signing import ParamsSignatureError
 from kvbridge.connector.scheduler.lifecycle import LoadState, SendState
 from kvbridge.connector.scheduler.scheduler import KVBridgeScheduler
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
+from kvbridge.connector.vllm.stats import (
+    CounterDelta,
+    KVBridgeStats,
+    PeerDelta,
+    engine_call_data,
+)
 from kvbridge.connector.vllm.step_metadata import (
     KVBridgeHandshakeMetadata,
     KVBridgeMetadata,
@@ -78,6 +85,10 @@ class VLLMSchedulerSide:
         # the engine core's calls into this side, per hook (KVBridgeConnector times them)
         self.engine_calls = EngineCallTimes()
         self._delta = CounterDelta()
+        # prefills whose params fail this decode's secret, by address (peer_state gauge)
+        self._peer_states: dict[str, str] = {}
+        self._peer_failures: Counter[str] = Counter()
+        self._peers = PeerDelta()
         # state (Mamba) groups: vLLM keeps one running state per request, so a prefill
         # must stop one token short (decode resumes from the state after N - 1 tokens);
         # sliding-window groups: vLLM frees the out-of-window blocks of the computed
@@ -202,7 +213,8 @@ class VLLMSchedulerSide:
         except KVBridgeError as exc:
             self._bad_params.add(view.request_id)
             self.counters["bad_params"] += 1
-            logger.error("request %s: %s; computing it locally", view.request_id, exc)
+            if not self._bad_secret(view.kv_transfer_params, exc):
+                logger.error("request %s: %s; computing it locally", view.request_id, exc)
             return 0, False
         if self.sched.load_state(view.request_id) is not None:
             self._views[view.request_id] = view
@@ -215,6 +227,32 @@ class VLLMSchedulerSide:
                 view.kv_transfer_params.remote_engine_id if view.kv_transfer_params else "",
             )
         return count, is_async
+
+    def _bad_secret(self, params: KVTransferParams, exc: KVBridgeError) -> bool:
+        """Params that fail this decode's signature check, unexpired: the prefill signs
+        with another secret (or none), and every request from it is recomputed. Its
+        address shows as ``bad_secret`` (``kvbridge_peer_state``); the first request from
+        it is logged at ERROR with the fix, the next ones at DEBUG. False: another
+        error."""
+        expired = params.expires_at and time.time() > params.expires_at
+        if not isinstance(exc, ParamsSignatureError) or expired:
+            return False
+        peer = f"{params.remote_host}:{params.remote_port}"
+        self._peer_failures["bad_secret"] += 1
+        if self._peer_states.get(peer) == "bad_secret":
+            logger.debug("request of %s: %s; computing it locally", peer, exc)
+            return True
+        self._peer_states[peer] = "bad_secret"
+        logger.error(
+            "kvbridge: peer %s (engine %s) is bad_secret: %s. Every request it prefills is "
+            "recomputed here until fixed.\nfix: set the same `secret` on every prefill and "
+            "decode worker, and pass kv_transfer_params on unchanged "
+            '(docs/troubleshooting.md, "secret mismatch")',
+            peer,
+            params.remote_engine_id,
+            exc,
+        )
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the load. A call that does not fit what ``get_num_new_matched_tokens``
@@ -352,4 +390,5 @@ class VLLMSchedulerSide:
         data["held_requests"] = s.num_held_sends
         data["held_blocks"] = s.num_held_blocks
         data["loading_requests"] = s.num_live_loads
-        return KVBridgeStats(data={**data, **engine_call_data(self.engine_calls)})
+        peers = self._peers.take(self._peer_states, dict(self._peer_failures))
+        return KVBridgeStats(data={**data, **engine_call_data(self.engine_calls), **peers})

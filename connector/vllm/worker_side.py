@@ -19,7 +19,7 @@ import torch
 from kvbridge.connector.common.config import ConfigError, KVTransferConfig
 from kvbridge.connector.common.metadata import WorkerOutput
 from kvbridge.connector.vllm.packing import CpuAttnRepacker
-from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, engine_call_data
+from kvbridge.connector.vllm.stats import CounterDelta, KVBridgeStats, PeerDelta, engine_call_data
 from kvbridge.connector.vllm.step_metadata import (
     KVBridgeHandshakeMetadata,
     KVBridgeMetadata,
@@ -108,6 +108,7 @@ class VLLMWorkerSide:
         self._refused: set[str] = set()  # loads the scheduler side failed: vLLM recomputes
         self._output = WorkerOutput()
         self._delta = CounterDelta()
+        self._peers = PeerDelta()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         # Layers that share another layer's cache (no spec of their own) are not in the
@@ -205,6 +206,7 @@ class VLLMWorkerSide:
         data: dict[str, Any] = {
             **self._delta.take(metrics.counters()),
             **engine_call_data(metrics.engine_calls),
+            **self._peers.take(metrics.peer_states, metrics.peer_failures),
         }
         return KVBridgeStats(data=data) if data else None
 
