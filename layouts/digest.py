@@ -55,7 +55,7 @@ _NUMPY = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 # a run of blocks at most this many times the rows asked is read in place (strided),
 # sparser ones are gathered first
 _DENSE = 2
-_LARGE_ROW = 64 << 10  # host rows this long are reduced one by one; shorter ones gathered
+_LARGE_ROW = 16 << 10  # host rows this long are reduced one by one; shorter ones gathered
 _GATHER_BYTES = 64 << 20  # scratch at a time (gathered rows, GPU products)
 
 
