@@ -13,10 +13,14 @@
     finally:
         stop_all([svc])
 
-Each server runs ``python -m vllm.entrypoints.openai.api_server`` on a free loopback port
-with a small CPU KV cache and offline Hugging Face settings; vLLM imports the connector as
-``kv_connector_module_path="kvbridge.connector.vllm"`` from the installed kvbridge. Ports for
-the HTTP server and the connector's side channel are chosen anew at every (re)launch.
+Each server runs vLLM's OpenAI API server, ``python -m
+vllm.entrypoints.launchers.api_server.entry`` (the ``run_server`` of ``vllm serve``, and what
+the deprecated ``vllm.entrypoints.openai.api_server`` forwards to; the ``vllm`` command of
+vLLM's CPU wheel stops at start, looking for a distribution named ``vllm``), on a free
+loopback port with a small CPU KV cache and offline Hugging Face settings. vLLM finds the
+connector by its name alone, ``"kv_connector": "KVBridgeConnector"``, through the installed
+kvbridge's plugin (:mod:`kvbridge.connector.vllm.plugin`). Ports for the HTTP server and the
+connector's side channel are chosen anew at every (re)launch.
 """
 
 from __future__ import annotations
@@ -73,11 +77,11 @@ def kv_transfer_setup(
     """The kv-transfer config of server ``role`` (prefill / decode) for ``connector``.
 
     ``nixl``: vLLM's own NixlConnector (``kv_both``) with its side channel on a free port.
-    ``kvbridge``: ``kvbridge.connector.vllm.KVBridgeConnector`` as producer (prefill) or consumer
-    (decode), its listeners on ephemeral ports (``kv_port`` 0) unless ``kv_port`` gives a
-    base (rank ``r`` of data-parallel rank ``d`` at ``kv_port + d * tp + r``), ``extra``
-    passed through as ``kv_connector_extra_config``. ``nixl`` picks a fresh base port on
-    every call.
+    ``kvbridge``: ``KVBridgeConnector`` (by name: kvbridge's vLLM plugin registers it) as
+    producer (prefill) or consumer (decode), its listeners on ephemeral ports (``kv_port``
+    0) unless ``kv_port`` gives a base (rank ``r`` of data-parallel rank ``d`` at
+    ``kv_port + d * tp + r``), ``extra`` passed through as ``kv_connector_extra_config``.
+    ``nixl`` picks a fresh base port on every call.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -100,7 +104,6 @@ def kv_transfer_setup(
     if connector == "kvbridge":
         config = {
             "kv_connector": "KVBridgeConnector",
-            "kv_connector_module_path": "kvbridge.connector.vllm",
             "kv_role": _KVBRIDGE_ROLES[role],
             "engine_id": engine_id or f"{role}-{index}",
             # 0, ephemeral: every rank binds its own; vLLM hands the bound ports from the
@@ -191,7 +194,7 @@ def vllm_plan(spec: ServerSpec, slot: int = 0) -> Callable[[], Launch]:
         argv = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "vllm.entrypoints.launchers.api_server.entry",
             "--model",
             str(spec.model),
             "--served-model-name",

@@ -373,7 +373,24 @@ def test_a_late_decode_claims_the_blocks_and_loads(cluster, prefill, decode):
     _assert_same(cluster.run(prefill, prompt), got)
 
 
+def _kv_transfer_config(svc: Service) -> dict:
+    """The ``--kv-transfer-config`` a server was launched with."""
+    assert svc.launch is not None
+    argv = svc.launch.argv
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
 def test_through_the_router(cluster):
+    """The pair behind the router started as a user starts vLLM: the connector's name
+    alone (kvbridge's ``vllm.general_plugins`` entry point registers it), no
+    ``kv_connector_module_path``."""
+    for name in ("L128a", "L128b"):
+        svc = cluster.servers[name]
+        config = _kv_transfer_config(svc)
+        assert config["kv_connector"] == "KVBridgeConnector", config
+        assert "kv_connector_module_path" not in config, config
+        log = svc.log_path.read_text(errors="replace")
+        assert "Creating v1 connector with name: KVBridgeConnector" in log, name
     prompt = make_prompts(1, 400, seed=4242)[0]
     before = cluster.metrics("L128b")
     got = cluster.run("router", prompt)
