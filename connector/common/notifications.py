@@ -68,11 +68,16 @@ Protocol history:
         question and answers -1. Push.packed_at / packed_bytes: write the rows, packed, into
         decode's gather arena there; Pushed.packed says they went there (an older prefill
         writes them into the blocks and says nothing: not packed).
+        Bounds on every field (block ids, tokens, rounds below 2**31; holds and timeouts
+        finite, 0..86,400 s; strings and lists capped): a message outside them is refused
+        whole at decode time. PushStatus: decode asks about a round whose answer never
+        came; an older prefill cannot decode it and drops it (its rounds then stay held on
+        decode until it is found gone, as before).
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Annotated, TypeAlias
 
 import msgspec
 
@@ -82,17 +87,45 @@ from kvbridge.layouts.layout import KVLayout
 
 NOTIF_PROTOCOL_VERSION = 2
 
+# Bounds checked by the decoder, so that no value a peer sends reaches numpy or torch
+# out of range (a block id of 2**63, a token range of 2**62, a NaN hold): such a
+# message is refused as a whole (NotificationError) before anything acts on it. The
+# checks against the plan (block ids inside the peer's pool, tokens inside the request)
+# follow where the plan is known (kvbridge.connector.worker.rows).
+MAX_INDEX = 2**31 - 1  # block ids, slots, tokens, rounds, counts of rows
+MAX_BYTES = 2**53  # byte counts and offsets
+MAX_SECONDS = 86_400.0  # holds, timeouts
+MAX_GROUPS = 256
+MAX_RANKS = 65_536
+MAX_ID_CHARS = 1_024  # request and engine ids, hosts, plan digests
+MAX_REASON_CHARS = 32_768
+
+Index = Annotated[int, msgspec.Meta(ge=0, le=MAX_INDEX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+ClaimNumber = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+GroupId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]  # NaN and inf refused too
+Version = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+Ident = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+Word = Annotated[str, msgspec.Meta(max_length=32)]
+Indices = Annotated[list[Index], msgspec.Meta(max_length=MAX_INDEX)]
+GroupIds = Annotated[list[GroupId], msgspec.Meta(max_length=MAX_GROUPS)]
+ClaimNumbers = Annotated[list[ClaimNumber], msgspec.Meta(max_length=1_024)]
+
 
 class NotificationError(KVBridgeError):
     """A notification that is not one of ours or cannot be decoded."""
 
 
 class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
-    layout: str
-    num_chunks: int
-    sub_blocks_per_chunk: int
+    layout: Word
+    num_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_INDEX)]
+    sub_blocks_per_chunk: Annotated[int, msgspec.Meta(ge=1, le=MAX_INDEX)]
     parts_outer: bool
-    heads: str = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
+    heads: Word = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
 
     @classmethod
     def of(cls, arr: BlockArrangement) -> WireArrangement:
@@ -115,7 +148,7 @@ class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
 
 
 class GroupRewrite(msgspec.Struct, frozen=True, array_like=True):
-    group_id: int
+    group_id: GroupId
     src: WireArrangement
     dst: WireArrangement
 
@@ -124,68 +157,71 @@ class GroupDigest(msgspec.Struct, frozen=True, array_like=True):
     """The digest (``kvbridge.layouts.digest.fold``) of the ``num_rows`` rows of one group
     a reader moves, in the order the plan moves them, as the holder's memory has them."""
 
-    group_id: int
-    digest: int
-    num_rows: int
+    group_id: GroupId
+    digest: int  # any int64/uint64 (msgspec refuses wider ones)
+    num_rows: Count
+
+
+Digests = Annotated[list[GroupDigest], msgspec.Meta(max_length=MAX_GROUPS)]
 
 
 class Prepare(msgspec.Struct, frozen=True, tag=True):
     """A claim on a kept request's blocks (and the rewrites the reader's plan wants)."""
 
-    request_id: str
-    rewrites: list[GroupRewrite]
-    version: int = NOTIF_PROTOCOL_VERSION
-    hold_s: float = 0.0  # keep the blocks at least this long from now (capped by prefill)
+    request_id: RequestId
+    rewrites: Annotated[list[GroupRewrite], msgspec.Meta(max_length=MAX_GROUPS)]
+    version: Version = NOTIF_PROTOCOL_VERSION
+    hold_s: Seconds = 0.0  # keep the blocks at least this long from now (capped by prefill)
     # the claim's number on decode, echoed in the answer: which claim a Prepared answers
     # (a claim may be sent again); 0: unnumbered (a decode older than numbered claims)
-    claim: int = 0
+    claim: ClaimNumber = 0
     # the decode rank claiming (with the sending NIXL agent: the reader the claim is for)
-    reader_rank: int = 0
+    reader_rank: Rank = 0
     # a verified load: answer with the digests of the rows it reads, tokens
     # [start_token, end_token) on the plan with this digest (decode's description came
     # with its handshake request)
     verify: bool = False
-    plan_digest: str = ""
-    start_token: int = 0
-    end_token: int = 0
+    plan_digest: Ident = ""
+    start_token: Index = 0
+    end_token: Index = 0
     # pipeline stages: groups the reader moves nothing of (another stage holds their
     # layers); prefill neither claims nor checks their blocks for this reader
-    skipped_groups: list[int] = msgspec.field(default_factory=list)
+    skipped_groups: GroupIds = msgspec.field(default_factory=list)
     # a packed read: copy the rows the reader reads (tokens [start_token, end_token) on
     # the plan plan_digest) into the gather arena and say where (Prepared.packed_at)
     packed: bool = False
 
 
 class Prepared(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
+    request_id: RequestId
     ok: bool
-    reason: str = ""
+    reason: Reason = ""
     # ok: the blocks stay this request's for at least this long from this answer, on the
     # holder's clock (an abort or lease end waits for it; only the readers' Done is sooner)
-    held_s: float = 0.0
-    claim: int = 0  # Prepare.claim of the claim this answers (0: unnumbered)
-    digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Prepare.verify
+    held_s: Seconds = 0.0
+    claim: ClaimNumber = 0  # Prepare.claim of the claim this answers (0: unnumbered)
+    digests: Digests = msgspec.field(default_factory=list)  # Prepare.verify
     # Prepare.packed: the byte offset in the gather arena where the rows lie, packed, and
     # their bytes; -1: not packed (no room, or no arena), the reader reads the rows
-    packed_at: int = -1
-    packed_bytes: int = 0
+    packed_at: Annotated[int, msgspec.Meta(ge=-1, le=MAX_BYTES)] = -1
+    packed_bytes: Count = 0
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
+    request_id: RequestId
     ok: bool = True  # False: decode gave up (abort, failure); prefill frees all the same
     # decode ranks that each send this prefill rank a Done for the request (tensor
     # parallelism: every decode rank reading its heads); prefill frees after the last
-    readers: int = 1
-    reader_rank: int = 0
+    readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)] = 1
+    reader_rank: Rank = 0
     # the claims this Done ends: numbers of the reader's own Prepares (0: the claim a
     # prefill made for the reader's Push). Empty: the reader claimed nothing (it ends no
     # claim, another reader's least of all; it still counts as a reader done)
-    claims: list[int] = msgspec.field(default_factory=list)
+    claims: ClaimNumbers = msgspec.field(default_factory=list)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    request_ids: list[str]
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=16_384)]
 
 
 class StagedPages(msgspec.Struct, frozen=True, array_like=True):
@@ -193,9 +229,12 @@ class StagedPages(msgspec.Struct, frozen=True, array_like=True):
     staging slots: logical block ``blocks[i]`` of the request goes to slot ``slots[i]``
     (slots of ``GroupPlan.staging_bytes`` in decode's advertised arena)."""
 
-    group_id: int
-    blocks: list[int]
-    slots: list[int]
+    group_id: GroupId
+    blocks: Indices
+    slots: Indices
+
+
+StagedList = Annotated[list[StagedPages], msgspec.Meta(max_length=MAX_GROUPS)]
 
 
 class Push(msgspec.Struct, frozen=True, tag=True):
@@ -205,28 +244,29 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     as for a ``Prepare``, writes, then answers ``Pushed``. It must not start writing later
     than ``timeout_s`` after it got this: decode gives the blocks to others after that."""
 
-    request_id: str  # prefill's request id
-    reader_engine_id: str
-    reader_rank: int
-    reader_host: str
-    reader_port: int
-    block_ids: list[list[int]]  # decode's block ids per group, by logical block
-    start_token: int
-    end_token: int
-    rewrites: list[GroupRewrite]
-    plan_digest: str
-    timeout_s: float
-    version: int = NOTIF_PROTOCOL_VERSION
+    request_id: RequestId  # prefill's request id
+    reader_engine_id: Ident
+    reader_rank: Rank
+    reader_host: Ident
+    reader_port: Annotated[int, msgspec.Meta(ge=0, le=65_535)]
+    # decode's block ids per group, by logical block
+    block_ids: Annotated[list[Indices], msgspec.Meta(max_length=MAX_GROUPS)]
+    start_token: Index
+    end_token: Index
+    rewrites: Annotated[list[GroupRewrite], msgspec.Meta(max_length=MAX_GROUPS)]
+    plan_digest: Ident
+    timeout_s: Seconds
+    version: Version = NOTIF_PROTOCOL_VERSION
     # rounds through decode's staging slots: round 0 also writes every group decode does
     # not stage; a later round writes only ``staged``
-    round: int = 0
-    staged: list[StagedPages] = msgspec.field(default_factory=list)
+    round: Index = 0
+    staged: StagedList = msgspec.field(default_factory=list)
     verify: bool = False  # answer round 0 with the digests of the rows written
-    skipped_groups: list[int] = msgspec.field(default_factory=list)  # as Prepare's
+    skipped_groups: GroupIds = msgspec.field(default_factory=list)  # as Prepare's
     # a packed push (round 0 only): WRITE the rows, packed, as one range at this byte
     # offset of decode's gather arena (advertised in its description); -1: into the blocks
-    packed_at: int = -1
-    packed_bytes: int = 0
+    packed_at: Annotated[int, msgspec.Meta(ge=-1, le=MAX_BYTES)] = -1
+    packed_bytes: Count = 0
 
 
 class Pushed(msgspec.Struct, frozen=True, tag=True):
@@ -236,18 +276,28 @@ class Pushed(msgspec.Struct, frozen=True, tag=True):
     blocks and slots back only then. A round of one WRITE carries it as that WRITE's
     completion notification (``kvbridge.connector.worker.prefill.answers``)."""
 
-    request_id: str
+    request_id: RequestId
     ok: bool
-    reason: str = ""
-    num_bytes: int = 0
-    num_descs: int = 0
-    round: int = 0  # the Push.round answered
-    digests: list[GroupDigest] = msgspec.field(default_factory=list)  # Push.verify, ok
+    reason: Reason = ""
+    num_bytes: Count = 0
+    num_descs: Count = 0
+    round: Index = 0  # the Push.round answered
+    digests: Digests = msgspec.field(default_factory=list)  # Push.verify, ok
     # ok: the rows went packed into decode's gather arena (Push.packed_at), not its blocks
     packed: bool = False
 
 
-Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed
+class PushStatus(msgspec.Struct, frozen=True, tag=True):
+    """Decode asks about a push round it holds blocks for and got no answer to (the answer
+    was lost or unreadable, or the Push never arrived). Prefill answers from its own record:
+    a round it no longer runs gets ``Pushed(ok=False)`` again (it forgets a round only once
+    every WRITE of it ended); a round that runs is answered when it ends."""
+
+    request_id: RequestId
+    round: Index = 0
+
+
+Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed | PushStatus
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Notification)

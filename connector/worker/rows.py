@@ -73,6 +73,7 @@ def group_rows(
     lo = start
     if isinstance(reader_spec, SlidingWindowSpec):
         lo = max(start, reader_spec.window_start(end))
+    _check_covered(g, lids.size, rids.size, writer_first, start, end)
     if g.split_from:
         blocks = g.chunks_for_tokens(lo, end)  # one chunk per remote block
         if blocks.size and (blocks[0] < writer_first or blocks[-1] - writer_first >= rids.size):
@@ -92,6 +93,30 @@ def group_rows(
         lrows, rrows = g.indices(stream, chunks, lids, rids, remote_first_block=writer_first)
         rows.append((i, lrows, rrows))
     return GroupRows(rows=tuple(rows), touched=lids[chunks // g.local_chunks_per_block])
+
+
+def _check_covered(
+    g: GroupPlan, num_reader: int, num_writer: int, writer_first: int, start: int, end: int
+) -> None:
+    """Before any array is sized by the token range (a peer names it): the tokens must lie
+    within the blocks both sides named. Raises :class:`KVBridgeError` naming the numbers."""
+    if not 0 <= start <= end:
+        raise KVBridgeError(f"group {g.group_id}: the load names tokens [{start}, {end})")
+    if end == start:
+        return
+    per_block = g.wire_tokens * g.remote_chunks_per_block  # tokens of one writer block
+    if end > (writer_first + num_writer) * per_block:
+        raise KVBridgeError(
+            f"group {g.group_id}: tokens up to {end} need remote logical blocks up to "
+            f"{-(-end // per_block) - 1} but only {writer_first}..{writer_first + num_writer - 1} "
+            f"were given"
+        )
+    per_block = g.wire_tokens * g.local_chunks_per_block
+    if not g.split_from and end > num_reader * per_block:
+        raise KVBridgeError(
+            f"group {g.group_id}: tokens up to {end} need local logical blocks up to "
+            f"{-(-end // per_block) - 1} but only 0..{num_reader - 1} were given"
+        )
 
 
 def staged_rows(

@@ -30,13 +30,14 @@ import torch
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import GroupDigest, Prepare
-from kvbridge.connector.worker.digests import PlanSide, load_digests
+from kvbridge.connector.worker.digests import PlanSide, load_digests, version_refusal
 from kvbridge.connector.worker.rows import GroupRows, group_rows
 from kvbridge.handshake.description import PeerLayout
 from kvbridge.handshake.errors import IncompatiblePeerError
 from kvbridge.handshake.plan import negotiate
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.errors import KVBridgeError
+from kvbridge.layouts.specs import KVCacheKind
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class ReaderDigests:
     ) -> list[GroupDigest]:
         """The digests of tokens ``[start, end)`` of ``spec`` moved by ``plan`` (decode's
         plan: ``reader`` is its local side, this worker its remote side)."""
+        refused = version_refusal(reader.digest_version, "the reader")
+        if refused:
+            raise KVBridgeError(refused)
         rows_of = writer_rows(reader, spec, start, end)
         return list(load_digests(plan, PlanSide.WRITER, self._units, rows_of).digests)
 
@@ -126,15 +130,28 @@ def writer_rows(
 
     def rows_of(g: GroupPlan) -> GroupRows:
         reader_spec = reader.config.groups[g.group_id].spec
+        first = spec.first_block[g.group_id] if spec.first_block else 0
+        kept_end = (first + len(spec.block_ids[g.group_id])) * g.remote_chunks_per_block
+        if g.kind is not KVCacheKind.STATE and end > kept_end * g.wire_tokens:
+            # before the reader's block ids are made up for the range (a peer names it)
+            raise KVBridgeError(
+                f"group {g.group_id}: the load names tokens up to {end}; this request's "
+                f"blocks here hold {kept_end * g.wire_tokens}"
+            )
         # the reader's own block ids do not change which of our rows move: number its
         # logical blocks 0.. (enough for every token of the load)
-        dummy = np.arange(-(-end // reader_spec.block_size) + 1, dtype=np.int64)
+        num = -(-end // reader_spec.block_size) + 1
+        dummy = (
+            np.broadcast_to(np.int64(0), (num,))  # a state group reads one: no memory
+            if g.kind is KVCacheKind.STATE
+            else np.arange(num, dtype=np.int64)
+        )
         return group_rows(
             g,
             reader_spec,
             dummy,
             np.asarray(spec.block_ids[g.group_id], dtype=np.int64),
-            spec.first_block[g.group_id] if spec.first_block else 0,
+            first,
             start,
             end,
         )
