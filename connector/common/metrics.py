@@ -62,6 +62,13 @@ class ConnectorMetrics:
     notifications_sent: int = 0
     notifications_received: int = 0
     bad_notifications: int = 0
+    # a peer's notification that raised while handled, and any other unit of work (a
+    # scheduler order, a stage of a progress round) that did: that unit alone failed
+    # (kvbridge.connector.worker.boundary); by kind in the labelled gauges' dicts
+    peer_message_errors: int = 0
+    unit_errors: int = 0
+    peer_message_errors_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
+    unit_errors_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
     # notifications that could not be encoded or sent, the peer not known to be gone: the
     # message failed (and what it belonged to), the peer was kept
     notifications_failed: int = 0
@@ -170,6 +177,8 @@ HELP = {
     "notifications_sent": "NIXL notifications sent.",
     "notifications_received": "NIXL notifications received.",
     "bad_notifications": "NIXL notifications received that could not be used.",
+    "peer_message_errors": "Peer notifications whose handling raised: that request failed.",
+    "unit_errors": "Scheduler orders and progress-round stages that raised: that unit failed.",
     "notifications_failed": "Notifications not sent (too large, or refused); peer kept.",
     "leases_expired": "Prefill holds freed because their reader's lease expired.",
     "loads_held": "Failed loads reported only after their in-flight READs ended.",
@@ -270,6 +279,16 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
         num_bytes.add_metric([peer], n_bytes)
     yield blocks
     yield num_bytes
+    for name, by_kind, what in (
+        ("peer_message_errors_by_kind", metrics.peer_message_errors_by_kind, "Peer notifications"),
+        ("unit_errors_by_kind", metrics.unit_errors_by_kind, "Orders and round stages"),
+    ):
+        family = CounterMetricFamily(
+            f"{prefix}_{name}", f"{what} whose handling raised, by kind.", labels=["kind"]
+        )
+        for kind, count in sorted(by_kind.items()):
+            family.add_metric([kind], count)
+        yield family
     yield from peer_families(metrics.peer_states, metrics.peer_failures, prefix)
 
 
@@ -283,9 +302,7 @@ def peer_families(
         for state in PEER_STATES:
             gauge.add_metric([peer, state], 1.0 if state == current else 0.0)
     yield gauge
-    counter = CounterMetricFamily(
-        f"{prefix}_peer_failures", PEER_FAILURES_HELP, labels=["reason"]
-    )
+    counter = CounterMetricFamily(f"{prefix}_peer_failures", PEER_FAILURES_HELP, labels=["reason"])
     for reason, count in sorted(failures.items()):
         counter.add_metric([reason], count)
     yield counter

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.common.config import FailurePolicy, ReadProbeMode
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
+from kvbridge.connector.worker.boundary import Boundary
 from kvbridge.connector.worker.decode.inflight import PushEndpoint
 from kvbridge.connector.worker.decode.landing import Verifier
 from kvbridge.connector.worker.decode.packed_reads import PackedReads
@@ -96,6 +97,7 @@ class WorkerParts:
     sender: Sender
     pusher: Pusher | None
     receiver: Receiver
+    boundary: Boundary
 
 
 def stages_pages(w: Wiring, buffers: KVCacheBuffers, mode: TransferMode) -> bool:
@@ -225,6 +227,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         digests=digests,
         gather=packer,
     )
+    boundary = Boundary(metrics)  # one failure boundary per message, order and round stage
     targets = pusher = push = None
     if mode is TransferMode.PUSH:
         targets = side.directory(writer=True)
@@ -237,6 +240,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
             clock=w.clock,
             digests=digests,
             gather=packer,
+            boundary=boundary,
         )
         push = PushEndpoint(config.engine_id, w.router.engine_rank, config.kv_ip, side.port)
     receiver = Receiver(
@@ -262,8 +266,11 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         packed=PackedReads(engine, gather, PAGE_BYTES, moved, units, order, metrics)
         if gather is not None and config.is_consumer
         else None,
+        boundary=boundary,
     )
-    inbox = Inbox(engine, outbox, metrics, sender=sender, receiver=receiver, pusher=pusher)
+    inbox = Inbox(
+        engine, outbox, metrics, sender=sender, receiver=receiver, pusher=pusher, boundary=boundary
+    )
     for host, peer_port in extra.warm_peer_addresses:
         if config.is_consumer:
             peers.warm(host, peer_port)
@@ -281,4 +288,5 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         sender=sender,
         pusher=pusher,
         receiver=receiver,
+        boundary=boundary,
     )

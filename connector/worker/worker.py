@@ -37,6 +37,7 @@ from kvbridge.connector.transfer.nixl_config import MergeRuns
 from kvbridge.connector.transfer.transport import TransferEngine
 from kvbridge.connector.worker.agent_gate import AgentGate
 from kvbridge.connector.worker.assembly import Wiring, assemble
+from kvbridge.connector.worker.boundary import Boundary
 from kvbridge.connector.worker.decode.receiver import Receiver
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.idle_progress import IdleProgress
@@ -143,6 +144,7 @@ class KVBridgeWorker:
         self._pusher: Pusher | None = None
         self._outbox: Outbox | None = None
         self._inbox: Inbox | None = None
+        self._boundary = Boundary(self.metrics)  # replaced by the wired one at registration
         self._meta = ConnectorMetadata()
         self._closed = False
         # the engine's calls and the idle-progress thread (if any) take turns
@@ -255,6 +257,7 @@ class KVBridgeWorker:
         self._side, self._peers, self._targets = parts.side, parts.peers, parts.targets
         self._outbox, self._inbox = parts.outbox, parts.inbox
         self._sender, self._pusher, self._receiver = parts.sender, parts.pusher, parts.receiver
+        self._boundary = parts.boundary
 
     # -- per step -------------------------------------------------------------------------
 
@@ -270,26 +273,44 @@ class KVBridgeWorker:
         self._round()
 
     def _apply(self, meta: ConnectorMetadata) -> None:
-        """The scheduler's orders of one step (in a round: the gate is held)."""
+        """The scheduler's orders of one step (in a round: the gate is held). Each order
+        is its own failure boundary: one that raises fails that request alone (a send is
+        dropped and reported finished once no granted claim runs, a load fails), and
+        every other order of the step is still applied."""
         receiver, sender = self._ready()
-        assert self._outbox is not None
+        outbox, run = self._outbox, self._boundary.run
+        assert outbox is not None
         for rid in meta.reqs_freed:  # aborted before this worker had them: refuse readers
-            sender.abort(rid, report=False)
+            run("order: freed send", lambda r=rid: sender.abort(r, report=False))  # type: ignore[misc]
         for rid in meta.sends_to_end:  # aborted: end the hold (after granted claims)
-            sender.abort(rid)
+            run("order: end send", lambda r=rid: sender.abort(r))  # type: ignore[misc]
         for spec in meta.reqs_to_send:
-            sender.add(spec)
-        for spec in meta.reqs_to_load:
-            receiver.add(spec)
+            run(
+                "order: send",
+                lambda sp=spec: sender.add(sp),  # type: ignore[misc]
+                lambda _, sp=spec: sender.drop(sp.request_id),  # type: ignore[misc]
+            )
+        for load in meta.reqs_to_load:
+            run(
+                "order: load",
+                lambda ld=load: receiver.add(ld),  # type: ignore[misc]
+                lambda reason, ld=load: receiver.refuse(ld, reason),  # type: ignore[misc]
+            )
         # a request with no load of its own here (aborted before it loaded, or a full
         # prefix hit) releases prefill's blocks, unless another local request with the
         # same params loads them right now (a duplicate): that load's Done is the one
         for rid, params in meta.reqs_to_abort:
-            if not receiver.abort(rid):
-                self._release_remote(receiver, rid, params, ok=False)
+            run("order: abort load", lambda r=rid, p=params: self._abort_load(receiver, r, p))  # type: ignore[misc]
         for rid, params in meta.reqs_to_release:
-            self._release_remote(receiver, rid, params, ok=True)
-        self._outbox.queue_heartbeats(meta.reqs_waiting)
+            run(
+                "order: release",
+                lambda r=rid, p=params: self._release_remote(receiver, r, p, ok=True),  # type: ignore[misc]
+            )
+        run("order: heartbeats", lambda: outbox.queue_heartbeats(meta.reqs_waiting))
+
+    def _abort_load(self, receiver: Receiver, request_id: str, params: KVTransferParams) -> None:
+        if not receiver.abort(request_id):
+            self._release_remote(receiver, request_id, params, ok=False)
 
     def _round(self, *, step: bool = True) -> bool:
         """One progress round, unless the set-up thread holds the agent gate right now
@@ -301,19 +322,20 @@ class KVBridgeWorker:
                 self.metrics.rounds_deferred = self._gate.rounds_deferred
                 return False
             _, sender = self._ready()
-            while self._pending:  # one at a time: an order that raises leaves the rest
+            inbox, run = self._inbox, self._boundary.run
+            assert inbox is not None
+            while self._pending:  # one at a time, each order its own failure boundary
                 order = self._pending.pop(0)
                 if isinstance(order, str):
-                    sender.abort(order)
+                    run("order: abort send", lambda o=order: sender.abort(o))  # type: ignore[misc]
                 else:
                     self._apply(order)
             answered = self._progress()
-            assert self._inbox is not None
             if step:  # the engine's own rounds: leases end, early claims are answered
-                sender.expire()
-                answered += self._inbox.send_replies()
+                run("round: leases", sender.expire)
+                answered += run("round: replies", inbox.send_replies) or 0
             if answered and self._notifs_progress:  # their READs come now: over TCP a
-                self._inbox.handle_notifications()  # GET moves with our progress
+                run("round: notifications", inbox.handle_notifications)  # GET moves with us
             return True
 
     @engine_call
@@ -411,16 +433,20 @@ class KVBridgeWorker:
     def _progress(self) -> int:
         """One round's work; returns how many claims it answered ok."""
         receiver, _ = self._ready()
-        assert self._side is not None and self._inbox is not None and self._outbox is not None
-        self._side.add_requesters()
-        answered = self._inbox.handle_notifications()
-        if self._pusher is not None:
-            self._pusher.step()
-        receiver.step()
-        self._outbox.flush()
-        answered += self._inbox.send_replies()
-        if self._pusher is not None:  # last: the rest of the round let its WRITEs progress
-            self._pusher.poll_posted()
+        side, inbox, outbox = self._side, self._inbox, self._outbox
+        assert side is not None and inbox is not None and outbox is not None
+        pusher, run = self._pusher, self._boundary.run
+        # each stage its own failure boundary (each message, load and push round inside
+        # it has its own): one that raises waits for the next round, the rest go on
+        run("round: requesters", side.add_requesters)
+        answered = run("round: notifications", inbox.handle_notifications) or 0
+        if pusher is not None:
+            run("round: pushes", pusher.step)
+        run("round: loads", receiver.step)
+        run("round: outbox", outbox.flush)
+        answered += run("round: replies", inbox.send_replies) or 0
+        if pusher is not None:  # last: the rest of the round let its WRITEs progress
+            run("round: posted pushes", pusher.poll_posted)
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)

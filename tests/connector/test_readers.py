@@ -20,7 +20,8 @@ from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Done, Prepare
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.worker.nixl_setup import nixl_engine
-from kvbridge.connector.worker.prefill.sender import Sender
+from kvbridge.connector.worker.prefill.holds import MAX_READERS
+from kvbridge.connector.worker.prefill.sender import MAX_HOLD_S, Sender
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.groups import KVCacheConfig
 from kvbridge.layouts.layout import KVLayout
@@ -276,3 +277,27 @@ def test_a_claim_sent_again_before_the_request_arrives_is_answered_once(clock, s
         assert early is None
     sender.add(SendSpec(request_id="late", block_ids=((3,),), first_block=(0,), lease_s=30.0))
     assert [(agent, p.claim) for agent, p in sender.take_replies()] == [("decode-a", 3)]
+
+
+def test_claims_extend_a_hold_no_further_than_its_cap_in_total(clock, sender):
+    """A decode that claims again and again (or a peer that loops) extends the hold up to
+    its lease plus the longest claim from when it was kept, never beyond: before, each
+    Prepare moved the end another 600 s on, for ever."""
+    kept_at, granted = clock.now, 0
+    while _claim(sender, "a", granted + 1, hold_s=600.0):
+        granted += 1
+        clock.now += 60.0
+        assert clock.now < kept_at + 3600, "claims kept extending the hold for an hour"
+    assert clock.now <= kept_at + LEASE_S + MAX_HOLD_S + 60.0
+    assert granted >= 10  # the cap is the total, not the first claim
+    assert _finished(sender) == {"r"}
+
+
+def test_a_peer_naming_reader_after_reader_is_refused_past_the_cap(sender):
+    for rank in range(MAX_READERS):
+        assert _claim(sender, "a", 1, rank=rank)
+    answer = sender.on_prepare(
+        Prepare(request_id="r", rewrites=[], hold_s=1.0, claim=1, reader_rank=MAX_READERS), "a"
+    )
+    assert answer is not None and not answer.ok and "readers claim" in answer.reason
+    assert _claim(sender, "a", 2, rank=0)  # a reader it knows still claims again

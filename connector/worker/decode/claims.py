@@ -39,14 +39,17 @@ engine abort, only when every reader said Done (``kvbridge.connector.worker.pref
 In push mode the WRITEs land in our memory and NIXL tells the side they land on nothing
 when their writer dies: no handle of ours fails. A load waits for prefill's ``Pushed``
 (live) or, failed, is held until it comes (``kvbridge.connector.worker.decode.quarantine``).
-So every prefill that owes a round is probed with an empty ``Heartbeat`` each
-``PROBE_S``: to a dead one (killed, its connection reset) NIXL reports it disconnected
-at once, the outbox drops the peer, and :meth:`Writers.on_drop` ends what waited for it.
+So every prefill that owes a round is asked about each round it owes (``PushStatus``) each
+``PROBE_S``. A live one answers a round it no longer runs (``Pushed(ok=False)`` again: its
+answer was lost or unreadable, and it forgets a round only once its WRITEs ended); to a
+dead one (killed, its connection reset) NIXL reports it disconnected at once, the outbox
+drops the peer, and :meth:`Writers.on_drop` ends what waited for it.
 A probe that fails for another reason drops nothing: only a confirmed disconnect proves
 that no WRITE of the prefill's can still land::
 
-    owes a round --(every PROBE_S)--> Heartbeat([])   ok: alive (or frozen: it buffers)
-                                                      disconnected: dropped -> on_drop
+    owes a round --(every PROBE_S)--> PushStatus(round)  sent: alive (or frozen: it buffers)
+                                                         no longer runs: Pushed(ok=False)
+                                                         disconnected: dropped -> on_drop
     on_drop(agent)  held rounds: ended (nothing more lands from a dead process)
                     live loads it writes: failed by the receiver's next step
 
@@ -61,7 +64,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import Heartbeat, Prepare, Prepared
+from kvbridge.connector.common.notifications import Prepare, Prepared, PushStatus
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
@@ -260,6 +263,7 @@ class Claims:
 
 
 PROBE_S = 1.0  # how often a prefill that owes a push round is probed
+MAX_STATUS_QUERIES = 256  # rounds asked about per prefill and probe (the rest next time)
 
 
 class Writers:
@@ -293,13 +297,19 @@ class Writers:
         return any(s.state is LoadState.PUSHED and s.round_agent in self.gone for s in load.sources)
 
     def probe(self, loads: Iterable[Load], now: float) -> None:
-        """Probe every prefill that owes a round (live or held load), each ``PROBE_S``."""
-        agents = self._quarantine.awaited_agents | {
-            s.round_agent
-            for load in loads
-            for s in load.sources
-            if s.state is LoadState.PUSHED and s.round_agent
-        }
+        """Ask every prefill that owes a round (live or held load), each ``PROBE_S``,
+        about each round it owes (``PushStatus``): it answers a round it no longer runs
+        again, so an answer lost or unreadable does not hold our blocks while it lives."""
+        owed: dict[str, list[tuple[str, int]]] = {}
+        for agent, rid, round_ in self._quarantine.awaited_rounds:
+            owed.setdefault(agent, []).append((rid, round_))
+        for load in loads:
+            for s in load.sources:
+                if s.state is LoadState.PUSHED and s.round_agent:
+                    owed.setdefault(s.round_agent, []).append(
+                        (load.spec.params.remote_request_id, s.round)
+                    )
+        agents = set(owed)
         for agent in agents - self.gone:
             if now - self._probed.setdefault(agent, now) < PROBE_S:
                 continue  # first seen now, or probed less than PROBE_S ago
@@ -311,6 +321,8 @@ class Writers:
                 # else: removed while not known dead; its rounds stay held (nothing
                 # proves its WRITEs stopped), visible in the log and the metrics
             else:
-                self._send(peer, Heartbeat(request_ids=[]))  # a disconnect drops it
+                for rid, round_ in sorted(owed[agent])[:MAX_STATUS_QUERIES]:
+                    if not self._send(peer, PushStatus(request_id=rid, round=round_)):
+                        break  # a disconnect dropped it; another failure: asked next time
         for agent in set(self._probed) - agents:
             del self._probed[agent]

@@ -178,9 +178,9 @@ class Quarantine:
             held.rounds = {r for r in held.rounds if r[0] != agent}
 
     @property
-    def awaited_agents(self) -> set[str]:
-        """Agents that owe a held load a push round's answer (probed while they do)."""
-        return {r[0] for held in self._held for r in held.rounds}
+    def awaited_rounds(self) -> set[Round]:
+        """Push rounds held loads wait for an answer to (asked about while they do)."""
+        return {r for held in self._held for r in held.rounds}
 
     def step(self) -> None:
         """Poll held transfers; end (report) the loads whose transfers all ended."""

@@ -45,6 +45,7 @@ from kvbridge.connector.common.notifications import (
     WireArrangement,
 )
 from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.worker.boundary import Boundary
 from kvbridge.connector.worker.decode.claims import Claims, Writers
 from kvbridge.connector.worker.decode.inflight import (
     Load,
@@ -62,6 +63,7 @@ from kvbridge.connector.worker.decode.pull_sources import PullSources, ready_pee
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.decode.transfers import PullReads, PushRounds
 from kvbridge.connector.worker.device_order import DeviceOrder
+from kvbridge.connector.worker.digests import version_refusal
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey, PeerState
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.staging.arenas import StagingPools
@@ -97,6 +99,7 @@ class Receiver:
         max_quarantined_bytes: int = DEFAULT_MAX_QUARANTINED_MIB << 20,
         fail_early: bool = False,
         packed: PackedReads | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
         """``staging``: the slots larger remote pages land in (default: a pool of
         ``DEFAULT_STAGING_MIB`` registered on first use). ``push``: ask prefill to write
@@ -107,7 +110,10 @@ class Receiver:
         ``fail_early`` (``failure_policy: fail``): a load that fails while transfers of
         its may still land is also reported at once, as failing (the engine ends the
         request and keeps its blocks until the failure itself is reported). ``packed``:
-        moves many small rows as one packed range (``extra.gather_mib``, pull and push)."""
+        moves many small rows as one packed range (``extra.gather_mib``, pull and push).
+        ``boundary``: each load's step is its own failure boundary (what it raises fails
+        that load alone)."""
+        self._boundary = boundary or Boundary(metrics)
         staging = staging or StagingPools(engine, DEFAULT_STAGING_MIB << 20, buffers.device)
         order = order or DeviceOrder(buffers.device)
         self._staged = StagedReads(engine, staging, buffers, metrics, repacker, order)
@@ -216,6 +222,17 @@ class Receiver:
         )
         self._by_remote[p.remote_request_id] = spec.request_id
 
+    def refuse(self, spec: LoadSpec, reason: str) -> None:
+        """Adding the load raised (the boundary logged why): it fails, held while any
+        transfer of it may run, or at once when it never got into the table."""
+        load = self._loads.get(spec.request_id)
+        if load is not None and load.spec is spec:
+            self._outcomes.fail(load, reason)
+        elif load is None:
+            if self._by_remote.get(spec.params.remote_request_id) == spec.request_id:
+                del self._by_remote[spec.params.remote_request_id]
+            self._outcomes.refused(spec, reason)
+
     def loading_remote(self, remote_request_id: str) -> bool:
         """A load of ours reads (or was pushed) prefill's request ``remote_request_id``,
         or failed and may still be written: a ``Done`` for it is that load's to send."""
@@ -265,6 +282,17 @@ class Receiver:
                 return load, src
         return None
 
+    def fail_remote(self, remote_request_id: str, agent: str, reason: str) -> None:
+        """A message about prefill's request ``remote_request_id`` from ``agent`` could
+        not be handled: the load it belongs to fails (held while transfers of it run)."""
+        rid = self._by_remote.get(remote_request_id)
+        load = self._loads.get(rid) if rid else None
+        if load is not None and any(
+            not agent or self._agent_of(s.key) == agent or s.round_agent == agent
+            for s in load.sources
+        ):
+            self._outcomes.fail(load, reason)
+
     def on_pushed(self, msg: Pushed, agent: str = "") -> None:
         """Prefill wrote a round of a load into our blocks and slots (or says why not)."""
         found = self._awaiting(msg.request_id, agent, msg.round)
@@ -274,10 +302,11 @@ class Receiver:
             return
         assert self._rounds is not None  # PUSHED sources exist in push mode only
         load, src = found
-        try:
-            self._rounds.answered(load, src, msg, ready_peer(self._peers, src.key))
-        except (KVBridgeError, RuntimeError) as exc:  # RuntimeError: torch (our copies)
-            self._outcomes.fail(load, str(exc))
+        self._boundary.run(
+            "push answer",
+            lambda: self._rounds.answered(load, src, msg, ready_peer(self._peers, src.key)),  # type: ignore[union-attr]
+            lambda reason: self._fail_live(load, reason),
+        )
 
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""
@@ -299,30 +328,42 @@ class Receiver:
                 self._outcomes.fail(load, peer.reason)
         now = self._clock()
         for load in list(self._loads.values()):
-            for src in load.sources:
-                if load.spec.request_id not in self._loads:
-                    break
-                if src.state is LoadState.WAITING_PEER:
-                    peer = self._peers.get(src.key)
-                    if peer is not None and peer.state is PeerState.READY:
-                        self._start(load, src, peer)
-                elif src.state is LoadState.STAGING:  # push: slots may be free now
-                    self._next_round(load, src)
-                self._pull.advance(load, src, now)  # pull: READs polled, claims kept alive
-            if load.spec.request_id not in self._loads:
-                continue
-            if all(s.state is LoadState.DONE for s in load.sources):
-                load.timeline.arrived = load.timeline.arrived or self._clock()
-                self._outcomes.complete(load)
-            elif now > load.deadline:
-                states = ", ".join(f"{s.key}: {describe_source(s, now)}" for s in load.sources)
-                self._outcomes.fail(
-                    load,
-                    f"load timed out: not complete within {self._timeout_s:.1f} s ({states})",
-                )
+            self._boundary.run(
+                "load step",
+                lambda ld=load: self._advance(ld, now),  # type: ignore[misc]
+                lambda reason, ld=load: self._fail_live(ld, reason),  # type: ignore[misc]
+            )
         self._quarantine.step()
         self._writers.probe(self._loads.values(), now)
         self._outcomes.report_landed()
+
+    def _advance(self, load: Load, now: float) -> None:
+        for src in load.sources:
+            if load.spec.request_id not in self._loads:
+                return
+            if src.state is LoadState.WAITING_PEER:
+                peer = self._peers.get(src.key)
+                if peer is not None and peer.state is PeerState.READY:
+                    self._start(load, src, peer)
+            elif src.state is LoadState.STAGING:  # push: slots may be free now
+                self._next_round(load, src)
+            self._pull.advance(load, src, now)  # pull: READs polled, claims kept alive
+        if load.spec.request_id not in self._loads:
+            return
+        if all(s.state is LoadState.DONE for s in load.sources):
+            load.timeline.arrived = load.timeline.arrived or self._clock()
+            self._outcomes.complete(load)
+        elif now > load.deadline:
+            states = ", ".join(f"{s.key}: {describe_source(s, now)}" for s in load.sources)
+            self._outcomes.fail(
+                load, f"load timed out: not complete within {self._timeout_s:.1f} s ({states})"
+            )
+
+    def _fail_live(self, load: Load, reason: str) -> None:
+        """A load whose step raised fails (held while its transfers may run), unless it
+        already ended."""
+        if self._loads.get(load.spec.request_id) is load:
+            self._outcomes.fail(load, reason)
 
     def take_results(self) -> tuple[set[str], list[LoadFailure], list[LoadFailure]]:
         """Loads (done, failed, failing) since the last call (``Outcomes.take``)."""
@@ -343,6 +384,11 @@ class Receiver:
             # and no Done either: the request id in them may be another request's
             self._outcomes.fail(load, bad, notify=False)
             return
+        if load.verify and peer.layout is not None:  # digests of two definitions differ
+            refused = version_refusal(peer.layout.digest_version, f"prefill {peer.key}")
+            if refused:
+                self._outcomes.fail(load, f"verify: {refused}")
+                return
         rewrites = [
             GroupRewrite(
                 group_id=gid, src=WireArrangement.of(rw.src), dst=WireArrangement.of(rw.dst)

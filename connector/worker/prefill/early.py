@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import Done, Prepare
+from kvbridge.connector.worker.prefill.holds import MAX_READERS
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class Early:
         if msg.request_id not in self._dones and len(self._dones) >= MAX_EARLY:
             return False
         _, dones = self._dones.setdefault(msg.request_id, (self._clock() + EARLY_DONE_TTL_S, []))
+        if len(dones) >= MAX_READERS:  # a request has no more readers than that
+            return False
         dones.append((agent, msg))
         return True
 
@@ -69,6 +72,8 @@ class Early:
         _, waiting = self._prepares.setdefault(msg.request_id, (self._clock() + self.wait_s, []))
         reader = (agent, msg.reader_rank)
         waiting[:] = [(a, p) for a, p in waiting if (a, p.reader_rank) != reader]
+        if len(waiting) >= MAX_READERS:
+            return False
         waiting.append((agent, msg))
         return True
 

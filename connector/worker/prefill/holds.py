@@ -27,6 +27,9 @@ from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.layouts.arrangement import BlockArrangement
 
 Reader = tuple[str, int]  # (decode's NIXL agent, its rank): who claims and says Done
+# readers one request may have (decode ranks, times the decodes the same params reach):
+# a peer naming more, one rank number after another, is refused rather than remembered
+MAX_READERS = 256
 
 
 @dataclass
@@ -53,6 +56,10 @@ class Kept:
     pins: int = 0  # pushes whose WRITEs may still read the blocks
     native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
     ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
+    # the latest any claim or heartbeat may extend the hold to (its lease and the longest
+    # claim, from when it was kept): a decode that claims again and again, or a peer that
+    # loops, cannot pin the blocks for longer, in total
+    limit: float = float("inf")
 
     def claimed_until(self, now: float) -> float:
         """When the last granted claim still running runs out (0.0: none runs)."""

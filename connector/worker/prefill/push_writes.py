@@ -56,6 +56,9 @@ class PushRound:
     handles: list[XferHandle] = field(default_factory=list)
     num_bytes: int = 0
     num_descs: int = 0
+    # the WRITEs the round's plan requires, counted before the first is posted: the round
+    # is answered ok only when exactly these many were posted and all ended
+    num_planned: int = -1
     pinned: bool = False  # the request's blocks are pinned in the Sender
     reason: str = ""  # ENDING: why it failed
     overdue: bool = False  # ENDING longer than its timeout: logged once
@@ -140,6 +143,7 @@ class RoundWrites:
                 found_by_group[g.group_id] = found
         if msg.packed_at >= 0 and self._packed(push, peer, found_by_group):
             return
+        push.num_planned = sum(len(rows) for _, rows in writes)
         notif = b""
         # only a round that is the whole load: decode asks a staged load's next round
         # once it has an answer, and this round's poll may not have seen its WRITE done
@@ -190,6 +194,7 @@ class RoundWrites:
                 packed=True,
             )
         remote_idx = np.arange(first, first + pages.size)
+        push.num_planned = 1
         handle = self._engine.write(self._gather.local_list(), pages, theirs, remote_idx, notif)
         push.handles.append(handle)
         if notif:

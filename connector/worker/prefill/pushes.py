@@ -58,13 +58,13 @@ from kvbridge.connector.transfer.transport import (
     XferState,
     release_if_ended,
 )
+from kvbridge.connector.worker.boundary import Boundary
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerState
 from kvbridge.connector.worker.prefill.answers import Answers
 from kvbridge.connector.worker.prefill.gather_arena import GatherArena
 from kvbridge.connector.worker.prefill.push_writes import PushRound, PushState, RoundWrites
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests
 from kvbridge.connector.worker.prefill.sender import Sender
-from kvbridge.layouts.errors import KVBridgeError
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,13 @@ class Pusher:
         clock: Callable[[], float] = time.monotonic,
         digests: ReaderDigests | None = None,
         gather: GatherArena | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
         """``digests``: answers a verified Push (``Push.verify``) with the digests of
         the rows it wrote (refused by name without it). ``gather``: packs a Push's rows
-        into one WRITE when decode asks (``Push.packed_at``)."""
+        into one WRITE when decode asks (``Push.packed_at``). ``boundary``: each round's
+        step is its own failure boundary (whatever it raises fails that round alone)."""
+        self._boundary = boundary or Boundary(metrics)
         self._gather = gather
         self._writes = RoundWrites(engine, targets, digests=digests, gather=gather)
         self._engine = engine
@@ -105,6 +108,22 @@ class Pusher:
     @property
     def num_inflight(self) -> int:
         return len(self._pushes)
+
+    def runs(self, request_id: str, agent: str, round_: int) -> bool:
+        """Round ``round_`` of decode ``agent``'s push of ``request_id`` is still owed an
+        answer here (waiting, writing, or ending)."""
+        push = self._pushes.get((request_id, agent))
+        return push is not None and push.msg.round == round_
+
+    def fail_round(self, msg: Push, agent: str, reason: str) -> None:
+        """Handling ``msg`` raised: its round fails (answered once any WRITE it posted
+        ended), or is refused when it never started here."""
+        push = self._pushes.get((msg.request_id, agent))
+        if push is not None and push.msg is msg:
+            if push.state is not PushState.ENDING:
+                self._fail(push, reason)
+            return
+        self._refuse(agent, msg, reason)
 
     def on_push(self, msg: Push, agent: str) -> None:
         rid, where = msg.request_id, (msg.request_id, agent)
@@ -169,15 +188,28 @@ class Pusher:
         self._targets.poll()
         now = self._clock()
         for where, push in list(self._pushes.items()):
-            if where not in self._pushes:
-                continue
-            if push.state is PushState.WAITING:
-                self._try_start(push, now)
-            elif push.state is PushState.WRITING:
-                self._poll(push, now)
-            else:
-                self._settle(push, now)
+            if self._pushes.get(where) is push:
+                self._boundary.run(
+                    "push round",
+                    lambda p=push: self._advance(p, now),  # type: ignore[misc]
+                    lambda reason, p=push: self._fail_unless_ending(p, reason),  # type: ignore[misc]
+                )
         self._answers.flush()
+
+    def _advance(self, push: PushRound, now: float) -> None:
+        if push.state is PushState.WAITING:
+            self._try_start(push, now)
+        elif push.state is PushState.WRITING:
+            self._poll(push, now)
+        else:
+            self._settle(push, now)
+
+    def _fail_unless_ending(self, push: PushRound, reason: str) -> None:
+        if self._pushes.get((push.msg.request_id, push.agent)) is push:
+            if push.state is PushState.ENDING:
+                push.reason = push.reason or reason  # answered once its WRITEs ended
+            else:
+                self._fail(push, reason)
 
     def poll_posted(self) -> None:
         """At the end of a progress round: poll the WRITEs this round posted once more,
@@ -192,7 +224,11 @@ class Pusher:
         for push in posted:
             if self._pushes.get((push.msg.request_id, push.agent)) is push:
                 if push.state is PushState.WRITING:
-                    self._poll(push, now)
+                    self._boundary.run(
+                        "push round",
+                        lambda p=push: self._poll(p, now),  # type: ignore[misc]
+                        lambda reason, p=push: self._fail_unless_ending(p, reason),  # type: ignore[misc]
+                    )
         self._answers.flush()
 
     def close(self) -> None:
@@ -278,8 +314,8 @@ class Pusher:
             self._fail(push, f"write to decode {push.key} failed: {exc}")
             self._targets.drop(push.key, f"transfer failed: {exc}")
             return
-        except KVBridgeError as exc:  # this push only (the WRITEs posted so far end first)
-            self._fail(push, f"could not post the writes: {exc}")
+        except Exception as exc:  # this round only (the WRITEs posted so far end first)
+            self._fail(push, f"could not post the writes: {type(exc).__name__}: {exc}")
             return
         self._metrics.descriptors_posted += push.num_descs
         self._posted.append(push)
@@ -297,6 +333,11 @@ class Pusher:
         if pending:
             if now > push.deadline:
                 self._fail(push, f"writes not complete within {push.msg.timeout_s:.1f} s")
+            return
+        if len(push.handles) != push.num_planned:  # ok only on evidence: every WRITE ended
+            self._fail(
+                push, f"{len(push.handles)} of the round's {push.num_planned} WRITEs were posted"
+            )
             return
         self._release(push)
         self._metrics.pushes_written += 1

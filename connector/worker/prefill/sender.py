@@ -49,7 +49,7 @@ from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.block_lending import BlockLending
 from kvbridge.connector.worker.prefill.early import EARLY_DONE_TTL_S, EARLY_PREPARE_TTL_S, Early
 from kvbridge.connector.worker.prefill.gather_arena import GatherArena
-from kvbridge.connector.worker.prefill.holds import Claim, Kept, Reader
+from kvbridge.connector.worker.prefill.holds import MAX_READERS, Claim, Kept, Reader
 from kvbridge.connector.worker.prefill.reader_digests import ReaderDigests, claim_digests
 from kvbridge.connector.worker.staging.host_stage import HostStage
 from kvbridge.layouts.allocation import KVCacheBuffers
@@ -116,7 +116,10 @@ class Sender:
     def add(self, spec: SendSpec) -> None:
         if spec.request_id in self._pending:
             return
-        pending = Kept(spec=spec, deadline=self._clock() + spec.lease_s)
+        now = self._clock()
+        pending = Kept(
+            spec=spec, deadline=now + spec.lease_s, limit=now + spec.lease_s + MAX_HOLD_S
+        )
         self._pending[spec.request_id] = pending
         if self._learned and self._rewrite_on_save:
             self._rewrite_eagerly(pending)
@@ -142,6 +145,17 @@ class Sender:
             )
         reader = (agent, msg.reader_rank)
         pending = self._pending.get(msg.request_id)
+        if (
+            pending is not None
+            and reader not in pending.claims
+            and len(pending.claims) >= MAX_READERS
+        ):
+            return Prepared(
+                request_id=msg.request_id,
+                ok=False,
+                reason=f"{MAX_READERS} readers claim this request already",
+                claim=msg.claim,
+            )
         if pending is not None and not pending.ending and self._clock() > pending.deadline:
             self.expire()  # its lease ran out before this step's expire(): so it ended
             pending = self._pending.get(msg.request_id)
@@ -192,7 +206,7 @@ class Sender:
             self._stage_out(pending)
         now = self._clock()
         hold = max(pending.spec.lease_s, min(max(msg.hold_s, 0.0), MAX_HOLD_S))
-        pending.deadline = max(pending.deadline, now + hold)
+        pending.deadline = max(pending.deadline, min(now + hold, pending.limit))
         claim = pending.claims.get(reader)
         if claim is None or claim.ended:
             claim = pending.claims[reader] = Claim(numbers=set(), until=0.0)
@@ -310,7 +324,9 @@ class Sender:
         for rid in msg.request_ids:
             pending = self._pending.get(rid)
             if pending is not None and not pending.ending:
-                pending.deadline = max(pending.deadline, now + pending.spec.lease_s)
+                pending.deadline = max(
+                    pending.deadline, min(now + pending.spec.lease_s, pending.limit)
+                )
 
     def abort(self, request_id: str, *, report: bool = True) -> None:
         """The engine drops a kept request: its hold ends (blocks restored, reported
@@ -323,6 +339,17 @@ class Sender:
         self._replies += [(agent, _unknown(request_id, p.claim)) for agent, p in waiting]
         if pending is not None:
             self._end(pending, "aborted", report=report)
+
+    def drop(self, request_id: str) -> None:
+        """Adding the request raised (the boundary logged why): its hold ends as an abort
+        does (restored, no new reader, after the claims granted while it was added), and
+        the engine hears it finished, so its blocks are freed, also when it never got
+        into the table."""
+        if request_id in self._pending:
+            self.abort(request_id)
+        else:
+            self.abort(request_id, report=False)
+            self._finished.add(request_id)
 
     def _end(self, pending: Kept, why: str, *, report: bool = True) -> None:
         """End the hold now, or mark it ending when a push still writes from the blocks

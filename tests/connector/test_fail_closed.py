@@ -1,0 +1,309 @@
+"""Fail closed: whatever raises while one message, scheduler order or push round is handled
+fails that unit alone, never the engine's call; success is reported on evidence only.
+
+Two real connectors (scheduler + worker + NIXL) in one process, with one part of one side
+made to raise or to lose a message; every test ends with both block pools full."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+
+from kvbridge.connector.common.notifications import (
+    NotificationError,
+    Pushed,
+    decode_notification,
+)
+from kvbridge.connector.common.params import KVTransferParams
+from kvbridge.connector.worker.decode.claims import PROBE_S
+from kvbridge.layouts.allocation import CacheFormat
+from kvbridge.layouts.layout import KVLayout
+from tests.connector.pair_harness import (
+    FakeClock,
+    Request,
+    Side,
+    decode_admit,
+    failed,
+    loaded,
+    make_side,
+    prefill_finish,
+    run_until,
+    token_ids,
+)
+
+PREFILL_FMT = CacheFormat(layout=KVLayout.NHD, cross_layer=True)
+DECODE_FMT = CacheFormat(layout=KVLayout.HND, kernel_block_size=8)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def made() -> Iterator[list[Side]]:
+    sides: list[Side] = []
+    try:
+        yield sides
+    finally:
+        for side in reversed(sides):
+            side.worker.shutdown()
+
+
+@pytest.fixture
+def make_pair(clock: FakeClock, made: list[Side]) -> Callable[[str], tuple[Side, Side]]:
+    def make(mode: str) -> tuple[Side, Side]:
+        extra = {"transfer_mode": mode}
+        prefill = make_side("kv_producer", "prefill", 64, PREFILL_FMT, "F", clock, extra=extra)
+        made.append(prefill)
+        decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock, extra=extra)
+        made.append(decode)
+        return prefill, decode
+
+    return make
+
+
+def _requests(prefill: Side, decode: Side, *names: str) -> list[Request]:
+    """Prefill finishes ``p<name>``; decode admits ``d<name>`` to load it."""
+    out = []
+    for i, name in enumerate(names):
+        p = Request(f"p{name}", token_ids(150, seed=i), KVTransferParams(do_remote_decode=True))
+        d = Request(f"d{name}", p.prompt_token_ids, prefill_finish(prefill, p))
+        decode_admit(decode, d)
+        out.append(d)
+    return out
+
+
+def _finish(decode: Side, *requests: Request) -> None:
+    for req in requests:
+        delay, _ = decode.sched.request_finished(req, req.block_ids)
+        if not delay:
+            decode.pool.free([b for ids in req.block_ids for b in ids])
+
+
+def _healthy(*sides: Side) -> None:
+    for side in sides:
+        assert side.worker.unhealthy_reason is None
+        side.pool.assert_all_free()
+
+
+def test_a_claim_whose_handling_raises_fails_that_load_alone(make_pair, monkeypatch):
+    """One Prepare raising inside prefill (a bug, a value no check foresaw) is answered
+    refused; the other claim of the same batch is served; the engine's calls never raise."""
+    prefill, decode = make_pair("pull")
+    sender = prefill.worker._sender
+    real = sender.on_prepare
+
+    def on_prepare(msg, agent=""):
+        if msg.request_id == "p1":
+            raise MemoryError("np.arange of 466 GiB")
+        return real(msg, agent)
+
+    monkeypatch.setattr(sender, "on_prepare", on_prepare)
+    d1, d2 = _requests(prefill, decode, "1", "2")
+    run_until(
+        [prefill, decode],
+        lambda: (
+            loaded(decode, "d2")
+            and bool(failed(decode, "d1"))
+            and {"p1", "p2"} <= set(prefill.freed)
+        ),
+        "d2 loaded, d1 failed, both prefill holds ended",
+    )
+    assert not loaded(decode, "d1")
+    [failure] = failed(decode, "d1")
+    assert "MemoryError" in failure.reason
+    m = prefill.worker.metrics
+    assert m.peer_message_errors == 1 and m.peer_message_errors_by_kind == {"Prepare": 1}
+    _finish(decode, d1, d2)
+    _healthy(prefill, decode)
+
+
+def test_a_send_order_that_raises_frees_that_request_and_adds_the_rest(make_pair, monkeypatch):
+    """``reqs_to_send`` of one step: the order that raises is dropped (reported finished,
+    so the engine frees its blocks); the next one is still added and served."""
+    prefill, decode = make_pair("pull")
+    sender = prefill.worker._sender
+    real = sender.add
+
+    def add(spec):
+        if spec.request_id == "p1":
+            raise OverflowError("Python int too large to convert to C long")
+        real(spec)
+
+    monkeypatch.setattr(sender, "add", add)
+    d1, d2 = _requests(prefill, decode, "1", "2")
+    run_until(
+        [prefill, decode],
+        lambda: (
+            loaded(decode, "d2")
+            and bool(failed(decode, "d1"))
+            and {"p1", "p2"} <= set(prefill.freed)
+        ),
+        "p1 dropped and freed, d2 loaded",
+    )
+    assert prefill.worker.metrics.unit_errors_by_kind == {"order: send": 1}
+    _finish(decode, d1, d2)
+    _healthy(prefill, decode)
+
+
+def test_a_push_whose_writes_raise_is_answered_failed_not_ok(make_pair, monkeypatch):
+    """A round whose WRITEs could not be posted (numpy's OverflowError on a block id, a
+    CUDA OOM in a gather) is answered failed: before, the exception escaped into the step
+    and the next step answered the round ok with nothing written."""
+    prefill, decode = make_pair("push")
+    pusher = prefill.worker._pusher
+    assert pusher is not None
+
+    def post(push, peer, spec):
+        raise OverflowError("Python int too large to convert to C long")
+
+    monkeypatch.setattr(pusher._writes, "post", post)
+    [d1] = _requests(prefill, decode, "1")
+    run_until(
+        [prefill, decode],
+        lambda: bool(failed(decode, "d1")) and "p1" in prefill.freed,
+        "d1 failed and p1 freed",
+    )
+    assert not loaded(decode, "d1")
+    [failure] = failed(decode, "d1")
+    assert "OverflowError" in failure.reason
+    m = prefill.worker.metrics
+    assert m.pushes_written == 0 and m.push_failures == 1
+    _finish(decode, d1)
+    _healthy(prefill, decode)
+
+
+def test_a_push_round_is_answered_ok_only_when_every_planned_write_was_posted(
+    make_pair, monkeypatch
+):
+    """Evidence, not the absence of an error: a round that posted fewer WRITEs than its
+    plan requires (here the count it planned is one more) is answered failed."""
+    prefill, decode = make_pair("push")
+    pusher = prefill.worker._pusher
+    assert pusher is not None
+    real = pusher._writes.post
+
+    def post(push, peer, spec):
+        real(push, peer, spec)
+        push.num_planned += 1  # one WRITE the plan requires was never posted
+        push.carrier = None  # so the answer is the round's own, not a WRITE's
+
+    monkeypatch.setattr(pusher._writes, "post", post)
+    [d1] = _requests(prefill, decode, "1")
+    run_until(
+        [prefill, decode],
+        lambda: bool(failed(decode, "d1")) and "p1" in prefill.freed,
+        "d1 failed and p1 freed",
+    )
+    assert not loaded(decode, "d1")
+    assert "WRITEs were posted" in failed(decode, "d1")[0].reason
+    _finish(decode, d1)
+    _healthy(prefill, decode)
+
+
+def _garble_first_pushed(side: Side, monkeypatch) -> list[bytes]:
+    """Decode receives the first ``Pushed`` unreadable (its bytes truncated)."""
+    engine = side.worker._engine
+    real = engine.get_notifs
+    garbled: list[bytes] = []
+
+    def get_notifs():
+        out = {}
+        for agent, messages in real().items():
+            kept = []
+            for raw in messages:
+                if not garbled and _is_pushed(raw):
+                    garbled.append(raw)
+                    raw = raw[: len(raw) // 2]
+                kept.append(raw)
+            out[agent] = kept
+        return out
+
+    monkeypatch.setattr(engine, "get_notifs", get_notifs)
+    return garbled
+
+
+def _is_pushed(raw: bytes) -> bool:
+    try:
+        return isinstance(decode_notification(raw), Pushed)
+    except NotificationError:
+        return False
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["live", "held"])
+def test_a_push_answer_that_arrives_unreadable_is_asked_for_again(
+    make_pair, clock, monkeypatch, held
+):
+    """A round's answer lost on the way: decode asks the prefill that owes it
+    (``PushStatus``), which no longer runs the round and says so; the load fails (live),
+    or the failed load held for that round is released (held), instead of holding decode's
+    blocks for as long as the prefill lives."""
+    prefill, decode = make_pair("push")
+    garbled = _garble_first_pushed(decode, monkeypatch)
+    [d1] = _requests(prefill, decode, "1")
+    run_until([prefill, decode], lambda: bool(garbled), "the round's answer (garbled)")
+    assert decode.worker.metrics.bad_notifications == 1
+    receiver = decode.worker._receiver
+    if held:  # the load times out while its round's answer is owed: held for it
+        clock.now += decode.worker.config.transfer_timeout_s + 1
+        run_until([decode], lambda: receiver.num_held == 1, "the failed load held")
+    clock.now += PROBE_S + 0.5
+    run_until(
+        [prefill, decode],
+        lambda: bool(failed(decode, "d1")) and receiver.num_held == 0,
+        "the load failed and nothing held",
+    )
+    assert not loaded(decode, "d1")
+    if not held:
+        assert "does not run here" in failed(decode, "d1")[0].reason
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
+    _finish(decode, d1)
+    assert decode.worker.num_leased_staging_bytes == 0 and decode.worker.num_live_handles == 0
+    _healthy(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        ("Push", {"block_ids": [[2**63]]}),
+        ("Push", {"end_token": 2**62}),
+        ("Push", {"timeout_s": float("nan")}),
+        ("Push", {"reader_rank": -1}),
+        ("Prepare", {"end_token": 2**62}),
+        ("Prepare", {"hold_s": float("inf")}),
+        ("Prepare", {"request_id": ""}),
+        ("Done", {"readers": 0}),
+        ("Done", {"claims": [-1]}),
+        ("Pushed", {"round": 2**31}),
+        ("Prepared", {"packed_at": -2}),
+        ("Heartbeat", {"request_ids": ["x" * 2000]}),
+    ],
+)
+def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):
+    base = {
+        "Push": {
+            "request_id": "r",
+            "reader_engine_id": "d",
+            "reader_rank": 0,
+            "reader_host": "127.0.0.1",
+            "reader_port": 1,
+            "block_ids": [[1]],
+            "start_token": 0,
+            "end_token": 16,
+            "rewrites": [],
+            "plan_digest": "x",
+            "timeout_s": 1.0,
+        },
+        "Prepare": {"request_id": "r", "rewrites": []},
+        "Done": {"request_id": "r"},
+        "Pushed": {"request_id": "r", "ok": True},
+        "Prepared": {"request_id": "r", "ok": True},
+        "Heartbeat": {"request_ids": []},
+    }[kind]
+    good = msgspec.msgpack.encode({"type": kind, **base})
+    assert type(decode_notification(good)).__name__ == kind  # the base itself is fine
+    with pytest.raises(NotificationError):
+        decode_notification(msgspec.msgpack.encode({"type": kind, **base, **fields}))
