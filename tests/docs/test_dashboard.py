@@ -258,3 +258,37 @@ def test_a_panel_naming_a_metric_vllm_does_not_export_fails() -> None:
     assert unknown_names(with_bogus_names(), vllm_names(), vllm=True) == {
         "Handshakes": {"vllm:kvbridge_handshake_fails_total"}
     }
+
+
+def test_the_preview_draws_a_panel_from_its_queries() -> None:
+    """scripts/dashboard_preview.py: a panel's series, by legend, from two scrapes 2 s
+    apart (rate over the window; the all-labels legend when none is given)."""
+    from scripts.dashboard_preview import panel_series
+
+    def scrape(t: float, loaded: float, le_01: float, total: float) -> Scrape:
+        text = (
+            "# TYPE kvbridge_transfers counter\n"
+            f"kvbridge_transfers_total {loaded}\n"
+            "# TYPE kvbridge_engine_call_seconds histogram\n"
+            f'kvbridge_engine_call_seconds_bucket{{hook="get_finished",le="0.1"}} {le_01}\n'
+            f'kvbridge_engine_call_seconds_bucket{{hook="get_finished",le="+Inf"}} {total}\n'
+            f'kvbridge_engine_call_seconds_count{{hook="get_finished"}} {total}\n'
+            'kvbridge_engine_call_seconds_sum{hook="get_finished"} 1.0\n'
+        )
+        return Scrape(t, samples(text, instance="decode"))
+
+    variables = {"kv": "kvbridge", "instance": ".*", "engine": ".*", "__rate_interval": "5s"}
+    scrapes = [scrape(10.0, 3, 0, 0), scrape(12.0, 7, 4, 8)]
+    dash = load()
+    (loads,) = [p for p in panels(dash) if p["title"] == "Loads completed"]
+    assert panel_series(loads, scrapes, variables) == {"decode": [(2.0, 2.0)]}
+    panel = {
+        "targets": [
+            {
+                "expr": "histogram_quantile(0.75, sum by (le) "
+                "(rate(kvbridge_engine_call_seconds_bucket[5s])))"
+            }
+        ]
+    }
+    # 4 of 8 calls up to 0.1 s, the rest above the highest finite bound: p75 reads 0.1
+    assert panel_series(panel, scrapes, variables) == {"{}": [(2.0, 0.1)]}
