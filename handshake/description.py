@@ -22,6 +22,7 @@ from kvbridge.handshake.messages import (
 from kvbridge.handshake.modes import TransferMode
 from kvbridge.layouts.allocation import CacheFormat, KVCacheBuffers
 from kvbridge.layouts.arrangement import HeadOrder
+from kvbridge.layouts.digest import DIGEST_VERSION
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.groups import KVCacheConfig, KVCacheGroup
 from kvbridge.layouts.layout import KVLayout, KVPacking
@@ -97,6 +98,7 @@ class PeerLayout:
     rewrites_on_save: bool = False  # readers that need no rewrite must claim first
     staging: KVRegion | None = None  # push: the arena a writer stages whole pages into
     gather: KVRegion | None = None  # pull: the pages a sender packs claimed rows into
+    digest_version: int = 1  # what its verified loads' digests mean (1: an older peer)
 
     def group_regions(self, group_id: int) -> list[RegionInfo]:
         return [r for r in self.regions if r.group_id == group_id]
@@ -240,6 +242,7 @@ def describe(
         kv_role=kv_role,
         architecture=identity.architecture,
         model_fingerprint=identity.model_fingerprint,
+        digest_version=DIGEST_VERSION,
     )
 
 
@@ -348,6 +351,7 @@ def parse_description(desc: WorkerDescription) -> PeerLayout:
         rewrites_on_save=desc.rewrites_on_save,
         staging=staging,
         gather=gather,
+        digest_version=desc.digest_version,
     )
 
 

@@ -39,6 +39,8 @@ Protocol history:
         probe refuses a pair that is not prefill -> decode.
         WorkerDescription.architecture and model_fingerprint (default ""): what
         identifies the model instead of model_name, a path (compared where both are set).
+        WorkerDescription.digest_version (default 1): the digest verified loads compare
+        (position-weighted rows from 2); peers that differ refuse to verify, by name.
 """
 
 from __future__ import annotations
@@ -205,6 +207,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # the worker's kv_role (KVRole value: "kv_producer", "kv_consumer" or "kv_both");
     # empty: an older peer that did not say
     kv_role: str = ""
+    # what extra.verify's digests mean (kvbridge.layouts.digest.DIGEST_VERSION); 1: an
+    # older peer, whose rows were plain sums. Peers that differ refuse verified loads
+    digest_version: int = 1
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

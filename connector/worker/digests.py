@@ -12,6 +12,10 @@ row for row, the bytes prefill had::
     writer: row_sums(prefill's units of stream i's remote region, remote offsets, rows)
     digest of g = fold(concatenated row sums, stream by stream)
 
+Both sides must digest by one definition (``DIGEST_VERSION``, in each description): a
+peer that digests by another is refused a verified load by name
+(:func:`version_refusal`), before anything is compared.
+
 Groups whose pages go through decode's staging slots (``GroupPlan.split_from``) land
 whole pages in slots, round by round, and the engine repacks them into its blocks: the
 writer digests its whole pages (page ids by remote logical block), the reader the sums it
@@ -33,7 +37,7 @@ from kvbridge.connector.worker.rows import GroupRows
 from kvbridge.connector.worker.staging.staged_reads import Staged, StagedSums
 from kvbridge.handshake.plan_model import GroupPlan, TransferPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
-from kvbridge.layouts.digest import fold, row_sums
+from kvbridge.layouts.digest import DIGEST_VERSION, fold, row_sums
 
 
 class PlanSide(enum.Enum):
@@ -64,6 +68,19 @@ class LoadDigests:
                 )
         out += [f"group {g}: digested there, not here" for g in sorted(want)]
         return out
+
+
+def version_refusal(theirs: int, who: str) -> str:
+    """'' when ``who`` digests rows as this worker does (``theirs``: its description's
+    ``digest_version``), else why a verified load with it is refused: digests of two
+    definitions never agree, and would be reported as corruption."""
+    if theirs == DIGEST_VERSION:
+        return ""
+    return (
+        f"{who} digests rows by digest_version {theirs}, this worker by {DIGEST_VERSION} "
+        f"(kvbridge.layouts.digest): the two cannot be compared; upgrade both sides, or "
+        f'set extra.verify to "off" on decode until they are'
+    )
 
 
 def region_units(buffers: KVCacheBuffers) -> list[torch.Tensor]:

@@ -385,7 +385,9 @@ class Receiver:
             self._outcomes.fail(load, bad, notify=False)
             return
         if load.verify and peer.layout is not None:  # digests of two definitions differ
-            refused = version_refusal(peer.layout.digest_version, f"prefill {peer.key}")
+            refused = version_refusal(
+                peer.layout.digest_version, f"prefill {peer.key[0]} rank {peer.key[1]}"
+            )
             if refused:
                 self._outcomes.fail(load, f"verify: {refused}")
                 return
