@@ -263,5 +263,5 @@ def test_the_role_travels_and_an_older_peer_says_none() -> None:
     fields["nixl_metadata"] = current.nixl_metadata
     decoded = decode_reply(msgspec.msgpack.encode(fields))
     assert isinstance(decoded, WorkerDescription) and decoded.kv_role == ""
-    # the last field: what the schema-evolution rule asks of a new one
-    assert WorkerDescription.__struct_fields__[-1] == "kv_role"
+    # appended: what the schema-evolution rule asks of a new one (digest_version after it)
+    assert WorkerDescription.__struct_fields__[-2:] == ("kv_role", "digest_version")
