@@ -31,8 +31,11 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-import kvbridge.cli.bench.transfer as bt
+from kvbridge.cli.bench import transfer_child
 from kvbridge.cli.bench.results import add_json_argument, write_json
+from kvbridge.cli.bench.transfer_baselines import measure_raw
+from kvbridge.cli.bench.transfer_loads import measure_connector, time_indices
+from kvbridge.cli.bench.transfer_shape import Shape
 from kvbridge.connector.transfer.nixl_engine import MergeRuns
 from kvbridge.examples.netns import Link, unavailable
 
@@ -96,11 +99,13 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
     """In decode's namespace: the prefill child goes to prefill's."""
     rate = link.rate
     results: list[Result] = []
-    indices_s = bt.time_indices()
-    bt.PREFILL_HOST, bt.DECODE_HOST = link.ip["p"], link.ip["d"]
-    bt.CHILD_PREFIX = link.argv("p")  # the child: in prefill's namespace, UCX on its end
+    indices_s = time_indices()
+    transfer_child.PREFILL_HOST, transfer_child.DECODE_HOST = link.ip["p"], link.ip["d"]
+    transfer_child.CHILD_PREFIX = link.argv(
+        "p"
+    )  # the child: in prefill's namespace, UCX on its end
     for size, tokens in sizes.items():
-        shape = bt.Shape(
+        shape = Shape(
             layers=args.layers,
             heads=args.heads,
             head_size=args.head_size,
@@ -115,7 +120,7 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
         runs += [(mode, False) for mode in modes if args.contiguous and size == "large"]
         for mode, shuffled in runs:
             tx0, drops0 = link.tx_stats("p")
-            row, child, decode, buffers = bt.measure_connector(
+            row, child, decode, buffers = measure_connector(
                 shape,
                 "x-NHD",
                 "x-NHD",
@@ -130,7 +135,7 @@ def measure(link: Link, sizes: dict[str, int], modes: list[str], args) -> list[R
             sent, drops = tx1 - tx0, drops1 - drops0
             try:
                 if not raw:  # after the digest check: the raw WRITE overwrites
-                    read_row, write_row, _ = bt.measure_raw(child, buffers, shape, args.iterations)
+                    read_row, write_row, _ = measure_raw(child, buffers, shape, args.iterations)
                     raw = {"pull": read_row.seconds, "push": write_row.seconds}
                 prep, data, fin = timeline_ms(decode, args.iterations)
             finally:

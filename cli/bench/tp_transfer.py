@@ -45,20 +45,10 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from kvbridge.cli.bench.results import add_json_argument, write_json
-from kvbridge.cli.bench.transfer import (
-    Child,
-    PrefillRank,
-    Row,
-    Shape,
-    _config,
-    add_common_args,
-    kv_digest,
-    load,
-    load_spec,
-    measure_raw,
-    median_s,
-    parse_format,
-)
+from kvbridge.cli.bench.transfer_baselines import measure_raw
+from kvbridge.cli.bench.transfer_child import Child, PrefillRank, _config
+from kvbridge.cli.bench.transfer_loads import Row, load, load_spec, median_s
+from kvbridge.cli.bench.transfer_shape import Shape, add_common_args, kv_digest, parse_format
 from kvbridge.connector.worker.worker import KVBridgeWorker
 from kvbridge.handshake import tp
 from kvbridge.layouts.allocation import KVCacheBuffers

@@ -65,7 +65,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from kvbridge.cli.bench.transfer import TIMEOUT_S, Child, kv_digest
+from kvbridge.cli.bench.transfer_child import TIMEOUT_S, Child
+from kvbridge.cli.bench.transfer_shape import kv_digest
 from kvbridge.connector.transfer.nixl_engine import NixlEngineConfig, NixlTransferEngine
 from kvbridge.connector.transfer.transport import DescList, XferHandle, wait_done
 from kvbridge.examples.model import FULL, ModelCaches, ModelConfig, TinyModel

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvbridge.cli.bench.tp_transfer import Pair, head_mismatches, share_bytes
-from kvbridge.cli.bench.transfer import Shape, fill, kv_digest, parse_format
+from kvbridge.cli.bench.transfer_shape import Shape, fill, kv_digest, parse_format
 from kvbridge.handshake import tp
 from kvbridge.layouts.allocation import KVCacheBuffers
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.cli.bench.transfer import engine_config
+from kvbridge.cli.bench.transfer_child import engine_config
 from kvbridge.connector.transfer.nixl_config import MergeRuns, ProgressMode
 
 
