@@ -12,7 +12,7 @@ the run replays params prefill has already released straight to decode (each suc
 fails and decode recomputes), so that the failure panels have something to show. Every
 ``--interval`` seconds it scrapes both workers' ``/metrics`` (``instance`` is ``prefill``
 or ``decode``); then it evaluates each panel's queries at each scrape with
-``scripts/dashboard_promql.py`` (``$__rate_interval`` is ``--window``) and draws one PNG
+``examples/promql.py`` (``$__rate_interval`` is ``--window``) and draws one PNG
 per dashboard row, ``dashboard_<row>.png``. A row none of whose queries has a series in the
 run (vLLM's own metrics, with the example servers) is left out and named on stdout.
 
@@ -39,12 +39,9 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 
-if not __package__:  # run as a file: its sibling dashboard_promql is imported as scripts.*
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from kvbridge.examples.check import complete, http_get, make_prompts
 from kvbridge.examples.launch import Cluster
-from scripts.dashboard_promql import Labels, Scrape, evaluate, parse, samples, substitute
+from kvbridge.examples.promql import Labels, Scrape, evaluate, parse, samples, substitute
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "dashboards" / "kvbridge.json"

@@ -6,7 +6,7 @@ after real requests (one loaded, one recomputed); the ``vllm:`` names against wh
 kvbridge's vLLM adapter registers (``KVBridgePromMetrics`` on a registry of its own) and
 vLLM's own metrics (``vllm/v1/metrics/loggers.py``: the TTFT panel). A query with the
 ``${kv}`` variable is checked under each of its values. The queries are read by
-``scripts/dashboard_promql.py``, the reader ``scripts/dashboard_preview.py`` draws with, so
+``examples/promql.py``, the reader ``scripts/dashboard_preview.py`` draws with, so
 every panel also parses there.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.examples.check import http_get
-from scripts.dashboard_promql import Scrape, evaluate, metric_names, parse, samples, substitute
+from kvbridge.examples.promql import Scrape, evaluate, metric_names, parse, samples, substitute
 from tests.reliability.servers import Worker, post, worker_pair
 
 REPO = Path(__file__).resolve().parents[2]
