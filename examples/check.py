@@ -223,8 +223,11 @@ def run(args: argparse.Namespace) -> int:
     matched, worst = 0, 0.0
     loaded_total, expected_total, short = 0, 0, 0
     if args.show_answers:
+        print_plan(args.prefill, args.decode)
         print(
-            "answers (a random-weight model: the bytes mean nothing; they must equal the reference)"
+            f"answers: the token ids {args.model} generated for each prompt through the router "
+            "(P/D) beside the single-process reference's; exact = every id equal and every "
+            f"logit within {args.atol:g} (random weights: as text the ids are noise)"
         )
     for i, (prompt, answer) in enumerate(results):
         ids = tok.encode(prompt)
@@ -252,11 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{usage.get('cached_tokens')} cached): loaded {loaded}, expected {expected}"
             )
         if args.show_answers:
-            print(
-                f"  [{i}] ...{prompt[-32:]!r} ({len(ids)} tokens: {usage.get('loaded_tokens')} "
-                f"loaded, {usage.get('cached_tokens')} cached)\n"
-                f"      -> {tok.decode(answer['token_ids'])!r}"
-            )
+            print(answer_lines(i, len(ids), answer, verdict, want.token_ids))
         if verdict.ok:
             matched += 1
         else:
@@ -305,6 +304,51 @@ def run(args: argparse.Namespace) -> int:
         f"verified={verified} verify_failures={verify_failures}"
     )
     return 0 if ok else 1
+
+
+def answer_lines(
+    index: int, num_prompt_tokens: int, answer: dict, verdict: Verdict, want: list[int]
+) -> str:
+    """One prompt for a reader: the verdict, then the ids of ``answer`` (a completion) over
+    the reference's ``want``, so that equal columns show equal tokens."""
+    usage = answer.get("usage", {})
+    word = "exact" if verdict.ok else f"differs ({verdict.reason})"
+    return (
+        f"  prompt {index} ({num_prompt_tokens} tokens: {usage.get('loaded_tokens')} loaded "
+        f"from prefill, {usage.get('cached_tokens')} cached by decode): {word}, "
+        f"max |logit diff| {verdict.max_diff:.2g}\n"
+        f"    P/D        {_ids(answer['token_ids'])}\n"
+        f"    reference  {_ids(want)}"
+    )
+
+
+def _ids(token_ids: list[int]) -> str:
+    return " ".join(f"{t:3d}" for t in token_ids)
+
+
+def print_plan(prefill_url: str | None, decode_url: str | None) -> None:
+    """The plan decode computed against prefill, in words (:mod:`kvbridge.examples.plan_words`),
+    from the two workers' side channels (their ``/health`` names the ports)."""
+    from kvbridge.examples.plan_words import decode_plan, fetch_description, plan_words
+    from kvbridge.layouts.errors import KVBridgeError
+
+    if not prefill_url or not decode_url:
+        print("plan: unknown (give --prefill and --decode)")
+        return
+    try:
+        descs = []
+        for url in (prefill_url, decode_url):
+            status, raw = http_get(url.rstrip("/") + "/health")
+            if status != 200:
+                raise RuntimeError(f"{url}/health: HTTP {status}")
+            descs.append(fetch_description(_url(url)[0], int(json.loads(raw)["kv_port"])))
+        prefill, decode = descs
+        lines = plan_words(prefill, decode, decode_plan(prefill, decode))
+    except (OSError, RuntimeError, KeyError, ValueError, KVBridgeError) as exc:
+        print(f"plan: unknown ({exc})")
+        return
+    print("the plan, in words (decode's handshake with prefill computed it):")
+    print("\n".join(f"  {line}" for line in lines))
 
 
 def _metrics(url: str | None, name: str) -> dict[str, float]:
