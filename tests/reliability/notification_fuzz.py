@@ -123,6 +123,10 @@ class Figures:
     crashes: list[Crash] = field(default_factory=list)
     wrong_tokens: list[str] = field(default_factory=list)
     controls_failed: list[str] = field(default_factory=list)
+    # batches the receiving worker's idle-progress thread was left alone with, and those in
+    # which it did not read what was sent to it
+    idle_batches: int = 0
+    idle_misses: list[str] = field(default_factory=list)
     loaded: int = 0
     failed: int = 0
     stuck: list[str] = field(default_factory=list)  # no outcome after every lease passed
@@ -140,7 +144,8 @@ class Figures:
             f"mutated={self.num_mutated} ({by_type}) replaced={self.replaced} "
             f"undecodable={self.undecodable} decoder_raised={len(self.decoder_raised)} "
             f"crashes={len(self.crashes)} wrong_tokens={len(self.wrong_tokens)} "
-            f"controls_failed={len(self.controls_failed)} loaded={self.loaded} "
+            f"controls_failed={len(self.controls_failed)} idle_misses={len(self.idle_misses)} "
+            f"of {self.idle_batches} loaded={self.loaded} "
             f"failed={self.failed} stuck={len(self.stuck)} held_after={self.held_after}"
         )
 
@@ -240,6 +245,9 @@ class Tap:
         if sent.mutant.decoder_raised:
             f.decoder_raised.append(f"{sent.mutant.decoder_raised}: {sent.mutant.mutation.key}")
 
+    def sent_in(self, batch: int) -> int:
+        return sum(s.batch == batch for s in self.sent)
+
     def batch_keys(self, batch: int) -> list[str]:
         return [
             ("replaced " if s.replaced else "") + s.mutant.mutation.key
@@ -331,6 +339,8 @@ class FuzzPair:
         loads = [self._admit(name, control=name.endswith("c")) for name in names]
         m0, m1 = loads[0].p.request_id, loads[1].p.request_id
         self.tap.targets = {m0: m1, m1: m0}
+        if index % 2:
+            self._idle_alone(index)
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         control = loads[-1]
         while not control.outcome and time.monotonic() < deadline:
@@ -351,6 +361,33 @@ class FuzzPair:
         if not self._settled(loads):
             self.figures.held_batches.append(f"batch {index}: {self._holding(loads)}")
         self.clock.now = start + SETTLE_OFFSETS_S[-1] + 1.0  # later batches start after
+
+    def _idle_alone(self, index: int) -> None:
+        """After one step of each side (the schedulers hand their orders over), only the
+        sending side steps: the receiving worker's idle-progress thread alone reads (and
+        answers) what comes, until it read every notification sent to it."""
+        f, tap = self.figures, self.tap
+        f.idle_batches += 1
+        sender = self.decode if self.receiver is self.prefill else self.prefill
+        for name, side in self.sides.items():
+            try:
+                side.step()
+            except Exception as exc:
+                self._crash(name, "engine step", exc, index)
+        metrics = self.receiver.worker.metrics
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                sender.step()
+            except Exception as exc:
+                self._crash(self.direction, "engine step", exc, index)
+            if tap.sent_in(index) and metrics.notifications_received >= tap.num_sent:
+                return
+            time.sleep(0)
+        f.idle_misses.append(
+            f"batch {index}: read {metrics.notifications_received} of {tap.num_sent} "
+            f"notifications in {CONTROL_TIMEOUT_S:g} s"
+        )
 
     def _admit(self, name: str, *, control: bool) -> Load:
         n = int(self._rng.integers(65, 300))

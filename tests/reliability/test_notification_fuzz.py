@@ -92,6 +92,7 @@ def _checked(pair: FuzzPair, f: Figures, health: list[str]) -> Figures:
     problems += [f"decode_notification raised {d}" for d in f.decoder_raised]
     problems += [f"wrong tokens: {w}" for w in f.wrong_tokens]
     problems += [f"a load no mutant named did not load: {c}" for c in f.controls_failed]
+    problems += [f"the idle-progress thread alone did not read: {m}" for m in f.idle_misses]
     problems += [f"no outcome after every lease passed: {s}" for s in f.stuck]
     problems += [f"held after every lease passed: {h}" for h in f.held_batches]
     if f.held_after != {"prefill": 0, "decode": 0}:
