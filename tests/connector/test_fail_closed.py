@@ -307,3 +307,38 @@ def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):
     assert type(decode_notification(good)).__name__ == kind  # the base itself is fine
     with pytest.raises(NotificationError):
         decode_notification(msgspec.msgpack.encode({"type": kind, **base, **fields}))
+
+
+def test_a_source_counts_nothing_from_another_incarnation_at_its_address(
+    make_pair, clock, made
+):
+    """Claims, READs and answers belong to the NIXL agent that granted them: once the
+    peer at a source's (engine id, rank) is another process (a prefill restarted under the
+    same id, handshaken again for another load), the source fails by name, and no claim,
+    READ or round goes to the new process. Before, the source looked the peer up again by
+    key: the old process's answer no longer matched, and the load waited for its deadline
+    (a staged pull round READ the new process's memory at the old block ids)."""
+    prefill, decode = make_pair("pull")
+    [d1] = _requests(prefill, decode, "1")
+    # decode alone: the handshake, then the claim goes out (a rewrite is due: PREPARING)
+    run_until([decode], lambda: decode.worker.metrics.claims_sent >= 1, "the claim sent")
+    again = make_side(
+        "kv_producer", "prefill", 64, PREFILL_FMT, "F", clock, extra={"transfer_mode": "pull"}
+    )
+    made.append(again)
+    peers = decode.worker._peers
+    key = ("prefill", 0)
+    old = peers.get(key).agent
+    # the directory knows the other process at the key now (as a re-handshake does)
+    peers.drop(key, "restarted (test)")
+    peers.ensure(key, "127.0.0.1", again.worker.side_channel_port, for_read=True)
+    posted = decode.worker.metrics.descriptors_posted
+    run_until([prefill, decode], lambda: bool(failed(decode, "d1")), "d1 failed")
+    [failure] = failed(decode, "d1")
+    assert "restarted since this load began" in failure.reason and old in failure.reason
+    assert decode.worker.metrics.descriptors_posted == posted  # nothing read from either
+    assert again.worker.metrics.notifications_received == 0  # no claim went to it
+    clock.now += 120.0  # decode's Done went to the other process: p1 ends with its lease
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
+    _finish(decode, d1)
+    _healthy(prefill, decode)

@@ -77,6 +77,10 @@ class Source:
 
     key: PeerKey
     state: LoadState = LoadState.WAITING_PEER
+    # the prefill incarnation (its NIXL agent) this source claimed from or asked to push:
+    # what it grants counts only from that process; one restarted under the same engine id
+    # and address is another peer, and the source fails (Receiver's step)
+    agent: str = ""
     handles: list[XferHandle] = field(default_factory=list)
     staged: list[Staged] = field(default_factory=list)  # remote pages still to stage
     batch: StageBatch | None = None  # the staging round in flight (read, or pushed)

@@ -46,6 +46,27 @@ def ready_peer(peers: PeerDirectory, key: PeerKey) -> Peer | None:
     return peer if ready else None
 
 
+def bound_peer(peers: PeerDirectory, src: Source) -> Peer | None:
+    """``ready_peer`` of ``src``'s own incarnation: None also when the peer at its key is
+    now another process (restarted under the same engine id and address)."""
+    peer = ready_peer(peers, src.key)
+    if peer is None or (src.agent and peer.agent != src.agent):
+        return None
+    return peer
+
+
+def restarted(peers: PeerDirectory, src: Source) -> str:
+    """Why ``src`` can no longer count on what its peer granted ('' when it can): the
+    peer at its key is another NIXL agent than the one it claimed from or asked."""
+    peer = peers.get(src.key)
+    if not src.agent or peer is None or not peer.agent or peer.agent == src.agent:
+        return ""
+    return (
+        f"prefill {src.key} restarted since this load began (agent {src.agent}, now "
+        f"{peer.agent}): nothing the old process granted counts"
+    )
+
+
 class PullSources:
     """Claims and READs of the pull sources of one receiver's loads."""
 
@@ -119,19 +140,20 @@ class PullSources:
             if not src.reads_done:
                 self._poll_reads(load, src)
             if self._live(load) and not src.reads_done:
-                peer = ready_peer(self._peers, src.key)
+                peer = bound_peer(self._peers, src)
                 self._fail(load, self._claims.refresh(load, src, peer, now))
         if (
             self._live(load)
             and now <= load.deadline
             and src.state in (LoadState.PREPARING, LoadState.READING)
         ):
-            peer = ready_peer(self._peers, src.key)
+            peer = bound_peer(self._peers, src)
             if self._claims.resend_due(src, now, Claims.numbered(peer)):
                 self._fail(load, self._claims.again(load, src, peer, now))
 
     def _first_claim(self, load: Load, src: Source, peer: Peer) -> bool:
         """The claim before any READ; False: the load failed, or waits for the peer."""
+        src.agent = peer.agent  # the incarnation this source's claim and READs belong to
         if self._claims.send(load, src, peer):
             return True
         if src.handshaken_again:
@@ -155,7 +177,7 @@ class PullSources:
         return False
 
     def _post(self, load: Load, src: Source) -> None:
-        peer = ready_peer(self._peers, src.key)
+        peer = bound_peer(self._peers, src)
         if peer is None or peer.plan is None:
             self._outcomes.fail(load, f"peer {src.key} went away before the read")
             return
@@ -170,7 +192,7 @@ class PullSources:
 
     def _poll_reads(self, load: Load, src: Source) -> None:
         try:
-            done = self._reads.poll(load, src, ready_peer(self._peers, src.key))
+            done = self._reads.poll(load, src, bound_peer(self._peers, src))
         except PeerDisconnectedError as exc:  # the peer is gone: every load from it fails
             self._outcomes.fail(load, f"read from {src.key} failed: {exc}")
             self._peers.drop(src.key, f"transfer failed: {exc}")

@@ -59,7 +59,7 @@ from kvbridge.connector.worker.decode.inflight import (
 from kvbridge.connector.worker.decode.landing import Landing, Verifier
 from kvbridge.connector.worker.decode.outcomes import Notify, Outcomes
 from kvbridge.connector.worker.decode.packed_reads import PackedReads
-from kvbridge.connector.worker.decode.pull_sources import PullSources, ready_peer
+from kvbridge.connector.worker.decode.pull_sources import PullSources, bound_peer, restarted
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.decode.transfers import PullReads, PushRounds
 from kvbridge.connector.worker.device_order import DeviceOrder
@@ -256,7 +256,7 @@ class Receiver:
         load = self._loads.get(rid) if rid else None
         for src in load.sources if load is not None else ():
             if src.state is LoadState.PUSHED and src.round == push_round:
-                if not agent or self._agent_of(src.key) == agent:
+                if not agent or src.round_agent == agent:
                     return load, src
         return None
 
@@ -278,7 +278,7 @@ class Receiver:
         for src in load.sources if load is not None else ():
             if src.state not in (LoadState.PREPARING, LoadState.READING):
                 continue
-            if Claims.answers(src, msg) and (not agent or self._agent_of(src.key) == agent):
+            if Claims.answers(src, msg) and (not agent or src.agent == agent):
                 return load, src
         return None
 
@@ -288,8 +288,7 @@ class Receiver:
         rid = self._by_remote.get(remote_request_id)
         load = self._loads.get(rid) if rid else None
         if load is not None and any(
-            not agent or self._agent_of(s.key) == agent or s.round_agent == agent
-            for s in load.sources
+            not agent or s.agent == agent or s.round_agent == agent for s in load.sources
         ):
             self._outcomes.fail(load, reason)
 
@@ -304,7 +303,7 @@ class Receiver:
         load, src = found
         self._boundary.run(
             "push answer",
-            lambda: self._rounds.answered(load, src, msg, ready_peer(self._peers, src.key)),  # type: ignore[union-attr]
+            lambda: self._rounds.answered(load, src, msg, bound_peer(self._peers, src)),  # type: ignore[union-attr]
             lambda reason: self._fail_live(load, reason),
         )
 
@@ -339,6 +338,12 @@ class Receiver:
 
     def _advance(self, load: Load, now: float) -> None:
         for src in load.sources:
+            if src.state not in (LoadState.WAITING_PEER, LoadState.DONE):
+                why = restarted(self._peers, src)
+                if why:
+                    self._outcomes.fail(load, why)
+                    return
+        for src in load.sources:
             if load.spec.request_id not in self._loads:
                 return
             if src.state is LoadState.WAITING_PEER:
@@ -370,10 +375,6 @@ class Receiver:
         return self._outcomes.take()
 
     # -- internals ----------------------------------------------------------------------
-
-    def _agent_of(self, key: PeerKey) -> str:
-        peer = self._peers.get(key)
-        return peer.agent if peer is not None else ""
 
     def _start(self, load: Load, src: Source, peer: Peer) -> None:
         assert peer.plan is not None
@@ -408,6 +409,7 @@ class Receiver:
         assert self._rounds is not None
         load.started = load.started or self._clock()
         src.plan = peer.plan  # what prefill writes by, and landing rewrites by
+        src.agent = peer.agent  # ... and the incarnation that owes every round
         try:
             self._rounds.ask(load, src, peer, rewrites)
         except KVBridgeError as exc:
@@ -418,7 +420,7 @@ class Receiver:
     def _next_round(self, load: Load, src: Source) -> None:
         assert self._rounds is not None
         try:
-            self._rounds.next_round(load, src, ready_peer(self._peers, src.key))
+            self._rounds.next_round(load, src, bound_peer(self._peers, src))
         except KVBridgeError as exc:
             self._outcomes.fail(load, str(exc))
 
