@@ -77,7 +77,8 @@ Protocol history:
 
 from __future__ import annotations
 
-from typing import Annotated, TypeAlias
+import hashlib
+from typing import Annotated, Literal, TypeAlias
 
 import msgspec
 
@@ -110,7 +111,9 @@ Version = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
 Ident = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
-Word = Annotated[str, msgspec.Meta(max_length=32)]
+# the values of kvbridge.layouts.layout.KVLayout and arrangement.HeadOrder (a test pins it)
+LayoutName = Literal["NHD", "HND"]
+HeadsName = Literal["inner", "layer", "chunk", "outer"]
 Indices = Annotated[list[Index], msgspec.Meta(max_length=MAX_INDEX)]
 GroupIds = Annotated[list[GroupId], msgspec.Meta(max_length=MAX_GROUPS)]
 ClaimNumbers = Annotated[list[ClaimNumber], msgspec.Meta(max_length=1_024)]
@@ -121,11 +124,11 @@ class NotificationError(KVBridgeError):
 
 
 class WireArrangement(msgspec.Struct, frozen=True, array_like=True):
-    layout: Word
+    layout: LayoutName
     num_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_INDEX)]
     sub_blocks_per_chunk: Annotated[int, msgspec.Meta(ge=1, le=MAX_INDEX)]
     parts_outer: bool
-    heads: Word = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
+    heads: HeadsName = HeadOrder.INNER.value  # head-major wire chunks (tensor parallelism)
 
     @classmethod
     def of(cls, arr: BlockArrangement) -> WireArrangement:
@@ -205,6 +208,9 @@ class Prepared(msgspec.Struct, frozen=True, tag=True):
     # their bytes; -1: not packed (no room, or no arena), the reader reads the rows
     packed_at: Annotated[int, msgspec.Meta(ge=-1, le=MAX_BYTES)] = -1
     packed_bytes: Count = 0
+    # ok: asked_key of the Prepare this answers, as prefill read it; decode compares it
+    # with the claim it sent ("": an older prefill, not compared)
+    asked: Ident = ""
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
@@ -285,6 +291,7 @@ class Pushed(msgspec.Struct, frozen=True, tag=True):
     digests: Digests = msgspec.field(default_factory=list)  # Push.verify, ok
     # ok: the rows went packed into decode's gather arena (Push.packed_at), not its blocks
     packed: bool = False
+    asked: Ident = ""  # ok: asked_key of the Push round as prefill read it (see Prepared)
 
 
 class PushStatus(msgspec.Struct, frozen=True, tag=True):
@@ -300,6 +307,40 @@ class PushStatus(msgspec.Struct, frozen=True, tag=True):
 Notification: TypeAlias = Prepare | Prepared | Done | Heartbeat | Push | Pushed | PushStatus
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+def asked_key(msg: Prepare | Push) -> str:
+    """A short digest of what decides the bytes a claim or a push round moves (tokens,
+    blocks, rewrites, groups, claim and round numbers). The answer carries the key of the
+    message as its receiver read it, and the side that asked compares it with the key of
+    the message it sent: an answer to a message that changed on the way (version skew, a
+    bug) never counts as the answer to the one sent."""
+    if isinstance(msg, Prepare):
+        fields: tuple[object, ...] = (
+            msg.request_id,
+            msg.rewrites,
+            sorted(msg.skipped_groups),
+            msg.claim,
+            msg.reader_rank,
+        )
+    else:
+        fields = (
+            msg.request_id,
+            msg.rewrites,
+            msg.block_ids,
+            msg.start_token,
+            msg.end_token,
+            msg.round,
+            msg.staged,
+            sorted(msg.skipped_groups),
+            msg.packed_at,
+            msg.packed_bytes,
+            msg.plan_digest,
+            msg.reader_rank,
+        )
+    return hashlib.blake2b(_ENCODER.encode(fields), digest_size=8).hexdigest()
+
+
 _DECODER = msgspec.msgpack.Decoder(Notification)
 MAX_NOTIFICATION_BYTES = 64 * 1024
 
@@ -316,5 +357,7 @@ def decode_notification(data: bytes) -> Notification:
         raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")
     try:
         return _DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise NotificationError(f"undecodable notification ({len(data)} bytes): {exc}") from None
+    except Exception as exc:  # DecodeError, ValidationError, UnicodeDecodeError, ...
+        raise NotificationError(
+            f"undecodable notification ({len(data)} bytes): {type(exc).__name__}: {exc}"
+        ) from None

@@ -309,9 +309,7 @@ def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):
         decode_notification(msgspec.msgpack.encode({"type": kind, **base, **fields}))
 
 
-def test_a_source_counts_nothing_from_another_incarnation_at_its_address(
-    make_pair, clock, made
-):
+def test_a_source_counts_nothing_from_another_incarnation_at_its_address(make_pair, clock, made):
     """Claims, READs and answers belong to the NIXL agent that granted them: once the
     peer at a source's (engine id, rank) is another process (a prefill restarted under the
     same id, handshaken again for another load), the source fails by name, and no claim,
@@ -342,3 +340,19 @@ def test_a_source_counts_nothing_from_another_incarnation_at_its_address(
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
     _finish(decode, d1)
     _healthy(prefill, decode)
+
+
+def test_the_wire_names_of_layouts_and_head_orders_are_the_enums_values():
+    from typing import get_args
+
+    from kvbridge.connector.common.notifications import HeadsName, LayoutName
+    from kvbridge.layouts.arrangement import HeadOrder
+
+    assert set(get_args(LayoutName)) == {e.value for e in KVLayout}
+    assert set(get_args(HeadsName)) == {e.value for e in HeadOrder}
+
+
+def test_a_string_that_is_not_utf8_is_a_notification_error():
+    raw = msgspec.msgpack.encode({"type": "Done", "request_id": "r"}).replace(b"\xa1r", b"\xa1\xff")
+    with pytest.raises(NotificationError, match="UnicodeDecodeError"):
+        decode_notification(raw)

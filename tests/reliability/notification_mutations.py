@@ -146,6 +146,8 @@ def default_of(tp: Any) -> Any:
         return 0.0
     if isinstance(tp, mi.StrType):
         return "x" * (tp.min_length or 0)
+    if isinstance(tp, mi.LiteralType):
+        return sorted(tp.values)[0]
     if isinstance(tp, mi.BoolType):
         return False
     if isinstance(tp, mi.ListType):
@@ -217,6 +219,20 @@ def values_for(tp: Any) -> list[tuple[str, Value]]:
         ]
         if tp.max_length is not None and tp.max_length < HUGE_BYTES:
             out.append((f"bound+1 {tp.max_length + 1} chars", _const("b" * (tp.max_length + 1))))
+    elif isinstance(tp, mi.LiteralType):  # a name from a closed set: another one, or none
+        others = sorted(v for v in tp.values if isinstance(v, str))
+        out += [
+            (
+                "another name",
+                lambda ctx, cur: (
+                    others[(others.index(cur) + 1) % len(others)] if cur in others else others[0]
+                ),
+            ),
+            ("unknown name", _const("XYZ")),
+            ("empty", _const("")),
+            ("invalid utf-8", _const(BAD_UTF8)),
+            ("int 7", _const(7)),
+        ]
     elif isinstance(tp, mi.ListType):
         out += _list_values(tp)
     elif isinstance(tp, mi.StructType):

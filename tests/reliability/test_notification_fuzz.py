@@ -38,21 +38,6 @@ from tests.reliability.notification_mutations import (
 
 SEED = 52
 
-# decode_notification catches msgspec's DecodeError and ValidationError only; msgspec raises
-# UnicodeDecodeError for a string that is not UTF-8, so the inbox's boundary fails the
-# whole round and every later message of that get_notifs batch is lost
-UTF8_REASON = (
-    "issue 52: decode_notification lets msgspec's UnicodeDecodeError through (a str field "
-    "that is not UTF-8); the inbox then drops the rest of the batch"
-)
-# decode's claim is answered by claim number alone: a Prepare for the same request and
-# claim asking other rewrites (none) is answered first, decode READs prefill's blocks in
-# prefill's own format, and the digests (taken over the holder's memory as it is) agree
-REWRITES_REASON = (
-    "issue 52: a Prepare with its rewrites emptied, ahead of the genuine one, gets an "
-    "answer decode takes for its own claim: loaded, every token wrong, verify passes"
-)
-
 CONFIGS = [
     pytest.param("decode", "pull", id="decode-to-prefill-pull"),
     pytest.param("prefill", "pull", id="prefill-to-decode-pull"),
@@ -60,11 +45,6 @@ CONFIGS = [
     pytest.param("prefill", "push", id="prefill-to-decode-push"),
 ]
 # the CI sample of each configuration, and what breaks it today (see the defect tests)
-BROKEN_TODAY = {
-    "decode-to-prefill-pull": f"{UTF8_REASON}; {REWRITES_REASON}",
-    "decode-to-prefill-push": UTF8_REASON,
-    "prefill-to-decode-push": UTF8_REASON,
-}
 SOAK_MESSAGES = int(os.environ.get("KVBRIDGE_FUZZ_MESSAGES", "0"))
 
 
@@ -158,7 +138,6 @@ def test_the_ci_sample_is_every_site_once_and_fixed():
 # -- defects the fuzz found, one mutation each ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=UTF8_REASON)
 @pytest.mark.parametrize("type_name", sorted(MESSAGE_TYPES))
 def test_a_string_that_is_not_utf8_is_a_notification_error(type_name):
     ctx = Context(request_id="p1", foreign_id="p2")
@@ -171,7 +150,6 @@ def test_a_string_that_is_not_utf8_is_a_notification_error(type_name):
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason=REWRITES_REASON)
 def test_a_prepare_with_its_rewrites_emptied_never_loads_wrong_tokens():
     [m] = [m for m in catalogue("Prepare") if m.key == "Prepare.rewrites=emptied"]
     pair = FuzzPair("decode", "pull", [m], SEED, per_message=1, replace_share=0.0)
@@ -187,18 +165,8 @@ def test_a_prepare_with_its_rewrites_emptied_never_loads_wrong_tokens():
 # -- the pairs ----------------------------------------------------------------------------
 
 
-def _ci_configs() -> list:
-    """CONFIGS, each marked with what breaks its CI sample today (strict: a fix shows)."""
-    out = []
-    for p in CONFIGS:
-        reason = BROKEN_TODAY.get(p.id or "")
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        out.append(pytest.param(*p.values, id=p.id, marks=marks))
-    return out
-
-
 @pytest.mark.integration
-@pytest.mark.parametrize(("direction", "mode"), _ci_configs())
+@pytest.mark.parametrize(("direction", "mode"), CONFIGS)
 def test_mutated_notifications_fail_only_their_own_load(direction, mode):
     mutations = stratified(random.Random(f"{SEED}-{direction}-{mode}"))
     _, f = _run(direction, mode, mutations, SEED)

@@ -64,7 +64,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import Prepare, Prepared, PushStatus
+from kvbridge.connector.common.notifications import Prepare, Prepared, PushStatus, asked_key
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
@@ -126,6 +126,7 @@ class Claims:
         if src.claims:
             self._metrics.claims_resent += 1
         src.claims[number] = now
+        src.asked[number] = asked_key(msg)
         src.claim_sent = src.claim_sent or now  # the first claim in flight
         src.claim_last = now
         self._metrics.claims_sent += 1
@@ -155,6 +156,13 @@ class Claims:
                 f"prefill {src.key} did not say how long it holds the blocks (Prepared.held_s "
                 f"is 0: a kvbridge older than this decode? upgrade prefill first)"
             )
+        sent_key = src.asked.get(msg.claim, "")
+        if msg.asked and sent_key and msg.asked != sent_key:
+            return (
+                f"prefill {src.key} answered claim {msg.claim} as it read it, which is not the "
+                f"claim sent (the Prepare changed on the way: version skew or a bug); nothing "
+                f"it prepared is trusted"
+            )
         # an unnumbered answer (an older prefill, which is never sent a claim twice)
         # counts from the first claim in flight
         sent = src.claims.get(msg.claim, src.claim_sent)
@@ -176,6 +184,7 @@ class Claims:
         while len(self._settled) > SETTLED_KEPT:
             del self._settled[next(iter(self._settled))]
         src.claims.clear()
+        src.asked.clear()
         src.claim_sent = 0.0
 
     def late_answer(self, msg: Prepared) -> float | None:

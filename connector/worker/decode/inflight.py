@@ -92,6 +92,8 @@ class Source:
     claim_sent: float = 0.0  # when the first claim in flight was sent (0: none in flight)
     claim_last: float = 0.0  # when the last claim (first or sent again) was sent
     claims: dict[int, float] = field(default_factory=dict)  # in flight: number -> sent at
+    asked: dict[int, str] = field(default_factory=dict)  # in flight: number -> asked_key
+    push_asked: str = ""  # push mode: asked_key of the round in flight, as sent
     # every claim number this source sent (capped): its Done names them, so prefill ends
     # this reader's claim and no other reader's
     claim_ids: list[int] = field(default_factory=list)

@@ -301,11 +301,16 @@ class Receiver:
             return
         assert self._rounds is not None  # PUSHED sources exist in push mode only
         load, src = found
-        self._boundary.run(
-            "push answer",
-            lambda: self._rounds.answered(load, src, msg, bound_peer(self._peers, src)),  # type: ignore[union-attr]
-            lambda reason: self._fail_live(load, reason),
-        )
+        rounds = self._rounds
+
+        def answer() -> None:
+            try:
+                rounds.answered(load, src, msg, bound_peer(self._peers, src))
+            except KVBridgeError as exc:  # refused, or not the round sent: this load
+                self._outcomes.fail(load, str(exc))
+
+        # anything else it raises (torch, our copies): the boundary fails the load
+        self._boundary.run("push answer", answer, lambda reason: self._fail_live(load, reason))
 
     def step(self) -> None:
         """Advance every load: peers that became ready, reads that completed, deadlines."""

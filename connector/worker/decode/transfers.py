@@ -54,6 +54,7 @@ from kvbridge.connector.common.notifications import (
     Push,
     Pushed,
     StagedPages,
+    asked_key,
     encode_notification,
 )
 from kvbridge.connector.transfer.transport import TransferEngine, XferState
@@ -251,6 +252,7 @@ class PushRounds:
             raise KVBridgeError(f"push round {src.round} not sent to prefill {peer.key}")
         src.batch, src.state = batch, LoadState.PUSHED
         src.round_agent = peer.agent
+        src.push_asked = asked_key(msg)
 
     def _pages_that_fit(self, src: Source, timeout: float, peer: Peer) -> int:
         """How many staged pages this round's ``Push`` has room for under the limit;
@@ -282,6 +284,14 @@ class PushRounds:
             if batch is not None:
                 self._staged.cancel(batch)  # prefill released its writes before answering
             raise KVBridgeError(f"prefill {src.key} could not push the blocks: {msg.reason}")
+        if msg.asked and src.push_asked and msg.asked != src.push_asked:
+            if batch is not None:
+                self._staged.cancel(batch)  # its WRITEs ended: only the slots go back
+            raise KVBridgeError(
+                f"prefill {src.key} answered push round {msg.round} as it read it, which is "
+                f"not the round sent (the Push changed on the way: version skew or a bug); "
+                f"what it wrote is not trusted"
+            )
         load.num_bytes += msg.num_bytes
         if msg.round == 0 and load.verify:
             src.digests = list(msg.digests)  # [] when prefill digested no group

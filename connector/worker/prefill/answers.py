@@ -34,6 +34,7 @@ from kvbridge.connector.common.notifications import (
     NotificationError,
     Push,
     Pushed,
+    asked_key,
     encode_notification,
 )
 from kvbridge.connector.worker.peers import PeerDirectory, PeerKey, PeerState
@@ -57,6 +58,7 @@ def carried_answer(
         round=msg.round,
         digests=digests,
         packed=packed,
+        asked=asked_key(msg),
     )
     try:
         return encode_notification(answer)

@@ -50,6 +50,7 @@ from kvbridge.connector.common.notifications import (
     Prepare,
     Push,
     Pushed,
+    asked_key,
 )
 from kvbridge.connector.transfer.errors import PeerDisconnectedError, TransferError
 from kvbridge.connector.transfer.transport import (
@@ -420,6 +421,7 @@ class Pusher:
             round=push.msg.round,
             digests=push.digests if ok else [],
             packed=ok and push.packed,
+            asked=asked_key(push.msg) if ok else "",
         )
         self._answers.send(push.msg, push.agent, answer)
 

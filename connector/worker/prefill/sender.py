@@ -44,6 +44,7 @@ from kvbridge.connector.common.notifications import (
     Heartbeat,
     Prepare,
     Prepared,
+    asked_key,
 )
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.block_lending import BlockLending
@@ -221,6 +222,7 @@ class Sender:
         return Prepared(
             request_id=msg.request_id,
             ok=True,
+            asked=asked_key(msg),
             held_s=pending.deadline - now,
             claim=msg.claim,
             digests=digests,
