@@ -266,12 +266,13 @@ def metric_families(metrics: ConnectorMetrics, prefix: str = "kvbridge") -> Iter
     yield engine_call_family(metrics.engine_calls, prefix)
     blocks = GaugeMetricFamily(
         f"{prefix}_quarantined_blocks",
-        "Decode block rows of failed loads whose READs from this prefill may still land.",
+        "Decode block rows of failed loads that this prefill's READs or owed push rounds "
+        "may still write.",
         labels=["peer"],
     )
     num_bytes = GaugeMetricFamily(
         f"{prefix}_quarantined_bytes",
-        "Bytes of failed loads' READs from this prefill that may still land.",
+        "Bytes of failed loads that this prefill's READs or owed push rounds may still write.",
         labels=["peer"],
     )
     for peer, (n_blocks, n_bytes) in sorted(metrics.quarantined.items()):

@@ -356,3 +356,33 @@ def test_a_string_that_is_not_utf8_is_a_notification_error():
     raw = msgspec.msgpack.encode({"type": "Done", "request_id": "r"}).replace(b"\xa1r", b"\xa1\xff")
     with pytest.raises(NotificationError, match="UnicodeDecodeError"):
         decode_notification(raw)
+
+
+def test_push_rounds_a_silent_prefill_owes_count_against_the_quarantine_cap(clock, made):
+    """A prefill that takes a Push and goes silent (frozen: its kernel still accepts what
+    decode sends) holds decode's blocks through the round it owes; those blocks count in
+    the per-prefill quarantine gauge and its cap, as held READs do (before: push rounds
+    counted zero, so one stuck prefill could drain the pool in push mode)."""
+    extra = {"transfer_mode": "push", "max_quarantined_mib": 0.001}
+    prefill = make_side("kv_producer", "prefill", 64, PREFILL_FMT, "F", clock, extra=extra)
+    made.append(prefill)
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock, extra=extra)
+    made.append(decode)
+    [d1] = _requests(prefill, decode, "1")
+    m = decode.worker.metrics
+    run_until([decode], lambda: m.notifications_sent >= 1, "the Push sent")
+    clock.now += decode.worker.config.transfer_timeout_s + 1  # prefill never stepped
+    receiver = decode.worker._receiver
+    run_until([decode], lambda: receiver.num_held == 1, "the failed load held for its round")
+    [(agent, (rows, num_bytes))] = m.quarantined.items()
+    blocks = sum(len(ids) for ids in d1.block_ids)
+    per_block = decode.buffers.group_block_bytes(0)
+    assert agent == prefill.worker.agent_name
+    assert (rows, num_bytes) == (blocks, blocks * per_block)
+    assert m.quarantine_caps == 1  # over 0.001 MiB: no new load from that prefill
+    # it thaws: the round is answered (or asked about), nothing is held any more
+    run_until([prefill, decode], lambda: receiver.num_held == 0, "the held round ended")
+    assert m.quarantined == {}
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
+    _finish(decode, d1)
+    _healthy(prefill, decode)

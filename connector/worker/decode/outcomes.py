@@ -149,11 +149,11 @@ class Outcomes:
         *failing* report)."""
         handles: dict[PeerKey, list[XferHandle]] = {}
         batches: list[StageBatch] = []
-        rounds: set[Round] = set()
+        rounds: dict[Round, tuple[int, int]] = {}  # push rounds owed -> what they may write
         rid = load.spec.params.remote_request_id
         for src in load.sources:
             if src.state is LoadState.PUSHED and src.round_agent not in self._writers.gone | {""}:
-                rounds.add((src.round_agent, rid, src.round))
+                rounds[(src.round_agent, rid, src.round)] = self._landing.footprint(load)
             landing = self._packed.held(src) if self._packed is not None else None
             if landing is not None:  # its READ may still land: held with its pages
                 src.handles = [h for h in src.handles if h not in landing.handles]

@@ -32,7 +32,8 @@ stay out of the engine's pool until the peer is confirmed gone, however long.
 The worst case for a frozen peer is therefore as long as it stays frozen: the load waits,
 visible in the log and per prefill agent in the metrics (``kvbridge_quarantined_blocks``
 and ``_bytes``), and no byte lands in a block the engine got back. The wait is bounded in
-space: once one agent's quarantined bytes pass ``max_peer_bytes``
+space: once one agent's quarantined bytes (its READs', and the blocks of the push rounds
+it owes) pass ``max_peer_bytes``
 (``extra.max_quarantined_mib``), :meth:`Quarantine.refusal` refuses new loads from it
 (the peer directory's admission check) until they drop below it again.
 """
@@ -70,6 +71,8 @@ class Held:
     handles: dict[PeerKey, list[XferHandle]] = field(default_factory=dict)
     batches: list[StageBatch] = field(default_factory=list)
     rounds: set[Round] = field(default_factory=set)  # push rounds prefill has not answered
+    # (blocks, bytes) each of those rounds may still write: counted against the cap
+    round_sizes: dict[Round, tuple[int, int]] = field(default_factory=dict)
     overdue: bool = False
 
     @property
@@ -132,7 +135,7 @@ class Quarantine:
         handles: dict[PeerKey, list[XferHandle]],
         batches: list[StageBatch],
         on_end: Callable[[], None],
-        rounds: set[Round] | None = None,
+        rounds: dict[Round, tuple[int, int]] | None = None,
     ) -> bool:
         """Take a failed load's handles, staging rounds and unanswered push rounds; call
         ``on_end`` once none of them can still run (at once when none is running now,
@@ -145,6 +148,7 @@ class Quarantine:
             handles=handles,
             batches=batches,
             rounds=set(rounds or ()),
+            round_sizes=dict(rounds or {}),
         )
         self._settle(held)
         if held.num_handles == 0:
@@ -229,12 +233,16 @@ class Quarantine:
         ]
 
     def _account(self) -> None:
-        """The per-agent gauge of held READs (block rows, bytes), and the cap on it."""
+        """The per-agent gauge of held READs and push rounds (block rows, bytes), and the
+        cap on it: a frozen prefill that still answers probes holds decode's pool as
+        much through its rounds as through READs."""
         per_agent: dict[str, tuple[int, int]] = {}
         for held in self._held:
-            for h in self._handles(held):
-                rows, num_bytes = per_agent.get(h.peer, (0, 0))
-                per_agent[h.peer] = (rows + h.num_rows, num_bytes + h.num_bytes)
+            owed = [(h.peer, h.num_rows, h.num_bytes) for h in self._handles(held)]
+            owed += [(r[0], *held.round_sizes.get(r, (0, 0))) for r in held.rounds]
+            for agent, num_rows, n in owed:
+                rows, num_bytes = per_agent.get(agent, (0, 0))
+                per_agent[agent] = (rows + num_rows, num_bytes + n)
         self._metrics.quarantined = per_agent
         over = {a: n for a, (_, n) in per_agent.items() if n > self._max_peer_bytes}
         for agent in self._over_cap.keys() - over.keys():
