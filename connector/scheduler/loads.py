@@ -59,6 +59,9 @@ class Loads:
         self._to_abort: list[tuple[str, KVTransferParams]] = []
         self._waiting: dict[str, KVTransferParams] = {}
         self._to_free: set[str] = set()  # aborted while loading; the load has ended now
+        # ABORTING loads whose abort went out to the workers: a failure reported from then
+        # on may be the abort's own doing ("aborted by the engine"), not the load's
+        self._aborts_out: set[str] = set()
         self.outcomes: Counter[LoadState] = Counter()
         self.num_unserved = 0  # loads the params could not serve: decode computed them
 
@@ -236,6 +239,10 @@ class Loads:
         (now RELEASED); empties the queues."""
         for rid in self._to_load:
             self._records[rid].advance(LoadState.LOADING)
+        for rid, _ in self._to_abort:
+            record = self._records.get(rid)
+            if record is not None and record.state is LoadState.ABORTING:
+                self._aborts_out.add(rid)
         for rid in self._to_release:
             failed = self._records[rid].failure is not None  # refused
             self._finish(rid, self._failed_outcome() if failed else LoadState.RELEASED)
@@ -301,18 +308,26 @@ class Loads:
     ) -> tuple[LoadState, LoadFailure | None] | None:
         """A worker rank says a load ended (``failure`` None: loaded); once every rank has
         said so, the outcome and the first rank's failure, else None (also when the report
-        is ignored)."""
+        is ignored).
+
+        An aborted load ends FAILED when it failed on its own: a rank reported the failure
+        before our abort went out to the workers (or reported it *failing*, ``told``).
+        Under ``failure_policy: fail`` vLLM ends the request on that very report, before
+        the connector reads it (``failed_recving`` first), so the abort we saw was the
+        failure's doing. A failure reported after our abort went out is the worker
+        cancelling the load ("aborted by the engine"): ABORTED."""
         record = self._records.get(rid)
         if record is None or record.state not in (LoadState.LOADING, LoadState.ABORTING):
             self.ignored[kind] += 1
             return None
         record.ranks_reported += 1
-        record.failure = record.failure or failure
+        if rid not in self._aborts_out:  # else the failure may be our abort's doing
+            record.failure = record.failure or failure
         if record.ranks_reported < self.ranks:
             return None  # another rank may still write into the request's blocks
         if record.state is LoadState.ABORTING:
-            # told early: the engine ended the request on the failure (an abort to us)
-            outcome = LoadState.FAILED if record.told else LoadState.ABORTED
+            failed = record.told or record.failure is not None
+            outcome = LoadState.FAILED if failed else LoadState.ABORTED
             self._to_free.add(rid)
         elif record.failure is None:
             outcome = LoadState.LOADED
@@ -328,6 +343,7 @@ class Loads:
 
     def _finish(self, rid: str, outcome: LoadState) -> None:
         self._records.pop(rid).advance(outcome)
+        self._aborts_out.discard(rid)
         self.outcomes[outcome] += 1
         if outcome is not LoadState.ABORTED:
             self._consumed.add(rid)

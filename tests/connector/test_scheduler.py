@@ -621,6 +621,32 @@ def test_abort_while_loading_waits_for_the_worker(ending: str) -> None:
     eng.assert_clean()
 
 
+@pytest.mark.parametrize("policy", [FailurePolicy.FAIL, FailurePolicy.RECOMPUTE])
+def test_a_load_that_failed_before_the_engine_aborted_it_ends_failed(
+    policy: FailurePolicy,
+) -> None:
+    """vLLM under ``kv_load_failure_policy: fail`` ends a request on the worker's failed
+    report (``failed_recving``) before the connector reads that same report: the abort
+    comes first, and the failure with no abort of ours gone out to the worker. The load
+    failed on its own; an abort that went out first ends it ABORTED (test above)."""
+    eng = Engine(KVRole.CONSUMER, failure_policy=policy)
+    admit(eng, decode_req("d", 64))
+    eng.step()
+    eng.sched.request_aborted("d")  # the engine's reaction to the report, no step between
+    assert eng.sched.defers_free("d")
+    failure = LoadFailure(
+        request_id="d", reason="peer unreachable", invalid_block_ids=((),), num_valid_tokens=0
+    )
+    events = eng.sched.update_connector_output(WorkerOutput(failed_loads=(failure,)))
+    assert events.failed == (failure,) and events.recompute == ()
+    assert events.free_request_ids == {"d"}
+    assert eng.sched.load_outcomes == {LoadState.FAILED: 1}
+    eng.free_own("d")
+    meta, _ = eng.step()
+    assert [rid for rid, _ in meta.reqs_to_abort] == ["d"]  # prefill is still told
+    eng.assert_clean()
+
+
 def test_request_finished_while_loading_delays_the_free() -> None:
     eng = Engine(KVRole.CONSUMER)
     admit(eng, decode_req("d", 64))

@@ -89,6 +89,20 @@ def test_an_aborted_load_is_freed_after_the_last_rank_ended_it() -> None:
     eng.assert_clean()
 
 
+def test_a_rank_failing_before_the_abort_went_out_fails_the_aborted_load() -> None:
+    """Rank 0's own failure came before the engine aborted the request; rank 1 then
+    cancels its part on our abort ("aborted by the engine"): the load failed."""
+    eng = _loading(tp_size=2, failure_policy=FailurePolicy.FAIL)
+    eng.step(_failed("d"))  # rank 0, on its own
+    eng.sched.request_aborted("d")
+    eng.step()  # the abort goes out to the workers
+    _, events = eng.step(_failed("d", "aborted by the engine"))  # rank 1
+    assert events.free_request_ids == {"d"}
+    assert [f.reason for f in events.failed] == ["rank 1: transfer timed out"]
+    assert eng.sched.load_outcomes == {LoadState.FAILED: 1}
+    eng.assert_clean()
+
+
 def test_at_tp_1_the_first_report_ends_the_load() -> None:
     eng = _loading(tp_size=1)
     _, events = eng.step(_failed("d"))

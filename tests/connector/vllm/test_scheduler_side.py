@@ -402,3 +402,72 @@ def test_a_failing_load_is_failed_for_vllm_at_once_and_finished_when_it_ended():
 
     _sending, recving, failed = worker_side.transfer_results()
     assert recving == {"r1"}  # vLLM frees the finished request's blocks now
+
+
+def _loading_under_fail_policy() -> tuple[VLLMSchedulerSide, _Request]:
+    """A decode whose load of ``r1`` went out to the workers, ``kv_load_failure_policy:
+    fail``."""
+    from kvbridge.connector.common.params import KVTransferParams
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(
+        groups=(KVCacheGroup(group_id=0, layer_names=("l0",), spec=spec),), num_blocks=8
+    )
+    config = KVTransferConfig.from_dict(
+        {"kv_role": "kv_consumer", "engine_id": "d", "failure_policy": "fail"}
+    )
+    side = VLLMSchedulerSide(config, kv)
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="p",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_block_ids=[[3, 4, 5, 6]],
+        remote_block_size=32,
+        num_tokens=100,
+        resume_tokens=99,
+        remote_request_id="p-r1",
+    )
+    req = _Request("r1", params.to_dict(), status=_Status("WAITING_FOR_REMOTE_KVS"))
+    assert side.get_num_new_matched_tokens(req, 0) == (99, True)
+    side.update_state_after_alloc(req, _Blocks([[3, 1, 2, 7]]), 99)
+    assert side.build_connector_meta().meta.reqs_to_load
+    return side, req
+
+
+def _failed_report(reason: str) -> Any:
+    from kvbridge.connector.common.metadata import LoadFailure, WorkerOutput
+    from kvbridge.connector.vllm.step_metadata import KVBridgeWorkerMetadata
+
+    failure = LoadFailure(
+        request_id="r1", reason=reason, invalid_block_ids=((3, 1, 2, 7),), num_valid_tokens=0
+    )
+    return KVBridgeWorkerMetadata(WorkerOutput(failed_loads=(failure,)))
+
+
+def test_a_load_vllm_failed_the_request_on_counts_failed_not_aborted():
+    """``kv_load_failure_policy: fail``, an unreachable prefill: vLLM's
+    ``update_from_output`` reads ``failed_recving`` first and finishes the request
+    (FINISHED_ERROR: ``request_finished``, an abort to kvbridge), then hands the same
+    report to ``update_connector_output``. The load failed: ``loads_failed``."""
+    side, req = _loading_under_fail_policy()
+    req.status = _Status("FINISHED_ERROR")
+    assert side.request_finished(req, [[3, 1, 2, 7]]) == (True, None)  # blocks kept
+    side.update_connector_output(_failed_report("handshake with 127.0.0.1:5600 timed out"))
+    stats = side.stats().data
+    assert (stats.get("loads_failed"), stats.get("loads_aborted")) == (1, None)
+    assert stats["loading_requests"] == 0
+
+
+def test_a_client_abort_mid_load_counts_aborted_not_failed():
+    """The client hung up while the load ran: vLLM aborts the request, the abort goes
+    out with the next step's metadata, and the worker reports the load it cancelled as
+    failed ("aborted by the engine"). The load was aborted: ``loads_aborted``."""
+    side, req = _loading_under_fail_policy()
+    req.status = _Status("FINISHED_ABORTED")
+    assert side.request_finished(req, [[3, 1, 2, 7]]) == (True, None)
+    assert [rid for rid, _ in side.build_connector_meta().meta.reqs_to_abort] == ["r1"]
+    side.update_connector_output(_failed_report("aborted by the engine"))
+    stats = side.stats().data
+    assert (stats.get("loads_failed"), stats.get("loads_aborted")) == (None, 1)
+    assert stats["loading_requests"] == 0
