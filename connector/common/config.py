@@ -96,8 +96,8 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     rewrite_on_save: bool = False
     """``false``: rewrite a kept request's blocks for its reader when the reader asks
     (``Prepare`` / ``Push``); ``true``: rewrite them into the last reader's format as soon as
-    they are saved, off the handover's critical path. No effect where the engine may not
-    rewrite its blocks in place (vLLM).
+    they are saved, off the handover's critical path. Refused under vLLM, whose prefix cache
+    may read kept blocks (kvbridge never rewrites them in place there).
     Read by: prefill."""
 
     staging_mib: float = DEFAULT_STAGING_MIB

@@ -79,6 +79,12 @@ class VLLMWorkerSide:
         self._cpu_attention = cpu_attention
         self._engine_nice = config.extra.engine_thread_nice
         self._cache_dtype, self._model_dtype = cache_dtype, model_dtype
+        if config.extra.rewrite_on_save:
+            raise ConfigError(
+                "extra.rewrite_on_save=true cannot apply under vLLM: its prefix cache lets new "
+                "requests read a kept request's blocks, so kvbridge never rewrites them in "
+                "place (readers read them as vLLM wrote them); remove the key"
+            )
         spec = next((g.spec for g in kv_config.groups if isinstance(g.spec, AttentionSpec)), None)
         if spec is None:
             raise ConfigError(

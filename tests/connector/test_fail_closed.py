@@ -386,3 +386,28 @@ def test_push_rounds_a_silent_prefill_owes_count_against_the_quarantine_cap(cloc
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
     _finish(decode, d1)
     _healthy(prefill, decode)
+
+
+def test_a_landing_that_raises_fails_its_load_once(make_pair, monkeypatch):
+    """A torch error in a receiver rewrite (a CUDA out-of-memory) fails that load, once:
+    before, only KVBridgeError was caught there, the error escaped into the step and the
+    next step landed (rewrote) the same load again."""
+    prefill, decode = make_pair("pull")
+    landing = decode.worker._receiver._outcomes._landing
+    calls = []
+
+    def finish(load):
+        calls.append(load.spec.request_id)
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(landing, "finish", finish)
+    [d1] = _requests(prefill, decode, "1")
+    run_until(
+        [prefill, decode],
+        lambda: bool(failed(decode, "d1")) and "p1" in prefill.freed,
+        "d1 failed and p1 freed",
+    )
+    assert calls == ["d1"] and not loaded(decode, "d1")
+    assert "CUDA out of memory" in failed(decode, "d1")[0].reason
+    _finish(decode, d1)
+    _healthy(prefill, decode)
