@@ -243,6 +243,7 @@ def describe(
         architecture=identity.architecture,
         model_fingerprint=identity.model_fingerprint,
         digest_version=DIGEST_VERSION,
+        push_status=True,
     )
 
 

@@ -41,6 +41,9 @@ Protocol history:
         identifies the model instead of model_name, a path (compared where both are set).
         WorkerDescription.digest_version (default 1): the digest verified loads compare
         (position-weighted rows from 2); peers that differ refuse to verify, by name.
+        WorkerDescription.push_status (default False): the worker answers a PushStatus
+        notification (a push round whose answer decode never got); decode asks only such
+        a prefill, and probes an older one with an empty Heartbeat as before.
 """
 
 from __future__ import annotations
@@ -210,6 +213,7 @@ class WorkerDescription(msgspec.Struct, frozen=True, tag=True, tag_field="type")
     # what extra.verify's digests mean (kvbridge.layouts.digest.DIGEST_VERSION); 1: an
     # older peer, whose rows were plain sums. Peers that differ refuse verified loads
     digest_version: int = 1
+    push_status: bool = False  # answers PushStatus (kvbridge.connector.common.notifications)
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True, tag_field="type"):

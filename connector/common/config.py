@@ -381,8 +381,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port={self.kv_port} must lie in [0, 65535]")
         for name in ("lease_s", "heartbeat_s", "handshake_timeout_s", "transfer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name):g} must be positive")
+            # at most a day: holds and timeouts travel in notifications bounded so
+            if not 0 < getattr(self, name) <= 86_400:
+                raise ConfigError(
+                    f"{name}={getattr(self, name):g} must be positive and at most 86400 (a day)"
+                )
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(
                 f"heartbeat_s={self.heartbeat_s:g} must be shorter than lease_s={self.lease_s:g}, "

@@ -109,7 +109,9 @@ GroupId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]  # NaN and inf refused too
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
 Ident = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+# a request id is the engine's (vLLM may take it from a client's header): only the
+# notification's own size limit bounds it
+RequestId = Annotated[str, msgspec.Meta(min_length=1)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 # the values of kvbridge.layouts.layout.KVLayout and arrangement.HeadOrder (a test pins it)
 LayoutName = Literal["NHD", "HND"]
@@ -346,6 +348,10 @@ MAX_NOTIFICATION_BYTES = 64 * 1024
 
 
 def encode_notification(msg: Notification) -> bytes:
+    if isinstance(msg, Prepared | Pushed) and len(msg.reason) > MAX_REASON_CHARS:
+        # a refusal's reason (an exception's text) is cut, never the refusal itself
+        cut = msg.reason[: MAX_REASON_CHARS - 16] + " ... (cut)"
+        msg = msgspec.structs.replace(msg, reason=cut)
     data = _ENCODER.encode(msg)
     if len(data) > MAX_NOTIFICATION_BYTES:
         raise NotificationError(f"notification of {len(data)} bytes exceeds 64 KiB")

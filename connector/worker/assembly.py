@@ -213,6 +213,7 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
     units = region_units(moved)  # where NIXL moves from and to: digests read them there
     digests = ReaderDigests(parse_description(side.description), units, side.agents.layout)
     packer = None if gather is None else GatherArena(engine, gather, units, digests, order, metrics)
+    boundary = Boundary(metrics)  # one failure boundary per message, order and round stage
     sender = Sender(
         buffers,
         metrics,
@@ -226,8 +227,8 @@ def _assemble(w: Wiring, buffers: KVCacheBuffers, built: contextlib.ExitStack) -
         early_wait_s=config.lease_s,
         digests=digests,
         gather=packer,
+        boundary=boundary,
     )
-    boundary = Boundary(metrics)  # one failure boundary per message, order and round stage
     targets = pusher = push = None
     if mode is TransferMode.PUSH:
         targets = side.directory(writer=True)

@@ -105,7 +105,9 @@ def _check_covered(
     if end == start:
         return
     per_block = g.wire_tokens * g.remote_chunks_per_block  # tokens of one writer block
-    if end > (writer_first + num_writer) * per_block:
+    # a group another pipeline stage holds moves nothing: its plan is decode's shape only
+    # (the writer's blocks are not counted in it), so only the reader's bound applies
+    if g.streams and end > (writer_first + num_writer) * per_block:
         raise KVBridgeError(
             f"group {g.group_id}: tokens up to {end} need remote logical blocks up to "
             f"{-(-end // per_block) - 1} but only {writer_first}..{writer_first + num_writer - 1} "

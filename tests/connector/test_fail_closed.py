@@ -279,7 +279,7 @@ def test_a_push_answer_that_arrives_unreadable_is_asked_for_again(
         ("Done", {"claims": [-1]}),
         ("Pushed", {"round": 2**31}),
         ("Prepared", {"packed_at": -2}),
-        ("Heartbeat", {"request_ids": ["x" * 2000]}),
+        ("Heartbeat", {"request_ids": [""]}),
     ],
 )
 def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):

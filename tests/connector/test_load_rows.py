@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from kvbridge.connector.worker.rows import staged_rows
+from kvbridge.connector.worker.rows import group_rows, staged_rows
 from kvbridge.handshake.plan_model import GroupPlan, PieceStream
 from kvbridge.layouts.errors import KVBridgeError
-from kvbridge.layouts.specs import KVCacheKind
+from kvbridge.layouts.specs import AttentionSpec, KVCacheKind
 
 
 def _plan(split_from: int = 128, num_layers: int = 2) -> GroupPlan:
@@ -60,3 +61,29 @@ def test_pages_map_to_the_writers_blocks_and_the_readers_slots():
 def test_a_push_that_does_not_fit_is_refused_by_name(plan, blocks, slots, match):
     with pytest.raises(KVBridgeError, match=match):
         staged_rows(plan, np.array(blocks), np.array(slots), np.array([40, 7, 19, 3]), 2, 4)
+
+
+def _skipped(block_size: int) -> GroupPlan:
+    """A group another pipeline stage holds, as ``handshake.plan`` plans it: decode's
+    block size, no streams (nothing moves)."""
+    return GroupPlan(
+        group_id=0,
+        kind=KVCacheKind.FULL_ATTENTION,
+        wire_tokens=block_size,
+        local_chunks_per_block=1,
+        remote_chunks_per_block=1,
+        sender=None,
+        receiver=None,
+        streams=(),
+        skipped=True,
+    )
+
+
+def test_a_group_another_stage_holds_is_bounded_by_the_readers_blocks_only():
+    """Prefill's 64-token blocks are not counted in such a plan (decode's 16-token shape):
+    its 16 blocks hold 1,000 tokens; only decode's own blocks bound the range."""
+    spec = AttentionSpec(block_size=16, num_kv_heads=1, head_size=4, dtype=torch.float16)
+    found = group_rows(_skipped(16), spec, np.arange(63), np.arange(16), 0, 0, 1000)
+    assert found.rows == ()
+    with pytest.raises(KVBridgeError, match="need local logical blocks"):
+        group_rows(_skipped(16), spec, np.arange(63), np.arange(16), 0, 0, 2**31 - 1)

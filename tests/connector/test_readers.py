@@ -17,7 +17,7 @@ import torch
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import Done, Prepare
+from kvbridge.connector.common.notifications import Done, Heartbeat, Prepare
 from kvbridge.connector.common.params import KVTransferParams
 from kvbridge.connector.worker.nixl_setup import nixl_engine
 from kvbridge.connector.worker.prefill.holds import MAX_READERS
@@ -301,3 +301,41 @@ def test_a_peer_naming_reader_after_reader_is_refused_past_the_cap(sender):
     )
     assert answer is not None and not answer.ok and "readers claim" in answer.reason
     assert _claim(sender, "a", 2, rank=0)  # a reader it knows still claims again
+
+
+def test_heartbeats_keep_a_queued_request_for_as_long_as_decode_sends_them(clock, sender):
+    """A request waiting in decode's queue is kept by its heartbeats (the lease, from
+    now), however long the backlog: the total cap applies to claims only."""
+    for _ in range(300):  # 25 minutes of heartbeats, one every 5 s
+        clock.now += 5.0
+        sender.on_heartbeat(Heartbeat(request_ids=["r"]))
+        sender.expire()
+    assert not _finished(sender)
+    clock.now += LEASE_S + 1  # they stop: the lease runs out
+    sender.expire()
+    assert _finished(sender) == {"r"}
+
+
+def test_an_early_claim_that_raises_when_replayed_refuses_that_claim_alone(clock):
+    """Claims that came before their request are replayed when it is added, each inside
+    its own failure boundary: one that raises is refused, the others are answered and
+    the request is kept (before, the exception failed the whole add: every reader
+    recomputed)."""
+    buffers = KVCacheBuffers(KVCacheConfig.uniform(make_groups(16, "F"), 16), FMT, "cpu")
+    s = Sender(buffers, ConnectorMetrics(), clock=clock)
+    for agent in ("a", "b"):
+        assert (
+            s.on_prepare(Prepare(request_id="r", rewrites=[], hold_s=60.0, claim=1), agent) is None
+        )
+    real = s.on_prepare
+
+    def on_prepare(msg, agent=""):
+        if agent == "a":
+            raise MemoryError("gather arena")
+        return real(msg, agent)
+
+    s.on_prepare = on_prepare  # type: ignore[method-assign]
+    s.add(SendSpec(request_id="r", block_ids=((1, 2),), first_block=(0,), lease_s=LEASE_S))
+    answers = {agent: reply for agent, reply in s.take_replies()}
+    assert not answers["a"].ok and "could not handle the claim" in answers["a"].reason
+    assert answers["b"].ok and s.kept("r") is not None

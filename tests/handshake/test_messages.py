@@ -263,5 +263,14 @@ def test_the_role_travels_and_an_older_peer_says_none() -> None:
     fields["nixl_metadata"] = current.nixl_metadata
     decoded = decode_reply(msgspec.msgpack.encode(fields))
     assert isinstance(decoded, WorkerDescription) and decoded.kv_role == ""
-    # appended: what the schema-evolution rule asks of a new one (digest_version after it)
-    assert WorkerDescription.__struct_fields__[-2:] == ("kv_role", "digest_version")
+    # appended: what the schema-evolution rule asks of a new one (later ones after it)
+    assert WorkerDescription.__struct_fields__[-3:] == ("kv_role", "digest_version", "push_status")
+
+
+def test_push_status_is_said_and_an_older_peer_says_nothing() -> None:
+    current = make_description()
+    fields = msgspec.to_builtins(current)
+    del fields["push_status"]  # a peer from before PushStatus
+    fields["nixl_metadata"] = current.nixl_metadata
+    decoded = decode_reply(msgspec.msgpack.encode(fields))
+    assert isinstance(decoded, WorkerDescription) and decoded.push_status is False

@@ -64,7 +64,13 @@ import logging
 from collections.abc import Callable, Iterable
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.common.notifications import Prepare, Prepared, PushStatus, asked_key
+from kvbridge.connector.common.notifications import (
+    Heartbeat,
+    Prepare,
+    Prepared,
+    PushStatus,
+    asked_key,
+)
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.decode.quarantine import Quarantine
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
@@ -289,6 +295,7 @@ class Writers:
         self._quarantine = quarantine
         self.gone: set[str] = set()  # agents removed as dead (a name never comes back)
         self._probed: dict[str, float] = {}  # agent -> last probe
+        self._turns: dict[str, int] = {}  # agent -> where its next probe's rounds start
         peers.on_drop.append(self.on_drop)
         # the quarantine's cap: no new load from an agent holding too many of our blocks
         peers.admission.append(quarantine.refusal)
@@ -310,7 +317,7 @@ class Writers:
         about each round it owes (``PushStatus``): it answers a round it no longer runs
         again, so an answer lost or unreadable does not hold our blocks while it lives."""
         owed: dict[str, list[tuple[str, int]]] = {}
-        for agent, rid, round_ in self._quarantine.awaited_rounds:
+        for agent, rid, round_ in sorted(self._quarantine.awaited_rounds):  # held ones first
             owed.setdefault(agent, []).append((rid, round_))
         for load in loads:
             for s in load.sources:
@@ -330,8 +337,17 @@ class Writers:
                 # else: removed while not known dead; its rounds stay held (nothing
                 # proves its WRITEs stopped), visible in the log and the metrics
             else:
-                for rid, round_ in sorted(owed[agent])[:MAX_STATUS_QUERIES]:
+                if not (peer.description and peer.description.push_status):
+                    self._send(peer, Heartbeat(request_ids=[]))  # an older prefill: a probe
+                    continue
+                rounds = owed[agent]
+                if len(rounds) > MAX_STATUS_QUERIES:  # by turns, so every one is asked
+                    turn = self._turns.get(agent, 0) % len(rounds)
+                    rounds = (rounds[turn:] + rounds[:turn])[:MAX_STATUS_QUERIES]
+                    self._turns[agent] = turn + MAX_STATUS_QUERIES
+                for rid, round_ in rounds:
                     if not self._send(peer, PushStatus(request_id=rid, round=round_)):
                         break  # a disconnect dropped it; another failure: asked next time
         for agent in set(self._probed) - agents:
             del self._probed[agent]
+            self._turns.pop(agent, None)

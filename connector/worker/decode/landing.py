@@ -212,12 +212,12 @@ class Landing:
         self._stage = stage
         self._repacker = repacker
 
-
     def footprint(self, load: Load) -> tuple[int, int]:
         """(blocks, bytes) of ``load``'s local blocks: what a push round of it may write."""
         ids = load.spec.local_block_ids
         num_bytes = sum(len(g) * self._buffers.group_block_bytes(i) for i, g in enumerate(ids))
         return sum(len(g) for g in ids), num_bytes
+
     def finish(self, load: Load) -> Mark | None:
         """The load's blocks in the cache's own format: the mark to wait for before the
         engine may read them (None: no kernel ran, NIXL's READs were the last writers). Raises

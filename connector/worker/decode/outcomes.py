@@ -168,17 +168,21 @@ class Outcomes:
         self._metrics.transfer_failures += 1
         logger.warning("load %s failed: %s", load.spec.request_id, reason)
         told = notify and bool(rounds)
-        if told:
-            self.notify_done(load, ok=False)  # the cancel: prefill stops, then answers
 
         def end() -> None:
-            if notify and not told:
-                self.notify_done(load, ok=False)
-            self._failed.append(failure(load.spec, reason))
+            try:
+                if notify and not told:
+                    self.notify_done(load, ok=False)
+            finally:  # reported whatever the message did: the engine is never left waiting
+                self._failed.append(failure(load.spec, reason))
 
-        held = self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
-        if held and early and self._fail_early:
-            self._failing.append(failure(load.spec, reason))
+        try:
+            if told:
+                self.notify_done(load, ok=False)  # the cancel: prefill stops, then answers
+        finally:  # held (then reported) whatever the message did: forgotten above
+            held = self._quarantine.hold(load.spec.request_id, rid, handles, batches, end, rounds)
+            if held and early and self._fail_early:
+                self._failing.append(failure(load.spec, reason))
 
     def notify_done(self, load: Load, *, ok: bool) -> None:
         """Tell every prefill rank the load's route names that we are done with its

@@ -103,6 +103,13 @@ class Answers:
         self._outgoing.append(_Answer(key, endpoint, agent, answer))
         self.flush()
 
+    def owes(self, request_id: str, agent: str, round_: int) -> bool:
+        """An answer to that round is still waiting here to be delivered."""
+        return any(
+            o.agent == agent and o.answer.request_id == request_id and o.answer.round == round_
+            for o in self._outgoing
+        )
+
     def flush(self) -> None:
         """Send the answers whose decode is known here; handshake (again) with the
         others first, up to ``ANSWER_ATTEMPTS`` times (a decode that answers no

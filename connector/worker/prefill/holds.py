@@ -56,9 +56,10 @@ class Kept:
     pins: int = 0  # pushes whose WRITEs may still read the blocks
     native: set[int] = field(default_factory=set)  # groups a reader claimed as they are
     ending: str = ""  # why the hold ends, once it may not end yet (pinned, claimed)
-    # the latest any claim or heartbeat may extend the hold to (its lease and the longest
-    # claim, from when it was kept): a decode that claims again and again, or a peer that
-    # loops, cannot pin the blocks for longer, in total
+    # the latest a claim may extend the hold to (its lease and the longest claim, from
+    # when it was kept): a decode that claims again and again, or a peer that loops, cannot
+    # pin the blocks for longer, in total. Heartbeats (a decode's queue) extend by the
+    # lease, the holder's own figure, while the hold is not ending
     limit: float = float("inf")
 
     def claimed_until(self, now: float) -> float:

@@ -114,7 +114,9 @@ class Pusher:
         """Round ``round_`` of decode ``agent``'s push of ``request_id`` is still owed an
         answer here (waiting, writing, or ending)."""
         push = self._pushes.get((request_id, agent))
-        return push is not None and push.msg.round == round_
+        if push is not None and push.msg.round == round_:
+            return True
+        return self._answers.owes(request_id, agent, round_)  # forgotten, answer not out yet
 
     def fail_round(self, msg: Push, agent: str, reason: str) -> None:
         """Handling ``msg`` raised: its round fails (answered once any WRITE it posted

@@ -132,7 +132,8 @@ def writer_rows(
         reader_spec = reader.config.groups[g.group_id].spec
         first = spec.first_block[g.group_id] if spec.first_block else 0
         kept_end = (first + len(spec.block_ids[g.group_id])) * g.remote_chunks_per_block
-        if g.kind is not KVCacheKind.STATE and end > kept_end * g.wire_tokens:
+        # (a group another pipeline stage holds moves nothing: no blocks of ours to count)
+        if g.streams and g.kind is not KVCacheKind.STATE and end > kept_end * g.wire_tokens:
             # before the reader's block ids are made up for the range (a peer names it)
             raise KVBridgeError(
                 f"group {g.group_id}: the load names tokens up to {end}; this request's "

@@ -46,6 +46,7 @@ from kvbridge.connector.common.notifications import (
     Prepared,
     asked_key,
 )
+from kvbridge.connector.worker.boundary import Boundary
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.prefill.block_lending import BlockLending
 from kvbridge.connector.worker.prefill.early import EARLY_DONE_TTL_S, EARLY_PREPARE_TTL_S, Early
@@ -78,6 +79,7 @@ class Sender:
         early_wait_s: float = EARLY_PREPARE_TTL_S,
         digests: ReaderDigests | None = None,
         gather: GatherArena | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
         """``early_wait_s``: how long a ``Prepare`` or ``Push`` for a request not handed
         over yet waits for it (the worker passes its lease). ``stage``: the host mirror
@@ -86,6 +88,7 @@ class Sender:
         before NIXL may read the blocks. ``digests``: answers verified claims
         (``Prepare.verify``) with the digests of what their reader reads. ``gather``: packs
         the rows of claims that ask (``Prepare.packed``)."""
+        self._boundary = boundary or Boundary(metrics)
         self._digests = digests
         self._gather = gather
         self._buffers = buffers
@@ -126,9 +129,15 @@ class Sender:
             self._rewrite_eagerly(pending)
         self._stage_out(pending)
         prepares, dones = self._early.take(spec.request_id)
-        for agent, prepare in prepares:
-            reply = self.on_prepare(prepare, agent)
-            assert reply is not None  # the request is pending now
+        for agent, prepare in prepares:  # each claim its own failure boundary, as in the inbox
+            reply = self._boundary.run(
+                "Prepare", lambda p=prepare, a=agent: self.on_prepare(p, a), peer=agent
+            )
+            if reply is None:
+                reason = "prefill could not handle the claim (see its log)"
+                reply = Prepared(
+                    request_id=prepare.request_id, ok=False, reason=reason, claim=prepare.claim
+                )
             self._replies.append((agent, reply))
         for agent, msg in dones:
             self.on_done(msg, agent)
@@ -223,7 +232,7 @@ class Sender:
             request_id=msg.request_id,
             ok=True,
             asked=asked_key(msg),
-            held_s=pending.deadline - now,
+            held_s=max(pending.deadline - now, 0.0),
             claim=msg.claim,
             digests=digests,
             reason=why,
@@ -326,9 +335,7 @@ class Sender:
         for rid in msg.request_ids:
             pending = self._pending.get(rid)
             if pending is not None and not pending.ending:
-                pending.deadline = max(
-                    pending.deadline, min(now + pending.spec.lease_s, pending.limit)
-                )
+                pending.deadline = max(pending.deadline, now + pending.spec.lease_s)
 
     def abort(self, request_id: str, *, report: bool = True) -> None:
         """The engine drops a kept request: its hold ends (blocks restored, reported
