@@ -411,3 +411,39 @@ def test_a_landing_that_raises_fails_its_load_once(make_pair, monkeypatch):
     assert "CUDA out of memory" in failed(decode, "d1")[0].reason
     _finish(decode, d1)
     _healthy(prefill, decode)
+
+
+def test_a_failed_load_whose_kernels_may_still_run_is_reported_after_them(clock, made):
+    """A load that fails after kvbridge queued kernels on its blocks (here a landing that
+    raises midway) is reported once a mark taken at the failure completed: the engine
+    never gets blocks a kernel of ours may still write (GPU streams; a fake order here)."""
+    from tests.connector.test_device_order import RecordingOrder
+
+    log: list = []
+    orders: list[RecordingOrder] = []
+
+    def order(device):
+        orders.append(RecordingOrder(device, log, hold=True))
+        return orders[-1]
+
+    prefill = make_side("kv_producer", "prefill", 64, PREFILL_FMT, "F", clock)
+    made.append(prefill)
+    decode = make_side("kv_consumer", "decode", 16, DECODE_FMT, "F", clock, device_order=order)
+    made.append(decode)
+    landing = decode.worker._receiver._outcomes._landing
+
+    def finish(load):
+        load.kernels = True  # a rewrite was queued, then something raised
+        raise RuntimeError("CUDA out of memory")
+
+    landing.finish = finish
+    [d1] = _requests(prefill, decode, "1")
+    run_until([prefill, decode], lambda: ("fence", "load failed") in log, "the failure's mark")
+    for _ in range(5):
+        decode.step()
+    assert not failed(decode, "d1")  # its kernels have not finished
+    orders[-1].complete()
+    run_until([prefill, decode], lambda: bool(failed(decode, "d1")), "d1 reported failed")
+    run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
+    _finish(decode, d1)
+    _healthy(prefill, decode)

@@ -218,6 +218,11 @@ class Landing:
         num_bytes = sum(len(g) * self._buffers.group_block_bytes(i) for i, g in enumerate(ids))
         return sum(len(g) for g in ids), num_bytes
 
+    def mark(self, why: str) -> Mark:
+        """Where the calling thread's stream stands (``DeviceOrder.mark``): a failed load
+        whose blocks kvbridge's kernels wrote is reported once they finished."""
+        return self._order.mark(why)
+
     def finish(self, load: Load) -> Mark | None:
         """The load's blocks in the cache's own format: the mark to wait for before the
         engine may read them (None: no kernel ran, NIXL's READs were the last writers). Raises

@@ -82,12 +82,16 @@ class Outcomes:
         # landed loads not reported yet: their kernels may still run on the device
         self._landed: list[tuple[Load, Mark | None]] = []
         self._failed: list[LoadFailure] = []
+        # failed loads whose blocks kvbridge's kernels wrote (splits, scatters, rewrites):
+        # reported once the mark taken at the failure completed (never a host wait)
+        self._fenced: list[tuple[Mark, LoadFailure]] = []
         self._failing: list[LoadFailure] = []
 
     @property
     def num_landed(self) -> int:
-        """Landed loads not reported yet (their kernels may still run)."""
-        return len(self._landed)
+        """Landed loads not reported yet, and failed ones waiting for the same (their
+        kernels may still run)."""
+        return len(self._landed) + len(self._fenced)
 
     def refused(self, spec: LoadSpec, reason: str) -> None:
         """A load that never started (nothing posted, nobody to tell): failed at once."""
@@ -100,6 +104,12 @@ class Outcomes:
         reported failed once nothing can. Landed loads whose kernels finished are
         reported here too, when a deferred round did not step (no NIXL call needed)."""
         self.report_landed()
+        fenced, self._fenced = self._fenced, []
+        for mark, failed_load in fenced:
+            if mark.done():
+                self._failed.append(failed_load)
+            else:
+                self._fenced.append((mark, failed_load))
         done, failed, failing = self._done, self._failed, self._failing
         self._done, self._failed, self._failing = set(), [], []
         return done, failed, failing
@@ -168,13 +178,19 @@ class Outcomes:
         self._metrics.transfer_failures += 1
         logger.warning("load %s failed: %s", load.spec.request_id, reason)
         told = notify and bool(rounds)
+        # kernels of ours queued on the blocks (a staged split, a packed scatter, a
+        # rewrite that raised midway) may still run on the device: report after them
+        mark = self._landing.mark("load failed") if load.kernels else None
 
         def end() -> None:
             try:
                 if notify and not told:
                     self.notify_done(load, ok=False)
             finally:  # reported whatever the message did: the engine is never left waiting
-                self._failed.append(failure(load.spec, reason))
+                if mark is None or mark.done():
+                    self._failed.append(failure(load.spec, reason))
+                else:
+                    self._fenced.append((mark, failure(load.spec, reason)))
 
         try:
             if told:
