@@ -46,7 +46,7 @@ from dataclasses import asdict
 
 from kvbridge.cli.bench.results import add_json_argument, write_json
 from kvbridge.cli.bench.transfer_baselines import measure_digest, measure_raw, print_digest
-from kvbridge.cli.bench.transfer_child import PrefillRank, serve
+from kvbridge.cli.bench.transfer_child import Idle, PrefillRank, serve
 from kvbridge.cli.bench.transfer_loads import Row, measure_connector, print_phases, time_indices
 from kvbridge.cli.bench.transfer_shape import Shape, add_common_args
 from kvbridge.connector.common.config import NIXL_PROGRESS_STEP_US
@@ -116,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         help="which side runs NIXL's progress thread (--nixl-progress-us); the other none",
     )
     ap.add_argument(
+        "--idle-progress-ms",
+        type=float,
+        default=0,
+        help="extra.idle_progress_ms on both sides (0: none, the bench's default; vLLM's is 5)",
+    )
+    ap.add_argument(
+        "--prefill-idle",
+        action="store_true",
+        help="the prefill child makes no engine call while a load runs (an idle vLLM "
+        "prefill): only its progress thread answers decode (default: it steps every ~1 ms)",
+    )
+    ap.add_argument(
         "--gather-mib",
         type=float,
         default=0,
@@ -136,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nixl_progress_us < 0 or args.nixl_progress_us % NIXL_PROGRESS_STEP_US:
         ap.error(f"--nixl-progress-us must be 0 or a multiple of {NIXL_PROGRESS_STEP_US}")
     shape = Shape.from_args(args)
+    idle = Idle(engine_idle=args.prefill_idle, idle_progress_ms=args.idle_progress_ms)
     if args.serve:
         serve(
             shape,
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             args.busy_progress_us,
             args.gather_mib,
             args.nixl_progress_us,
+            idle,
         )
         return
     indices_s = time_indices()
@@ -171,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; "
         f"extra.busy_progress_us={args.busy_progress_us}, "
         f"extra.nixl_progress_us={args.nixl_progress_us} on "
-        f"{'both sides' if args.nixl_progress_side == 'both' else args.nixl_progress_side}",
+        f"{'both sides' if args.nixl_progress_side == 'both' else args.nixl_progress_side}, "
+        f"extra.idle_progress_ms={args.idle_progress_ms:g}; prefill's engine "
+        f"{'idle during a load' if args.prefill_idle else 'steps every ~1 ms'}",
         flush=True,
     )
     rows: list[Row] = []
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             gather_mib=gathers[i],
             progress_us=args.nixl_progress_us,
             progress_side=args.nixl_progress_side,
+            idle=idle,
         )
         try:
             rows.append(row)
@@ -297,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "'x raw' = raw NIXL time / row time (>= 1: as fast as the raw transfer): pull rows\n"
         "against the raw READ, push rows against the raw WRITE. A push row's time runs from\n"
         "decode's start_load_kv to the load reported: Push, the child's rewrite and WRITE,\n"
-        "Pushed (the child polls every ~1 ms between its steps)."
+        "Pushed (the child steps every ~1 ms; with --prefill-idle only its progress thread)."
     )
     print_phases(rows, raw_read_s, raw_write_s)
     if digest:
@@ -311,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         busy_progress_us=args.busy_progress_us,
         nixl_progress_us=args.nixl_progress_us,
         nixl_progress_side=args.nixl_progress_side,
+        idle_progress_ms=args.idle_progress_ms,
+        prefill_idle=args.prefill_idle,
         **({"digest": digest} if digest else {}),
     )
     return 0

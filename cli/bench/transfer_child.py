@@ -46,8 +46,10 @@ def _config(
     busy_us: int = 0,
     gather_mib: float = 0,
     progress_us: int = 0,
+    idle_ms: float = 0,
 ) -> KVTransferConfig:
     extra: dict[str, object] = {
+        "idle_progress_ms": idle_ms,
         "transfer_mode": mode,
         "rewrite_on_save": on_save,
         "verify": verify,  # decode's: the rows without digests unless a row says so
@@ -78,6 +80,25 @@ def engine_config(name: str, merge: MergeRuns, progress_us: int) -> NixlEngineCo
     return NixlEngineConfig(
         agent_name=name, merge=merge, shared=True, **(progress if progress_us else {})
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Idle:
+    """Whether the prefill child's engine steps while a load runs, and its idle progress.
+
+    ``engine_idle=False`` (the default): the child calls ``get_finished`` about every
+    millisecond, as an engine that keeps stepping. ``engine_idle=True``: after handing a
+    request over it makes no engine call until decode's load is over, as vLLM's prefill
+    with no request left to compute: only the worker's progress thread
+    (``extra.idle_progress_ms``, ``extra.busy_progress_us``) answers decode."""
+
+    engine_idle: bool = False
+    idle_progress_ms: float = 0.0
+
+    def cli(self) -> list[str]:
+        return [f"--idle-progress-ms={self.idle_progress_ms:g}"] + (
+            ["--prefill-idle"] if self.engine_idle else []
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +134,7 @@ def serve(
     busy_us: int = 0,
     gather_mib: float = 0,
     progress_us: int = 0,
+    idle: Idle = Idle(),
 ) -> None:
     """Prefill: JSON commands on stdin, ``@@`` JSON events on stdout."""
     engines: list[NixlTransferEngine] = []
@@ -139,6 +161,7 @@ def serve(
         busy_us=busy_us,
         gather_mib=gather_mib,
         progress_us=progress_us,
+        idle_ms=idle.idle_progress_ms,
     )
     with KVBridgeWorker(
         config,
@@ -151,13 +174,18 @@ def serve(
     ) as worker:
         worker.register_kv_caches(buffers)
         say(event="ready", port=worker.side_channel_port, agent=worker.agent_name)
+        finishing: set[str] = set()  # idle engine: loads decode says are over
         while True:
-            for rid in worker.get_finished().finished_sending:
-                posted = worker.metrics.descriptors_posted
-                rows = engines[0].num_rows_posted
-                say(event="sent", request_id=rid, descriptors_posted=posted, rows_posted=rows)
-            # 1 ms of waiting on stdin keeps this loop from spinning a core
-            if not select.select([sys.stdin], [], [], 0.001)[0]:
+            if not idle.engine_idle or finishing:
+                for rid in worker.get_finished().finished_sending:
+                    finishing.discard(rid)
+                    posted = worker.metrics.descriptors_posted
+                    rows = engines[0].num_rows_posted
+                    say(event="sent", request_id=rid, descriptors_posted=posted, rows_posted=rows)
+            # 1 ms of waiting on stdin keeps this loop from spinning a core; an idle engine
+            # waits for the next command (only the progress thread advances transfers)
+            wait_s = None if idle.engine_idle and not finishing else 0.001
+            if not select.select([sys.stdin], [], [], wait_s)[0]:
                 continue
             line = sys.stdin.readline()
             if not line:
@@ -175,6 +203,8 @@ def serve(
                 worker.start_load_kv()
                 keep_ms = (time.perf_counter() - t0) * 1e3
                 say(event="kept", request_id=spec.request_id, keep_ms=keep_ms)
+            elif cmd["cmd"] == "finish":  # the timed load is over: report its end
+                finishing.add(cmd["request_id"])
             elif cmd["cmd"] == "digest":
                 heads = cmd.get("heads")  # [first, count] or absent: every head
                 digest = kv_digest(buffers, cmd["block_ids"], tuple(heads) if heads else None)
@@ -199,8 +229,10 @@ class Child:
         busy_us: int = 0,
         gather_mib: float = 0,
         progress_us: int = 0,
+        idle: Idle = Idle(),
     ) -> None:
         """``engine_id``: shared by the ranks of one TP engine (default: a new one)."""
+        self.idle = idle
         self.engine_id = engine_id or f"bench-P-{uuid.uuid4().hex[:6]}"
         args = [
             sys.executable,
@@ -219,6 +251,7 @@ class Child:
             f"--gather-mib={gather_mib}",
             f"--nixl-progress-us={progress_us}",
             *tp.cli(),
+            *idle.cli(),
             f"--kv-ip={PREFILL_HOST}",
             *shape_args(shape),
         ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.cli.bench import transfer_child
-from kvbridge.cli.bench.transfer_child import TIMEOUT_S, Child, _config, engine_config
+from kvbridge.cli.bench.transfer_child import TIMEOUT_S, Child, Idle, _config, engine_config
 from kvbridge.cli.bench.transfer_shape import Shape, kv_digest, parse_format
 from kvbridge.connector.common.metadata import ConnectorMetadata, LoadSpec
 from kvbridge.connector.common.params import KVTransferParams
@@ -167,9 +167,12 @@ def measure_connector(
     gather_mib: float = 0,
     progress_us: int = 0,
     progress_side: str = "both",
+    idle: Idle | None = None,
 ) -> tuple[Row, Child, KVBridgeWorker, KVCacheBuffers]:
     """``progress_us``: NIXL's progress thread on ``progress_side`` (both, prefill or
-    decode; the other side runs none)."""
+    decode; the other side runs none). ``idle``: whether the child's engine steps during
+    a load, and ``extra.idle_progress_ms`` (both sides; default: it steps, none)."""
+    idle = idle or Idle()
     prefill_us = progress_us if progress_side in ("both", "prefill") else 0
     progress_us = progress_us if progress_side in ("both", "decode") else 0
     child = Child(
@@ -183,6 +186,7 @@ def measure_connector(
         busy_us=busy_us,
         gather_mib=gather_mib,
         progress_us=prefill_us,
+        idle=idle,
     )
     engines: list[TimedEngine] = []
 
@@ -202,6 +206,7 @@ def measure_connector(
             busy_us=busy_us,
             gather_mib=gather_mib,
             progress_us=progress_us,
+            idle_ms=idle.idle_progress_ms,
         ),
         shape.model(),
         engine_factory=factory,  # type: ignore[arg-type]
@@ -228,6 +233,8 @@ def measure_connector(
         t0 = time.perf_counter()
         load(decode, spec)
         took = time.perf_counter() - t0
+        if idle.engine_idle:  # its engine steps again, to report the send's end
+            child.command(cmd="finish", request_id=rid)
         # Done reached prefill (its blocks are restored) - untimed
         sent = child.wait("sent")
         child_posted[:] = [sent["descriptors_posted"], sent["rows_posted"]]
