@@ -4,7 +4,8 @@ Per transfer mode, one trio of servers started together: prefill, decode (prefil
 blocks larger than decode's, so decode stages and splits them) and a plain reference
 server with decode's block size. Nothing is sent before the tests: the first test is
 the first request each server ever sees (see docs/handover.md for why this used to take
-16-30 s, and what fixed it).
+16-30 s, and what fixed it): the trios are the module's own, never servers another module
+left in the session's pool (``tests/integration/vllm_pool.py``).
 
     pull    tiny-llama   prefill 64 -> decode 32
     push    tiny-gemma3  prefill 96 -> decode 64 (full + sliding-window groups)
@@ -39,9 +40,10 @@ import pytest
 
 from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
 from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.procs import Service
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta, kvbridge_deltas, scrape
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from kvbridge.examples.vllm.servers import ServerSpec
+from tests.integration.vllm_pool import ServerPool
 from tests.verified_loads import verify_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -122,8 +124,12 @@ def _extra(mode: str | None, role: str) -> dict | None:
     return {"extra": extra} if extra else None
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
-def trio(request, tmp_path_factory) -> Iterator[Trio]:
+# push first: the pull trio, started last, is what test_vllm_router.py (run right after
+# this module, tests/integration/conftest.py) takes over from the session's pool
+@pytest.fixture(scope="module", params=["push", "pull"])
+def trio(request, vllm_pool: ServerPool, tmp_path_factory) -> Iterator[Trio]:
+    """Servers of their own, started anew (``fresh``): the first test times each one's
+    first request. Handed back to the pool afterwards, warm."""
     mode = request.param
     model, prefill_block, decode_block = MODES[mode]
     model_dir = ensure_model(model)
@@ -133,12 +139,10 @@ def trio(request, tmp_path_factory) -> Iterator[Trio]:
         _spec("decode", model_dir, decode_block, mode, "decode"),
         _spec("reference", model_dir, decode_block, None, None),
     ]
-    servers = [vllm_service(s, logs, slot=i) for i, s in enumerate(specs)]
-    try:
-        start_all(servers, timeout_s=900)
-        yield Trio(mode, model_dir.name, *servers)
-    finally:
-        stop_all(servers)
+    with vllm_pool.serving(specs, logs, fresh=True) as running:
+        yield Trio(
+            mode, model_dir.name, running["prefill"], running["decode"], running["reference"]
+        )
 
 
 def _assert_same(reference: Completion, got: Completion) -> None:

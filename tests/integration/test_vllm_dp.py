@@ -34,9 +34,9 @@ DP = 2
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     specs = [spec("P", data_parallel_size=DP, fixed_kv_port=True), spec("D")]
-    with serving(specs, tmp_path_factory.mktemp("vllm-dp-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-dp-logs")) as running:
         yield running
 
 

@@ -33,12 +33,12 @@ BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 1  # tiny-llama: layers x K,V x kv heads x he
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     specs = [
         spec(name, extra_args=("--kv-cache-dtype", dtype))
         for name, dtype in (("E4a", "fp8"), ("E4b", "fp8"), ("E5", "fp8_e5m2"))
     ]
-    with serving(specs, tmp_path_factory.mktemp("vllm-fp8-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-fp8-logs")) as running:
         yield running
 
 

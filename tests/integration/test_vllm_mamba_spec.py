@@ -45,9 +45,9 @@ STATE_BYTES = 2 * ((3 + NGRAM["num_speculative_tokens"]) * 288 + 4 * 64 * 16) * 
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     specs = [spec(n, model=MODEL, block_size=BLOCK, extra_args=ARGS) for n in ("K1", "K2")]
-    with serving(specs, tmp_path_factory.mktemp("vllm-mamba-spec-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-mamba-spec-logs")) as running:
         yield running
 
 

@@ -35,11 +35,11 @@ MODEL = "tiny-mimo"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     speculative = {"method": "mtp", "num_speculative_tokens": 1}
     args = ("--speculative-config", json.dumps(speculative))
     specs = [spec(name, model=MODEL, extra_args=args) for name in ("M1", "M2")]
-    with serving(specs, tmp_path_factory.mktemp("vllm-mtp-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-mtp-logs")) as running:
         yield running
 
 

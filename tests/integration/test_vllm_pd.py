@@ -1,6 +1,8 @@
 """kvbridge inside real vLLM API servers: P/D output equals a single server.
 
-One set of servers serves the whole module (starting vLLM costs a minute or more):
+One set of servers serves the whole module (starting vLLM costs a minute or more). They are
+the module's own, not the session's pool's (``tests/integration/vllm_pool.py``): its last
+tests freeze and kill servers, and no other module serves these configurations:
 
     L32a L32b L128a L128b   tiny-llama, block sizes 32 and 128, kv_both, policy recompute
     L96a                    tiny-llama, block size 96 (96 and 128: neither divides the other)

@@ -51,13 +51,13 @@ SEEDS = {pair: 7100 + i for i, pair in enumerate(PAIRS)}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     specs = [
         spec("A", fixed_kv_port=True, **PP_SERVER),
         spec("B", env={"VLLM_PP_LAYER_PARTITION": "1,3"}, **PP_SERVER),
         spec("C"),
     ]
-    with serving(specs, tmp_path_factory.mktemp("vllm-pp-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-pp-logs")) as running:
         yield running
 
 

@@ -8,13 +8,17 @@ every prompt token but the last from prefill (vLLM's own count of external promp
                                                   staging slots
     ref    block 32, no connector                 the reference
 
-At most three vLLM servers run at once (the reference, and one pair at a time); push is
-opt-in (``KVBRIDGE_VLLM_ROUTER_PUSH=1``: two more servers). The servers are launched by
-``kvbridge.examples.vllm.servers``, the router by ``kvbridge.examples.router``.
+The reference and the pull pair are asked for together from the session's pool
+(``tests/integration/vllm_pool.py``): they have the configurations of
+``test_vllm_cold_start.py``'s pull trio, which runs just before and hands them over warm.
+Push is opt-in (``KVBRIDGE_VLLM_ROUTER_PUSH=1``: two more servers, five at once). The
+servers are launched by ``kvbridge.examples.vllm.servers``, the router by
+``kvbridge.examples.router``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -28,9 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbridge.examples.router import start_router
 from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
 from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, http_get, start_all, stop_all
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
-from tests.verified_loads import verifying
+from kvbridge.examples.vllm.procs import Service, http_get
+from kvbridge.examples.vllm.servers import ServerSpec
+from tests.integration.vllm_pool import ServerPool
+from tests.verified_loads import verify_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -41,10 +46,14 @@ MODES = {"pull": (64, 32), "push": (128, 32)}
 
 
 def _spec(name: str, model: Path, block: int, role: str | None, mode: str = "pull") -> ServerSpec:
-    kv_extra = {"extra": {"transfer_mode": mode}}
+    """A server as test_vllm_cold_start.py's builds it (pull: the same configurations, so
+    the session's pool hands its warm pull trio over): pull is kvbridge's default mode,
+    decode verifies every load (tests/verified_loads.py), a failed load recomputes (the
+    test counts decode's loads: one recomputed fails it as an error would)."""
+    extra = {"transfer_mode": mode} if mode == "push" else {}
     if role == "decode":
-        kv_extra = verifying(kv_extra)  # every load proves its bytes (tests/verified_loads.py)
-    kv = {"kv_extra": kv_extra, "failure_policy": "fail"}
+        extra = verify_all(extra)
+    kv = {"kv_extra": {"extra": extra} if extra else None, "failure_policy": "recompute"}
     return ServerSpec(
         name,
         model,
@@ -61,13 +70,21 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory) -> Iterator[Service]:
-    ref = vllm_service(_spec("ref", model, 32, None), tmp_path_factory.mktemp("vllm-ref"))
-    try:
-        start_all([ref], timeout_s=600)
-        yield ref
-    finally:
-        stop_all([ref])
+def servers(vllm_pool: ServerPool, model, tmp_path_factory) -> Iterator[dict[str, Service]]:
+    """The reference and the pull pair, asked for together (the pool stops the idle
+    servers its first request does not take)."""
+    specs = [
+        _spec("ref", model, 32, None),
+        _spec("prefill-pull", model, 64, "prefill"),
+        _spec("decode-pull", model, 32, "decode"),
+    ]
+    with vllm_pool.serving(specs, tmp_path_factory.mktemp("vllm-router"), timeout_s=600) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(servers) -> Service:
+    return servers["ref"]
 
 
 # push needs a second pair of servers (a minute or more each on CPU): opt-in, like the TP
@@ -78,27 +95,34 @@ PUSH = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["pull", pytest.param("push", marks=PUSH)])
-def pair(request, model, reference, tmp_path_factory) -> Iterator[dict]:
-    mode = request.param
-    p_block, d_block = MODES[mode]
-    logs = tmp_path_factory.mktemp(f"vllm-router-{mode}")
-    servers = [
-        vllm_service(_spec(f"prefill-{mode}", model, p_block, "prefill", mode), logs, slot=1),
-        vllm_service(_spec(f"decode-{mode}", model, d_block, "decode", mode), logs, slot=2),
+@contextlib.contextmanager
+def _push_pair(pool: ServerPool, model: Path, logs: Path) -> Iterator[list[Service]]:
+    p_block, d_block = MODES["push"]
+    specs = [
+        _spec("prefill-push", model, p_block, "prefill", "push"),
+        _spec("decode-push", model, d_block, "decode", "push"),
     ]
-    router = None
-    try:
-        start_all(servers, timeout_s=600)
+    with pool.serving(specs, logs, timeout_s=600, first_slot=1) as running:
+        yield [running["prefill-push"], running["decode-push"]]
+
+
+@pytest.fixture(scope="module", params=["pull", pytest.param("push", marks=PUSH)])
+def pair(request, vllm_pool, model, servers, tmp_path_factory) -> Iterator[dict]:
+    mode = request.param
+    logs = tmp_path_factory.mktemp(f"vllm-router-{mode}")
+    with contextlib.ExitStack() as stack:
+        if mode == "pull":
+            prefill, decode = servers["prefill-pull"], servers["decode-pull"]
+        else:
+            prefill, decode = stack.enter_context(_push_pair(vllm_pool, model, logs))
         router, port, _ = start_router(
-            [servers[0].url], [servers[1].url], startup_timeout_s=60, log=logs / "router.log"
+            [prefill.url], [decode.url], startup_timeout_s=60, log=logs / "router.log"
         )
-        yield {"url": f"http://127.0.0.1:{port}", "decode": servers[1], "mode": mode}
-    finally:
-        if router is not None:
+        try:
+            yield {"url": f"http://127.0.0.1:{port}", "decode": decode, "mode": mode}
+        finally:
             router.terminate()
             router.wait(timeout=10)
-        stop_all(servers)
 
 
 def _counts(service: Service) -> dict[str, float]:

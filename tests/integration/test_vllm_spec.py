@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     speculative = {
         "method": "eagle",
         "model": str(ensure_model("tiny-eagle")),
@@ -41,7 +41,7 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
     }
     args = ("--speculative-config", json.dumps(speculative))
     specs = [spec(name, extra_args=args) for name in ("S1", "S2")]
-    with serving(specs, tmp_path_factory.mktemp("vllm-spec-logs")) as running:
+    with serving(vllm_pool, specs, tmp_path_factory.mktemp("vllm-spec-logs")) as running:
         yield running
 
 

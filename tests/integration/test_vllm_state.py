@@ -27,11 +27,12 @@ import pytest
 
 from kvbridge.examples.vllm.client import Completion, compare, complete, make_prompts
 from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.procs import Service
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.scraped_metrics import scrape
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service
+from kvbridge.examples.vllm.servers import ServerSpec
+from tests.integration.vllm_pool import ServerPool
 from tests.verified_loads import verifying
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -63,7 +64,7 @@ def _spec(name: str, block_size: int, mode: str, prefix_caching: bool = False) -
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
+def servers(vllm_pool: ServerPool, tmp_path_factory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("vllm-state-logs")
     specs = [
         _spec("S64", 64, "pull"),
@@ -72,12 +73,8 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Service]]:
         _spec("Q128", 128, "push"),
         _spec("A128", 128, "pull", prefix_caching=True),
     ]
-    running = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
-    try:
-        start_all(list(running.values()), timeout_s=900)
+    with vllm_pool.serving(specs, logs) as running:
         yield running
-    finally:
-        stop_all(list(running.values()))
 
 
 def _run(server: Service, prompt: list[int], **extra) -> Completion:

@@ -2,7 +2,8 @@
 
 Real weights on disk (``kvbridge.examples.vllm.models``), so a TP-2 server serves the same model as
 a TP-1 server and P/D output must equal a TP-1 server computing the prompt itself. The module's
-own servers (they start after ``test_vllm_pd.py``'s are torn down):
+own servers, not the session's pool's (``tests/integration/vllm_pool.py``): cores pinned by
+hand, a small cache and a warm-up that no other module's servers have:
 
     P128   tiny-llama, TP 1, block 128, kv_both, one core (prefill, and the reference)
     T32    tiny-llama, TP 2, block 32, kv_both, one core per rank

@@ -1,6 +1,8 @@
 """Small sets of kv_both vLLM servers (tiny-llama, block 32, pull, every load verified) for
 the modules that each serve one vLLM configuration: fp8 caches, speculative decoding,
-data parallelism. Each module starts its own set once (:func:`serving`)."""
+data parallelism. Each module asks the session's pool for its set once (:func:`serving`);
+a server of a configuration the module before handed back is taken over
+(:mod:`tests.integration.vllm_pool`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from pathlib import Path
 
 from kvbridge.examples.vllm.client import Completion, compare, complete
 from kvbridge.examples.vllm.models import ensure_model
-from kvbridge.examples.vllm.procs import Service, start_all, stop_all
+from kvbridge.examples.vllm.procs import Service
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_delta as _delta
 from kvbridge.examples.vllm.scraped_metrics import kvbridge_deltas as _deltas
 from kvbridge.examples.vllm.scraped_metrics import scrape
-from kvbridge.examples.vllm.servers import ServerSpec, vllm_service, with_engine_nice
+from kvbridge.examples.vllm.servers import ServerSpec, with_engine_nice
+from tests.integration.vllm_pool import ServerPool
 from tests.verified_loads import verifying
 
 MODEL = "tiny-llama"
@@ -49,8 +52,9 @@ def spec(name: str, model: str = MODEL, **fields: object) -> ServerSpec:
 
 
 @contextlib.contextmanager
-def serving(specs: list[ServerSpec], logs: Path) -> Iterator[dict[str, Service]]:
-    """The servers of ``specs``, started together, by name; stopped on exit.
+def serving(pool: ServerPool, specs: list[ServerSpec], logs: Path) -> Iterator[dict[str, Service]]:
+    """The servers of ``specs`` by name, from ``pool``: those it holds idle with the same
+    configuration, the others started together; handed back to ``pool`` on exit.
 
     When their workers (one busy-waiting engine thread each) outnumber the cores, every
     server lowers its engine threads (``extra.engine_thread_nice``, as the docs tell such a
@@ -63,12 +67,8 @@ def serving(specs: list[ServerSpec], logs: Path) -> Iterator[dict[str, Service]]
         dataclasses.replace(s, kv_extra=with_engine_nice(s.kv_extra, s.connector or "", busy))
         for s in specs
     ]
-    services = {s.name: vllm_service(s, logs, slot=i) for i, s in enumerate(specs)}
-    try:
-        start_all(list(services.values()), timeout_s=START_TIMEOUT_S)
+    with pool.serving(specs, logs, timeout_s=START_TIMEOUT_S) as services:
         yield services
-    finally:
-        stop_all(list(services.values()))
 
 
 def run(
