@@ -65,6 +65,7 @@ from kvbridge.connector.transfer.registrations import (
 )
 from kvbridge.connector.transfer.transport import (
     DescList,
+    PostFailedError,
     XferHandle,
     XferOp,
     XferState,
@@ -344,12 +345,17 @@ class NixlTransferEngine:
             with self._watch(remote.peer), nixl_call(f"{what}: post {handle!r}"):
                 status = agent.transfer(native)
             handle._done = to_state(status, f"{what}: post {handle!r}") is XferState.DONE
-        except TransferError:
-            # The caller never sees this handle, so it is ours to free; the post's error
-            # is the one worth raising, a second one from the release is not.
+        except TransferError as exc:
+            # NIXL says nothing more of this handle (its status stays the error), so it
+            # is released here; the post's error is the one worth raising, a second one
+            # from the release is not. What NIXL issued before the failure may still run
+            # (PostFailedError): the caller holds the memory until release_if_ended says
+            # the handle ended. A disconnect needs no handle: the peer is gone (_watch).
             with contextlib.suppress(TransferError):
                 self.release(handle)
-            raise
+            if isinstance(exc, PeerDisconnectedError):
+                raise
+            raise PostFailedError(str(exc), handle) from exc
         self._num_descriptors_posted += handle.num_descs
         self._num_rows_posted += handle.num_rows
         self._bytes_posted += handle.num_bytes

@@ -143,6 +143,21 @@ class XferHandle:
         )
 
 
+class PostFailedError(TransferError):
+    """NIXL failed a READ or WRITE after it may have issued part of it: ``handle`` is that
+    transfer, released. NIXL's UCX backend issues a request per descriptor and keeps only
+    the last one (``nixlUcxEngine::sendXferRange``, src/plugins/ucx/ucx_backend.cpp,
+    frees each earlier request without cancelling it), so when a later descriptor, the
+    flush or the notification fails, the post returns the error while the operations
+    issued before it still run. Hold the memory the transfer names as for any transfer
+    that may run: ``release_if_ended(engine, handle)`` says when it can no longer land
+    (its peer confirmed gone)."""
+
+    def __init__(self, message: str, handle: XferHandle) -> None:
+        super().__init__(message)
+        self.handle = handle
+
+
 class TransferEngine(Protocol):
     """Moves registered bytes between this process and its peers.
 
@@ -237,7 +252,9 @@ class TransferEngine(Protocol):
         may be posted as one descriptor (``handle.num_descs`` counts what was posted).
         Raises ``DescriptorError`` (before posting) for unequal or empty index arrays,
         indices out of bounds, paired descriptors of different lengths, or released
-        lists; ``PeerDisconnectedError`` if the peer is gone.
+        lists; ``PeerDisconnectedError`` if the peer is gone; ``PostFailedError``, with
+        the released handle, when NIXL failed the post after it may have issued part of
+        it (hold what it names until ``release_if_ended`` says it ended).
         """
         ...
 
@@ -285,16 +302,27 @@ class TransferEngine(Protocol):
 
 def release_if_ended(engine: TransferEngine, handle: XferHandle) -> bool:
     """True (and the handle released) once nothing of the transfer can still land: NIXL
-    reports it done or failed, or it was released (by ``remove_peer``) and its peer is
-    confirmed gone (``peer_gone``: a dead process sends nothing more). False: it may
-    still run, and releasing it did not stop it: a handle released while its peer was
-    merely unreachable stays "running" until that peer is confirmed gone."""
+    reports it done, or it failed or was released and its peer is confirmed gone
+    (``peer_gone``: a dead process sends nothing more). False: it may still run.
+
+    A failure alone is not an end. NIXL 1.5's UCX backend reports a handle failed as soon
+    as one of its UCX requests did, without waiting for the others: ``status()`` of
+    ``nixlUcxBackendReqH`` (src/plugins/ucx/ucx_backend.cpp) returns the last request's
+    error before it looks at the rest, and an error outranks a request still in
+    progress. From then on ``nixlAgent::getXferStatus`` (src/core/nixl_agent.cpp)
+    repeats that error without asking the backend (and answers "not found" without
+    asking it at all once the peer's metadata was dropped or replaced), and releasing
+    cancels what is left (``nixlUcxBackendReqH::release``), which UCX does not do for a
+    GET or PUT already issued. So no NIXL call says when the rest ended: a failed handle
+    is released and counts as running until its peer is confirmed gone. A disconnect,
+    the usual failure, confirms that in the same poll."""
     if handle.released:
         return engine.peer_gone(handle.peer)
     try:
         state = engine.poll(handle)
     except TransferError:
-        state = XferState.DONE  # failed: it ended, nothing more lands
+        engine.release(handle)
+        return engine.peer_gone(handle.peer)
     if state is XferState.PENDING:
         return False
     engine.release(handle)
