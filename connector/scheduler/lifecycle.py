@@ -78,7 +78,9 @@ LOAD_TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     _LS.ALLOCATED: frozenset({_LS.LOADING, _LS.ABORTED}),
     _LS.RELEASING: frozenset({_LS.RELEASED, _LS.RECOMPUTED, _LS.FAILED}),  # refused: failed
     _LS.LOADING: frozenset({_LS.LOADED, _LS.RECOMPUTED, _LS.FAILED, _LS.ABORTING}),
-    _LS.ABORTING: frozenset({_LS.ABORTED, _LS.FAILED}),  # failed: the engine was told early
+    # failed: the engine was told early, or a rank reported the load's own failure before
+    # our abort went out to it (vLLM ends a failed request with an abort: loads.py)
+    _LS.ABORTING: frozenset({_LS.ABORTED, _LS.FAILED}),
     _LS.LOADED: frozenset(),
     _LS.RECOMPUTED: frozenset(),
     _LS.FAILED: frozenset(),
