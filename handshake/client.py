@@ -91,6 +91,9 @@ class HandshakeClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int], WorkerDescription] = {}
+        # per key with a fetch in flight: how many, and the forgets since the first began
+        self._fetching: dict[tuple[str, int], int] = {}
+        self._forgets: dict[tuple[str, int], int] = {}
 
     def __repr__(self) -> str:
         state = "closed" if self._ctx is None else f"{len(self._cache)} cached"
@@ -99,27 +102,48 @@ class HandshakeClient:
     def get(self, engine_id: str, rank: int, host: str, port: int) -> WorkerDescription:
         """The description of ``(engine_id, rank)``: cached, or fetched from host:port.
 
+        A fetched description is what this call gets, and is cached only when nobody
+        called :meth:`forget` for the key while it was fetched: a fetch that began before
+        a peer restarted must not hand the old process's description to whoever forgot
+        it and asked again (concurrent callers, the handshake threads of one worker).
+
         Raises :class:`HandshakeError` when the peer at host:port is someone else.
         """
         key = (engine_id, rank)
         with self._lock:
             cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        description = self.fetch(host, port)
-        if (description.engine_id, description.engine_rank) != key:
-            raise HandshakeError(
-                f"peer {host}:{port} answered as engine {description.engine_id!r} rank "
-                f"{description.engine_rank}, expected engine {engine_id!r} rank {rank}; stale "
-                "side-channel address, or the port of another rank?"
-            )
-        with self._lock:
-            return self._cache.setdefault(key, description)
+            if cached is not None:
+                return cached
+            self._fetching[key] = self._fetching.get(key, 0) + 1
+            forgets = self._forgets.get(key, 0)
+        try:
+            description = self.fetch(host, port)
+            if (description.engine_id, description.engine_rank) != key:
+                raise HandshakeError(
+                    f"peer {host}:{port} answered as engine {description.engine_id!r} rank "
+                    f"{description.engine_rank}, expected engine {engine_id!r} rank {rank}; "
+                    "stale side-channel address, or the port of another rank?"
+                )
+            with self._lock:
+                if self._forgets.get(key, 0) == forgets:
+                    self._cache[key] = description
+            return description
+        finally:
+            with self._lock:
+                left = self._fetching.pop(key) - 1
+                if left:
+                    self._fetching[key] = left
+                else:
+                    self._forgets.pop(key, None)
 
     def forget(self, engine_id: str, rank: int) -> None:
-        """Drop a cached description (the peer restarted); the next get() handshakes."""
+        """Drop a cached description (the peer restarted); the next get() handshakes, and
+        a get() fetching it now does not cache what it fetched."""
+        key = (engine_id, rank)
         with self._lock:
-            self._cache.pop((engine_id, rank), None)
+            self._cache.pop(key, None)
+            if key in self._fetching:
+                self._forgets[key] = self._forgets.get(key, 0) + 1
 
     def fetch(self, host: str, port: int) -> WorkerDescription:
         """Handshake with host:port now (no cache); retries only on timeouts and busy
