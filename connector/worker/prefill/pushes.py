@@ -389,7 +389,21 @@ class Pusher:
         blocks, so what it may still carry lands in the old decode's memory, whose
         quarantine keeps those blocks until it hears the round ended or is found gone; the
         hold here must not wait for a peer that will never be polled again. ``push``'s
-        carrier that completed (not failed) delivered the round's answer."""
+        carrier that completed (not failed) delivered the round's answer.
+
+        Settled for prefill: a WRITE never writes our memory, so giving our blocks back
+        (``_forget`` unpins them; the hold's end frees them) or the gather pages while it
+        may still read them costs only the bytes it carries. Not settled for the old
+        decode: NIXL offers no way to learn that a released WRITE stopped (``release``
+        cancels, which UCX does not do for an issued PUT:
+        ``nixlUcxBackendReqH::release``, src/plugins/ucx/ucx_backend.cpp), yet the round
+        is then answered failed to the old agent (``Answers`` re-adds it from its
+        handshake), and a ``PushStatus`` from it is answered failed too (``runs``: the
+        round is forgotten). An old decode still alive then gives its blocks back while
+        the WRITE may land in them. ``on_push`` drops a decode that way on the word of a
+        Push from another agent naming its (engine id, rank): two live processes with one
+        engine id, or a Push whose ``reader_rank`` or engine id is wrong. Only a decode
+        confirmed gone (``peer_gone``) makes this safe."""
         if push is not None and handle is push.carrier and not handle.released:
             try:
                 if self._engine.poll(handle) is XferState.PENDING:
