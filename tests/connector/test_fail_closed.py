@@ -447,3 +447,30 @@ def test_a_failed_load_whose_kernels_may_still_run_is_reported_after_them(clock,
     run_until([prefill, decode], lambda: "p1" in prefill.freed, "p1 freed")
     _finish(decode, d1)
     _healthy(prefill, decode)
+
+
+def test_a_read_whose_post_failed_midway_stays_held_with_its_load(make_pair, monkeypatch):
+    """NIXL can fail a post after issuing part of it (PostFailedError carries the
+    released handle): the load fails and its blocks stay held like any READ that may
+    still run, until its peer is confirmed gone; before, the handle was dropped and the
+    blocks went back while the issued part could still land."""
+    from kvbridge.connector.transfer.transport import PostFailedError
+
+    prefill, decode = make_pair("pull")
+    engine = decode.worker._engine
+    real = engine.read
+
+    def read(*args, **kwargs):
+        handle = real(*args, **kwargs)
+        engine.release(handle)
+        raise PostFailedError("flush failed after 3 of 4 descriptors (test)", handle)
+
+    monkeypatch.setattr(engine, "read", read)
+    _requests(prefill, decode, "1")
+    receiver = decode.worker._receiver
+    run_until([prefill, decode], lambda: receiver.num_held == 1, "the failed load held")
+    for _ in range(5):
+        decode.step()
+    assert receiver.num_held == 1 and not failed(decode, "d1")  # held: its peer lives
+    [(agent, (rows, num_bytes))] = decode.worker.metrics.quarantined.items()
+    assert agent == prefill.worker.agent_name and rows > 0 and num_bytes > 0

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.transfer.transport import TransferEngine
+from kvbridge.connector.transfer.transport import PostFailedError, TransferEngine
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, Source
 from kvbridge.connector.worker.device_order import DeviceOrder, Mark
 from kvbridge.connector.worker.digests import PlanSide
@@ -144,7 +144,12 @@ class PackedReads:
                 f"{rows.num_bytes} B in {page} B pages of its {remote.num_descs if remote else 0}"
             )
         local = self._pool.local_list(0, page)
-        handle = self._engine.read(local, landing.slots, remote, np.arange(first, first + n))
+        try:
+            handle = self._engine.read(local, landing.slots, remote, np.arange(first, first + n))
+        except PostFailedError as exc:  # part of it may run: held with the landing
+            landing.handles.append(exc.handle)
+            src.handles.append(exc.handle)
+            raise
         landing.handles.append(handle)
         src.handles.append(handle)
         load.num_bytes += rows.num_bytes

@@ -57,11 +57,11 @@ from kvbridge.connector.common.notifications import (
     asked_key,
     encode_notification,
 )
-from kvbridge.connector.transfer.transport import TransferEngine, XferState
+from kvbridge.connector.transfer.transport import PostFailedError, TransferEngine, XferState
 from kvbridge.connector.worker.decode.inflight import Load, LoadState, PushEndpoint, Source
 from kvbridge.connector.worker.decode.packed_reads import PackedReads
 from kvbridge.connector.worker.peers import Peer, PeerDirectory
-from kvbridge.connector.worker.staging.staged_reads import StagedReads
+from kvbridge.connector.worker.staging.staged_reads import StageBatch, StagedReads
 from kvbridge.handshake.plan_model import GroupPlan
 from kvbridge.layouts.allocation import KVCacheBuffers
 from kvbridge.layouts.errors import KVBridgeError
@@ -130,7 +130,11 @@ class PullReads:
         stream = g.streams[i]
         local = self._peers.local_list(g, stream)
         remote = peer.remote_lists[(g.group_id, i)]
-        handle = self._engine.read(local, lrows, remote, rrows)
+        try:
+            handle = self._engine.read(local, lrows, remote, rrows)
+        except PostFailedError as exc:  # part of it may run: held like any READ posted
+            src.handles.append(exc.handle)
+            raise
         src.handles.append(handle)
         load.num_bytes += int(lrows.size) * stream.length
         self._metrics.descriptors_posted += handle.num_descs  # a merged run counts once
@@ -138,8 +142,11 @@ class PullReads:
     def _stage_next(self, load: Load, src: Source, peer: Peer | None) -> None:
         if peer is None:
             raise KVBridgeError(f"peer {src.key} went away before the read")
-        src.batch, num_bytes = self._staged.post_round(src.staged, peer.remote_lists)
-        load.num_bytes += num_bytes
+
+        def leased(batch: StageBatch) -> None:
+            src.batch = batch  # held by the source (and a failure's quarantine) from here
+
+        load.num_bytes += self._staged.post_round(src.staged, peer.remote_lists, leased)
 
 
 logger = logging.getLogger(__name__)

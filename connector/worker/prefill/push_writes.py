@@ -22,7 +22,7 @@ import numpy as np
 
 from kvbridge.connector.common.metadata import SendSpec
 from kvbridge.connector.common.notifications import GroupDigest, Push
-from kvbridge.connector.transfer.transport import TransferEngine, XferHandle
+from kvbridge.connector.transfer.transport import PostFailedError, TransferEngine, XferHandle
 from kvbridge.connector.worker.digests import PlanSide
 from kvbridge.connector.worker.packed_rows import packed_rows
 from kvbridge.connector.worker.peers import Peer, PeerDirectory, PeerKey
@@ -195,7 +195,11 @@ class RoundWrites:
             )
         remote_idx = np.arange(first, first + pages.size)
         push.num_planned = 1
-        handle = self._engine.write(self._gather.local_list(), pages, theirs, remote_idx, notif)
+        try:
+            handle = self._engine.write(self._gather.local_list(), pages, theirs, remote_idx, notif)
+        except PostFailedError as exc:  # part of it may run: the round ends after it
+            push.handles.append(exc.handle)
+            raise
         push.handles.append(handle)
         if notif:
             push.carrier = handle
@@ -216,7 +220,11 @@ class RoundWrites:
             stream = g.streams[i]
             mine = self._targets.local_list(g, stream)
             theirs = peer.remote_lists[(g.group_id, i)]
-            handle = self._engine.write(mine, writer_rows, theirs, reader_rows, notif)
+            try:
+                handle = self._engine.write(mine, writer_rows, theirs, reader_rows, notif)
+            except PostFailedError as exc:  # part of it may run: the round ends after it
+                push.handles.append(exc.handle)
+                raise
             push.handles.append(handle)
             if notif:
                 push.carrier = handle

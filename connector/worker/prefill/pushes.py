@@ -384,36 +384,40 @@ class Pusher:
             )
 
     def _ended(self, handle: XferHandle, push: PushRound | None = None) -> bool:
-        """A WRITE that cannot touch our blocks any more. One released with its decode
-        forgotten (it restarted under a new agent) counts as ended: it only *reads* our
-        blocks, so what it may still carry lands in the old decode's memory, whose
-        quarantine keeps those blocks until it hears the round ended or is found gone; the
-        hold here must not wait for a peer that will never be polled again. ``push``'s
-        carrier that completed (not failed) delivered the round's answer.
+        """A WRITE that cannot touch decode's blocks any more. ``push``'s carrier that
+        completed (not failed) delivered the round's answer. One NIXL failed, or released
+        (a post that failed midway: ``PostFailedError``), may still run: NIXL reports a
+        handle failed once one of its UCX requests did, and ``release`` does not stop an
+        issued PUT (``nixlUcxBackendReqH::status`` / ``release``,
+        src/plugins/ucx/ucx_backend.cpp); it counts as running until its decode is
+        confirmed gone (``peer_gone``) or is no longer known here at all.
 
-        Settled for prefill: a WRITE never writes our memory, so giving our blocks back
-        (``_forget`` unpins them; the hold's end frees them) or the gather pages while it
-        may still read them costs only the bytes it carries. Not settled for the old
-        decode: NIXL offers no way to learn that a released WRITE stopped (``release``
-        cancels, which UCX does not do for an issued PUT:
-        ``nixlUcxBackendReqH::release``, src/plugins/ucx/ucx_backend.cpp), yet the round
-        is then answered failed to the old agent (``Answers`` re-adds it from its
-        handshake), and a ``PushStatus`` from it is answered failed too (``runs``: the
-        round is forgotten). An old decode still alive then gives its blocks back while
-        the WRITE may land in them. ``on_push`` drops a decode that way on the word of a
-        Push from another agent naming its (engine id, rank): two live processes with one
-        engine id, or a Push whose ``reader_rank`` or engine id is wrong. Only a decode
-        confirmed gone (``peer_gone``) makes this safe."""
+        That last case (decode forgotten: it restarted under a new agent, ``on_push``)
+        counts as ended because the hold here must not wait for a peer never polled
+        again. For prefill it is safe: a WRITE never writes our memory, so giving our
+        blocks or gather pages back costs only the bytes it carries. For the old decode
+        it is not settled: the round is then answered failed to the old agent, and a
+        ``PushStatus`` from it too (``runs``); an old decode still alive (two processes
+        with one engine id, or a Push naming a wrong ``reader_rank``) would give its
+        blocks back while the WRITE may land in them."""
         if push is not None and handle is push.carrier and not handle.released:
             try:
                 if self._engine.poll(handle) is XferState.PENDING:
                     return False
                 push.delivered = True
-            except TransferError:
-                pass  # failed: no completion notification, the answer is ours to send
+            except TransferError:  # failed: the answer is ours to send, once it ended
+                self._engine.release(handle)
+                return self._released_ended(handle)
             self._engine.release(handle)
             return True
-        return handle.released or release_if_ended(self._engine, handle)
+        if handle.released:
+            return self._released_ended(handle)
+        return release_if_ended(self._engine, handle)
+
+    def _released_ended(self, handle: XferHandle) -> bool:
+        """A released WRITE (see :meth:`_ended`) ended: its decode is confirmed gone, or
+        forgotten here."""
+        return self._engine.peer_gone(handle.peer) or self._targets.with_agent(handle.peer) is None
 
     def _forget(self, push: PushRound) -> None:
         """The round is over here (no WRITE of it runs any more): unpin the blocks."""

@@ -11,7 +11,7 @@ back. A load moves in rounds of as many slots as are free.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +19,12 @@ import numpy as np
 import torch
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
-from kvbridge.connector.transfer.transport import DescList, TransferEngine, XferHandle
+from kvbridge.connector.transfer.transport import (
+    DescList,
+    PostFailedError,
+    TransferEngine,
+    XferHandle,
+)
 from kvbridge.connector.worker.device_order import DeviceOrder
 from kvbridge.connector.worker.staging.arenas import StagingPool, StagingPools, slot_offsets
 from kvbridge.handshake.plan_model import GroupPlan
@@ -129,25 +134,35 @@ class StagedReads:
         return StageBatch(staged=staged, remote_blocks=blocks, pool=pool, slots=slots)
 
     def post_round(
-        self, queue: list[Staged], remote_lists: Mapping[tuple[int, int], DescList]
-    ) -> tuple[StageBatch | None, int]:
+        self,
+        queue: list[Staged],
+        remote_lists: Mapping[tuple[int, int], DescList],
+        leased: Callable[[StageBatch], None],
+    ) -> int:
         """Read the next remote pages of ``queue[0]`` into as many slots as are free (none
-        free: None, wait for another load's round), from the peer's prepared lists
-        (``remote_lists``, by group and stream). Returns the round and its bytes."""
+        free: 0 bytes, wait for another load's round), from the peer's prepared lists
+        (``remote_lists``, by group and stream). ``leased(batch)`` gets the round before
+        its first READ is posted, so that whoever holds it holds the slots and every READ
+        posted, also when a later post raises. Returns the round's bytes."""
         batch = self.lease_round(queue)
         if batch is None:
-            return None, 0
+            return 0
+        leased(batch)
         staged, g = batch.staged, batch.staged.group
         rrows = staged.remote_ids[batch.remote_blocks - staged.remote_first]
         num_bytes = 0
         for i, (stream, offset) in enumerate(zip(g.streams, slot_offsets(g), strict=True)):
             local = batch.pool.local_list(offset, stream.length)
             remote = remote_lists[(g.group_id, i)]
-            handle = self._engine.read(local, batch.slots, remote, rrows)
+            try:
+                handle = self._engine.read(local, batch.slots, remote, rrows)
+            except PostFailedError as exc:  # part of it may run: held with the round
+                batch.handles.append(exc.handle)
+                raise
             batch.handles.append(handle)
             num_bytes += int(batch.slots.size) * stream.length
             self._metrics.descriptors_posted += handle.num_descs
-        return batch, num_bytes
+        return num_bytes
 
     def split(self, batch: StageBatch, sums: StagedSums | None = None) -> None:
         """A round arrived: the engine writes its tokens into local blocks; slots return.
