@@ -3,12 +3,16 @@
 - the ``gpu`` tier is skipped on a machine without CUDA;
 - a test module that imports vLLM is skipped, with the reason, where vLLM is not installed
   (a GPU host running ``scripts/gpu_check.sh`` without vLLM is the usual case), instead of
-  failing the collection of the whole run.
+  failing the collection of the whole run;
+- the quick tier: a test is marked ``slow`` when it carries one of the ini option
+  ``slow_markers`` or lives under one of ``slow_modules`` (both in pyproject.toml's
+  ``[tool.pytest.ini_options]``); ``bash scripts/test.sh quick`` runs ``-m "not slow"``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,37 @@ import torch
 VLLM_MISSING = "needs vLLM, which is not installed here (pip install -e '.[vllm]')"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("slow_markers", "markers whose tests the quick tier leaves out", "args", [])
+    parser.addini("slow_modules", "test files or folders the quick tier leaves out", "args", [])
+
+
+def slow_paths(config: pytest.Config) -> list[Path]:
+    """``slow_modules``, resolved against the rootdir; one that does not exist is refused
+    by name (a file renamed would otherwise slip into the quick tier unnoticed)."""
+    paths = [config.rootpath / p for p in config.getini("slow_modules")]
+    missing = [str(p.relative_to(config.rootpath)) for p in paths if not p.exists()]
+    if missing:
+        raise pytest.UsageError(
+            f"slow_modules in [tool.pytest.ini_options] names {missing}, which do not "
+            "exist: rename or remove them there"
+        )
+    return paths
+
+
+def _mark_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
+    markers = set(config.getini("slow_markers"))
+    paths = slow_paths(config)
+    for item in items:
+        if any(item.get_closest_marker(m) is not None for m in markers) or any(
+            item.path == p or p in item.path.parents for p in paths
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_slow(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu tier: no CUDA device here (scripts/gpu_check.sh)")
