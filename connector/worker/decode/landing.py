@@ -233,23 +233,23 @@ class Landing:
         check_layers_covered(load, self._buffers)
         if self._stage is not None:
             for group_id, ids in load.touched.items():
+                load.kernels = True  # before the call: one that raises may have queued some
                 self._stage.to_device(group_id, ids)
-                load.kernels = True
         for g in groups:
             ids = load.touched.get(g.group_id)
             if ids is None:
                 continue
             if g.receiver:
+                load.kernels = True
                 stats = rewrite_group(
                     self._buffers, g.group_id, ids, g.receiver.src, g.receiver.dst
                 )
                 self._metrics.receiver_rewrites += stats.num_blocks
-                load.kernels = True
             if g.repack_from:
                 assert self._repacker is not None  # negotiation needs one for repacks
+                load.kernels = True
                 self._repacker.merge(g.group_id, ids, g.repack_from)
                 self._metrics.receiver_rewrites += int(ids.size)
-                load.kernels = True
         if load.kernels:  # NIXL's own writes are complete when it reports a READ done
             return self._order.mark("load complete")
         return None

@@ -162,8 +162,10 @@ class PackedReads:
         here: on a GPU by a mark that :meth:`drain` looks at."""
         landing, rows = src.landing, src.packed
         assert landing is not None and rows is not None
+        # before the call (one that raises may have queued some): the load is reported,
+        # landed or failed, once a mark after these completed
+        load.kernels = True
         scatter(rows, self._units, self._pool.run_bytes(landing.slots)[: rows.num_bytes])
-        load.kernels = True  # the load is reported once its mark (after these) completed
         self._metrics.packed_loads += 1
         self._release(src)
         self._draining.append((self._order.mark("packed scatter"), landing))

@@ -111,8 +111,8 @@ class PullReads:
         batch = src.batch
         if batch and all(self._engine.poll(h) is XferState.DONE for h in batch.handles):
             src.batch = None
+            load.kernels = True  # before the call: one that raises may have queued some
             self._staged.split(batch, src.staged_sums if load.verify else None)
-            load.kernels = True
         if src.batch is None and src.staged:
             self._stage_next(load, src, peer)
         return not (pending or src.batch or src.staged)
@@ -303,8 +303,8 @@ class PushRounds:
         if msg.round == 0 and load.verify:
             src.digests = list(msg.digests)  # [] when prefill digested no group
         if batch is not None:
+            load.kernels = True  # before the call: one that raises may have queued some
             self._staged.split(batch, src.staged_sums if load.verify else None)
-            load.kernels = True
         src.round += 1
         if src.staged:
             self.next_round(load, src, peer)
