@@ -47,7 +47,7 @@ from kvbridge.connector.worker.outbox import Outbox
 from kvbridge.connector.worker.peer_health import merged
 from kvbridge.connector.worker.peer_setup import PeerSetup
 from kvbridge.connector.worker.peers import PeerDirectory
-from kvbridge.connector.worker.prefill.pushes import Pusher
+from kvbridge.connector.worker.prefill.pushes import POSTED_WAIT_S, Pusher
 from kvbridge.connector.worker.prefill.sender import Sender
 from kvbridge.connector.worker.routing import Router
 from kvbridge.connector.worker.side_channel import SideChannel
@@ -336,7 +336,16 @@ class KVBridgeWorker:
                 answered += run("round: replies", inbox.send_replies) or 0
             if answered and self._notifs_progress:  # their READs come now: over TCP a
                 run("round: notifications", inbox.handle_notifications)  # GET moves with us
+            if self._pusher is not None:  # last: the rest of the round let its WRITEs move
+                self._poll_posted(self._pusher, step)
             return True
+
+    def _poll_posted(self, pusher: Pusher, step: bool) -> None:
+        """The WRITEs this round posted, polled once more; in the progress thread's round
+        (``step=False``) until done, for at most ``POSTED_WAIT_S``, so their push is
+        answered in it (never in the engine's step: that wait would be the engine's)."""
+        wait_s = 0.0 if step else POSTED_WAIT_S
+        self._boundary.run("round: posted pushes", lambda: pusher.poll_posted(wait_s))
 
     @engine_call
     def wait_for_save(self) -> None:
@@ -445,8 +454,6 @@ class KVBridgeWorker:
         run("round: loads", receiver.step)
         run("round: outbox", outbox.flush)
         answered += run("round: replies", inbox.send_replies) or 0
-        if pusher is not None:  # last: the rest of the round let its WRITEs progress
-            run("round: posted pushes", pusher.poll_posted)
         directories = [d for d in (self._peers, self._targets) if d is not None]
         self.metrics.handshakes = sum(d.handshakes for d in directories)
         self.metrics.handshake_failures = sum(d.failures for d in directories)

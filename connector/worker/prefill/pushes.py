@@ -70,6 +70,9 @@ from kvbridge.connector.worker.prefill.sender import Sender
 logger = logging.getLogger(__name__)
 
 MAX_PUSHES = 4096  # pushes waiting or writing at once; more are refused by name
+# how long the progress thread's round polls the WRITEs it posted before it ends: over
+# TCP a WRITE completes a round trip (decode's acknowledgement) after its post
+POSTED_WAIT_S = 0.0002
 
 
 class Pusher:
@@ -214,25 +217,38 @@ class Pusher:
             else:
                 self._fail(push, reason)
 
-    def poll_posted(self) -> None:
+    def poll_posted(self, wait_s: float = 0.0) -> None:
         """At the end of a progress round: poll the WRITEs this round posted once more,
         and answer the rounds they finished. The rest of the round gave UCX time to
         complete them (the PUT, the flush decode acknowledged); this poll lets UCX send
         the completion (a carried answer) and answers a finished round now rather than a
-        round later. One poll each, never a wait."""
+        round later. ``wait_s`` > 0 (the progress thread's rounds, never the engine's
+        step): the ones still writing are polled again, the GIL let go between polls,
+        for at most that long: over TCP a WRITE completes on decode's acknowledgement,
+        a round trip after the post, and the next round would come only after the busy
+        interval, the share cap and a wake-up of the thread (see ``docs/performance.md``,
+        the handover's tax)."""
         if not self._posted:
             return
         posted, self._posted = self._posted, []
-        now = self._clock()
-        for push in posted:
-            if self._pushes.get((push.msg.request_id, push.agent)) is push:
-                if push.state is PushState.WRITING:
-                    self._boundary.run(
-                        "push round",
-                        lambda p=push: self._poll(p, now),  # type: ignore[misc]
-                        lambda reason, p=push: self._fail_unless_ending(p, reason),  # type: ignore[misc]
-                    )
-        self._answers.flush()
+        until = time.perf_counter() + wait_s
+        while posted := [p for p in posted if self._writing(p)]:
+            now = self._clock()
+            for push in posted:
+                self._boundary.run(
+                    "push round",
+                    lambda p=push, t=now: self._poll(p, t),  # type: ignore[misc]
+                    lambda reason, p=push: self._fail_unless_ending(p, reason),  # type: ignore[misc]
+                )
+            self._answers.flush()
+            if time.perf_counter() >= until:
+                return
+            time.sleep(0)  # let the engine's thread have the GIL between polls
+
+    def _writing(self, push: PushRound) -> bool:
+        """``push`` is still this worker's round, its WRITEs still running."""
+        current = self._pushes.get((push.msg.request_id, push.agent)) is push
+        return current and push.state is PushState.WRITING
 
     def close(self) -> None:
         """Shutdown: answer the pushes none of whose WRITEs can still run; the others
