@@ -73,6 +73,7 @@ class LocalSendFailures:
     def __init__(self, inner: TransferEngine) -> None:
         self.inner = inner
         self.fail_next = 0
+        self.garble_next = 0  # ... or arrive unreadable (cut in half): the peer drops them
         self.removed: list[str] = []
 
     def __getattr__(self, name: str) -> object:
@@ -82,6 +83,9 @@ class LocalSendFailures:
         if self.fail_next:
             self.fail_next -= 1
             raise TransferError(f"send_notif to {peer!r}: refused here (test)")
+        if self.garble_next:
+            self.garble_next -= 1
+            msg = msg[: len(msg) // 2]
         self.inner.send_notif(peer, msg)
 
     def remove_peer(self, peer: str) -> None:
@@ -271,6 +275,12 @@ class Pair:
         """The next ``n`` notifications of engine ``side`` (0: prefill) fail locally."""
         self.engines[side].transport.fail_next = n
 
+    def garble_sends(self, side: int, n: int) -> None:
+        """The next ``n`` notifications of engine ``side`` (0: prefill) arrive unreadable:
+        a claim, answer, Push, Done or heartbeat lost on the way (asked again, or its
+        unit fails; nothing stays held)."""
+        self.engines[side].transport.garble_next = n
+
     def abort_decode(self, j: int) -> None:
         rid = f"d{j}"
         if rid not in self.loads or rid in self.finished or rid in self.outcome:
@@ -384,6 +394,7 @@ OPS = st.lists(
         st.tuples(st.just("abort_prefill"), st.integers(0, MAX_REQUESTS - 1)),
         st.tuples(st.just("finish_decode"), st.integers(0, MAX_LOADS - 1)),
         st.tuples(st.just("fail_sends"), st.integers(0, NUM_DECODES), st.sampled_from([1, 3])),
+        st.tuples(st.just("garble_sends"), st.integers(0, NUM_DECODES), st.sampled_from([1, 3])),
     ),
     min_size=4,
     max_size=40,
@@ -501,6 +512,22 @@ def _make_pair(mode: str, async_sched: bool, formats: str = "same") -> Iterator[
         ("admit", 1),
         ("fail_sends", 0, 3),
         ("settle",),
+        ("land", 1),
+        ("settle",),
+    ],
+    async_sched=False,
+)
+# messages lost on the way, both directions: claims and Pushes, answers and Dones
+@example(
+    ops=[
+        ("garble_sends", 1, 1),
+        ("admit", 0),
+        ("settle",),
+        ("garble_sends", 0, 3),
+        ("admit", 1),
+        ("settle",),
+        ("tick", 6.0),
+        ("land", 0),
         ("land", 1),
         ("settle",),
     ],
