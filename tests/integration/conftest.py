@@ -19,6 +19,7 @@ RUNS_AFTER = {
 }
 
 _POOL = pytest.StashKey[ServerPool]()
+_SUMMARY = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,15 @@ def vllm_pool(request: pytest.FixtureRequest) -> Iterator[ServerPool]:
     finally:
         pool.close()
         del request.config.stash[_POOL]
+        taken = ", ".join(pool.reused) or "none"
+        request.config.stash[_SUMMARY] = (
+            f"vLLM servers: {pool.started} started by the pool; taken over: {taken}"
+        )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _SUMMARY in config.stash:
+        terminalreporter.write_line(config.stash[_SUMMARY])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
