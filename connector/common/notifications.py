@@ -117,6 +117,9 @@ Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 LayoutName = Literal["NHD", "HND"]
 HeadsName = Literal["inner", "layer", "chunk", "outer"]
 Indices = Annotated[list[Index], msgspec.Meta(max_length=MAX_INDEX)]
+BlockIds = Annotated[  # a block id, or -1: a placeholder (no block at that logical block)
+    list[Annotated[int, msgspec.Meta(ge=-1, le=MAX_INDEX)]], msgspec.Meta(max_length=MAX_INDEX)
+]
 GroupIds = Annotated[list[GroupId], msgspec.Meta(max_length=MAX_GROUPS)]
 ClaimNumbers = Annotated[list[ClaimNumber], msgspec.Meta(max_length=1_024)]
 
@@ -257,8 +260,9 @@ class Push(msgspec.Struct, frozen=True, tag=True):
     reader_rank: Rank
     reader_host: Ident
     reader_port: Annotated[int, msgspec.Meta(ge=0, le=65_535)]
-    # decode's block ids per group, by logical block
-    block_ids: Annotated[list[Indices], msgspec.Meta(max_length=MAX_GROUPS)]
+    # decode's block ids per group, by logical block (-1: a placeholder, no block there:
+    # a sliding window's blocks before the window)
+    block_ids: Annotated[list[BlockIds], msgspec.Meta(max_length=MAX_GROUPS)]
     start_token: Index
     end_token: Index
     rewrites: Annotated[list[GroupRewrite], msgspec.Meta(max_length=MAX_GROUPS)]

@@ -269,6 +269,7 @@ def test_a_push_answer_that_arrives_unreadable_is_asked_for_again(
     ("kind", "fields"),
     [
         ("Push", {"block_ids": [[2**63]]}),
+        ("Push", {"block_ids": [[-2]]}),
         ("Push", {"end_token": 2**62}),
         ("Push", {"timeout_s": float("nan")}),
         ("Push", {"reader_rank": -1}),
@@ -283,6 +284,8 @@ def test_a_push_answer_that_arrives_unreadable_is_asked_for_again(
     ],
 )
 def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):
+    """Each field's bound refuses the message whole; the base message (with a -1
+    placeholder among decode's block ids, as a sliding window sends) decodes."""
     base = {
         "Push": {
             "request_id": "r",
@@ -290,7 +293,7 @@ def test_out_of_bounds_fields_are_refused_when_decoded(kind, fields):
             "reader_rank": 0,
             "reader_host": "127.0.0.1",
             "reader_port": 1,
-            "block_ids": [[1]],
+            "block_ids": [[-1, 1]],
             "start_token": 0,
             "end_token": 16,
             "rewrites": [],
