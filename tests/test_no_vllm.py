@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # modules that import vLLM at their top (directly or through a helper): skipped by name
 NEED_VLLM = [
     "tests/connector/vllm/test_translate.py",
-    "tests/connector/vllm/test_spin_wait.py",
+    "tests/connector/vllm/test_host_buffer_ops.py",
     "tests/vllm_layouts/test_vllm_pairs.py",
     "tests/vllm_layouts/test_vllm_backends.py",
 ]

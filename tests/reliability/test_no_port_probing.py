@@ -26,6 +26,8 @@ READS_BOUND_PORT = {
     "vllm-router, which refuses --port 0, bound it too",
     "tests/integration/test_router.py": "holds the port it hands the launcher as a fixed "
     "--port for the whole test",
+    "tests/cli/test_describe.py": "holds the port (a running worker's) while describe of "
+    "that worker's arguments runs beside it, binding nothing",
 }
 KV_PORT = re.compile(r"""["']kv_port["']\s*:\s*(\d+)|\bkv_port=(\d+)""")
 # unit tests whose configs never bind (scheduler and config parsing only)
@@ -35,6 +37,7 @@ FIXED_PORT_UNBOUND = {
     "tests/connector/test_config_decoder.py",
     "tests/connector/vllm/test_translate.py",
     "tests/connector/test_advertised_ports.py",
+    "tests/examples/test_worker_setup.py",  # parses configs into KVTransferConfig only
     "scripts/gen_config_docs.py",  # a documentation example, written to a page, never bound
 }
 
