@@ -349,6 +349,7 @@ def asked_key(msg: Prepare | Push) -> str:
 
 _DECODER = msgspec.msgpack.Decoder(Notification)
 MAX_NOTIFICATION_BYTES = 64 * 1024
+NOT_RUNNING = "does not run here"  # how a PushStatus about a round no longer run ends
 
 
 def encode_notification(msg: Notification) -> bytes:

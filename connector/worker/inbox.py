@@ -20,6 +20,7 @@ import logging
 
 from kvbridge.connector.common.metrics import ConnectorMetrics
 from kvbridge.connector.common.notifications import (
+    NOT_RUNNING,
     Done,
     Heartbeat,
     Notification,
@@ -155,7 +156,7 @@ class Inbox:
         forgotten only once they all ended), so it is answered failed again; a round that
         still runs is answered when it ends."""
         if self._pusher is None or not self._pusher.runs(msg.request_id, agent, msg.round):
-            reason = f"push round {msg.round} of {msg.request_id!r} does not run here"
+            reason = f"push round {msg.round} of {msg.request_id!r} {NOT_RUNNING}"
             self._outbox.send_raw(
                 agent, Pushed(request_id=msg.request_id, ok=False, reason=reason, round=msg.round)
             )
